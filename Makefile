@@ -1,0 +1,48 @@
+# duetime — the two commands: `make demo` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv install services test test-fast lint typecheck demo bench chaos clean stop-services
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	touch $(STAMP)
+
+venv install: $(STAMP)
+
+services:
+	bash scripts/services.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check scheduler workers tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) services lint
+	$(BIN)/pytest -q -ra $(PYTEST_ARGS)
+
+test-fast: $(STAMP) services
+	$(BIN)/pytest -q -x -m 'not chaos and not slow' $(PYTEST_ARGS)
+
+demo: $(STAMP) services
+	$(BIN)/duetime demo $(DEMO_ARGS)
+
+bench: $(STAMP) services
+	$(BIN)/duetime bench all $(BENCH_ARGS)
+
+chaos: $(STAMP) services
+	DUETIME_TEST_SOAK=1 $(BIN)/pytest -q -m chaos tests/chaos $(PYTEST_ARGS)
+
+stop-services:
+	-@[ -f .run/etcd.pid ] && kill $$(cat .run/etcd.pid) 2>/dev/null; rm -f .run/etcd.pid
+
+clean: stop-services
+	rm -rf .run .pytest_cache .mypy_cache .ruff_cache

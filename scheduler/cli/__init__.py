@@ -1,0 +1,105 @@
+"""The ``duetime`` command (DESIGN §7).
+
+Each sub-command lives in its own module under ``scheduler/cli`` and exposes
+``register(subparsers, common)``; this module only builds the parser, loads settings
+(defaults < TOML < environment < flags), configures logging and maps errors to exit
+codes: a ``DuetimeError`` prints one line and exits with its code (2 for bad input,
+1 for an unreachable service); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from scheduler.config import Settings, load_settings
+from scheduler.errors import DuetimeError
+from scheduler.log import configure_logging, scrub
+
+COMMAND_MODULES = (
+    "migrate",
+    "jobs",
+    "schedules",
+    "scheduler_cmd",
+    "worker_cmd",
+    "status",
+    "demo",
+    "bench",
+)
+
+# Flags every command accepts; each maps to a Settings field of the same name.
+COMMON_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--database-url", "PostgreSQL URL (env DUETIME_DATABASE_URL)"),
+    ("--amqp-url", "RabbitMQ URL (env DUETIME_AMQP_URL)"),
+    ("--etcd-endpoints", "etcd host:port list (env DUETIME_ETCD_ENDPOINTS)"),
+    ("--etcd-prefix", "etcd key prefix (env DUETIME_ETCD_PREFIX)"),
+    ("--node-id", "node id of this process (env DUETIME_NODE_ID)"),
+    ("--lease-ttl", "leader lease TTL seconds (env DUETIME_LEASE_TTL)"),
+    ("--metrics-port", "serve Prometheus /metrics here (env DUETIME_METRICS_PORT)"),
+    ("--log-level", "debug|info|warning|error"),
+    ("--log-format", "auto|json|console"),
+)
+
+
+def common_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    group = common.add_argument_group("configuration")
+    group.add_argument("--config", metavar="FILE", help="TOML config file (env DUETIME_CONFIG)")
+    for flag, help_text in COMMON_FLAGS:
+        group.add_argument(flag, help=help_text, default=None)
+    return common
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides = {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"), None)
+        for flag, _ in COMMON_FLAGS
+    }
+    extra: dict[str, Any] = getattr(args, "settings_overrides", None) or {}
+    overrides.update({k: v for k, v in extra.items() if v is not None})
+    return load_settings(config_file=getattr(args, "config", None), overrides=overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="duetime",
+        description="duetime: distributed job scheduler (PostgreSQL + etcd + RabbitMQ).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = common_parser()
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"scheduler.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"scheduler.cli.{name}":
+                continue
+            raise
+        module.register(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+        configure_logging(settings.log_level, settings.log_format)
+        func = args.func
+        result = func(args, settings)
+        if inspect.iscoroutine(result):
+            result = asyncio.run(result)
+        return int(result or 0)
+    except DuetimeError as exc:
+        print(f"duetime: error: {scrub(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

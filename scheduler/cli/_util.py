@@ -1,0 +1,98 @@
+"""Shared CLI helpers: argument parsers that give one-line errors, table/JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from scheduler.errors import InvalidInput
+
+_DURATION = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d|w)")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """'90s', '5m', '1h30m', '2d', '250ms' → timedelta (positive)."""
+    compact = text.strip().lower().replace(" ", "")
+    pos, total = 0, 0.0
+    for match in _DURATION.finditer(compact):
+        if match.start() != pos:
+            break
+        total += float(match.group("n")) * _UNITS[match.group("unit")]
+        pos = match.end()
+    if not compact or pos != len(compact):
+        raise InvalidInput(f"invalid duration {text!r}: use e.g. 30s, 5m, 1h30m, 2d")
+    return timedelta(seconds=total)
+
+
+def parse_when(text: str) -> datetime:
+    """ISO 8601 time; a time without an offset is taken as UTC."""
+    raw = text.strip()
+    if raw.lower() == "now":
+        return datetime.now(UTC)
+    try:
+        value = datetime.fromisoformat(raw.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise InvalidInput(
+            f"invalid time {text!r}: use ISO 8601, e.g. 2026-12-01T09:30:00+01:00"
+        ) from None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def parse_payload(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"--payload is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(value, dict):
+        raise InvalidInput(f"--payload must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def job_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"job id must be an integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"job id must be positive, not {text!r}")
+    return value
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+    if isinstance(value, dict | list):
+        text = json.dumps(value, separators=(",", ":"))
+        return text if len(text) <= 40 else text[:37] + "..."
+    return str(value)
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=str, sort_keys=True))

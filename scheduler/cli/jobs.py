@@ -1,0 +1,160 @@
+"""``duetime jobs add|list|show|cancel|retry``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from scheduler import db
+from scheduler.cli._util import (
+    job_id,
+    parse_duration,
+    parse_payload,
+    parse_when,
+    positive_int,
+    print_json,
+    print_table,
+)
+from scheduler.config import Settings
+from scheduler.errors import InvalidInput
+from scheduler.rows import JOB_STATUSES, Job
+from scheduler.store import JobStore
+
+LIST_COLUMNS = ("id", "task", "queue", "status", "attempt", "due_at", "run_at", "last_error")
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    jobs = sub.add_parser("jobs", help="enqueue and inspect jobs")
+    jsub = jobs.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
+
+    add = jsub.add_parser("add", parents=[common], help="enqueue a job")
+    add.add_argument("task", help="registered task name")
+    when = add.add_mutually_exclusive_group()
+    when.add_argument("--at", help="due time, ISO 8601 (no offset = UTC)")
+    when.add_argument("--in", dest="in_", metavar="DURATION", help="due after e.g. 30s, 5m, 1h")
+    add.add_argument("--payload", help="JSON object passed to the handler")
+    add.add_argument("--queue", default="default")
+    add.add_argument("--max-attempts", type=positive_int, default=5)
+    add.add_argument("--key", help="idempotency key (default job:<id>)")
+    add.add_argument("--json", action="store_true", help="print the job as JSON")
+    add.set_defaults(func=run_add)
+
+    lst = jsub.add_parser("list", parents=[common], help="list jobs (keyset pages by id)")
+    lst.add_argument("--status", choices=JOB_STATUSES)
+    lst.add_argument("--queue")
+    lst.add_argument("--task")
+    lst.add_argument("--due-from", help="ISO 8601, inclusive")
+    lst.add_argument("--due-to", help="ISO 8601, exclusive")
+    lst.add_argument("--after", type=int, help="show jobs with id greater than this")
+    lst.add_argument("--limit", type=positive_int, default=50)
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(func=run_list)
+
+    for name, helptext, func in (
+        ("show", "show one job", run_show),
+        ("cancel", "cancel a pending job", run_cancel),
+        ("retry", "send a dead job back to pending (attempts reset)", run_retry),
+    ):
+        p = jsub.add_parser(name, parents=[common], help=helptext)
+        p.add_argument("job_id", type=job_id)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=func)
+
+
+async def _store(settings: Settings) -> tuple[Any, JobStore]:
+    pool = await db.pool_from_settings(settings, max_size=2)
+    return pool, JobStore(pool)
+
+
+def _emit(job: Job, as_json: bool) -> None:
+    if as_json:
+        print_json(job.to_dict())
+        return
+    for key, value in job.to_dict().items():
+        shown = json.dumps(value) if isinstance(value, dict) else value
+        print(f"{key:16} {'-' if value is None else shown}")
+
+
+async def run_add(args: argparse.Namespace, settings: Settings) -> int:
+    payload = parse_payload(args.payload)
+    due_at = parse_when(args.at) if args.at else None
+    delay = parse_duration(args.in_) if args.in_ else None
+    pool, store = await _store(settings)
+    try:
+        job = await store.enqueue(
+            args.task,
+            payload,
+            due_at=due_at,
+            delay=delay,
+            queue=args.queue,
+            max_attempts=args.max_attempts,
+            idempotency_key=args.key,
+        )
+    finally:
+        await pool.close()
+    if args.json:
+        print_json(job.to_dict())
+    else:
+        print(f"enqueued job {job.id} ({job.task}) due {job.due_at.isoformat()} on {job.queue}")
+    return 0
+
+
+async def run_list(args: argparse.Namespace, settings: Settings) -> int:
+    due_from = parse_when(args.due_from) if args.due_from else None
+    due_to = parse_when(args.due_to) if args.due_to else None
+    if due_from and due_to and due_from >= due_to:
+        raise InvalidInput("--due-from must be earlier than --due-to")
+    pool, store = await _store(settings)
+    try:
+        jobs = await store.list(
+            status=args.status,
+            queue=args.queue,
+            task=args.task,
+            due_from=due_from,
+            due_to=due_to,
+            after_id=args.after,
+            limit=args.limit,
+        )
+    finally:
+        await pool.close()
+    if args.json:
+        print_json([j.to_dict() for j in jobs])
+        return 0
+    print_table([_row(j) for j in jobs], LIST_COLUMNS)
+    if len(jobs) == args.limit:
+        print(f"... more: duetime jobs list --after {jobs[-1].id}")
+    return 0
+
+
+def _row(job: Job) -> dict[str, Any]:
+    row = {c: getattr(job, c) for c in LIST_COLUMNS}
+    if job.last_error and len(job.last_error) > 40:
+        row["last_error"] = job.last_error[:37] + "..."
+    return row
+
+
+async def _single(args: argparse.Namespace, settings: Settings, action: str) -> int:
+    pool, store = await _store(settings)
+    try:
+        job = await getattr(store, action)(args.job_id)
+    finally:
+        await pool.close()
+    if action != "get" and not args.json:
+        print(f"job {job.id} is now {job.status}")
+    else:
+        _emit(job, args.json)
+    return 0
+
+
+async def run_show(args: argparse.Namespace, settings: Settings) -> int:
+    return await _single(args, settings, "get")
+
+
+async def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    return await _single(args, settings, "cancel")
+
+
+async def run_retry(args: argparse.Namespace, settings: Settings) -> int:
+    return await _single(args, settings, "retry")
+

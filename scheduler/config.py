@@ -1,0 +1,358 @@
+"""Configuration: one validated ``Settings`` object from defaults, a TOML file,
+the environment and command-line flags (in increasing precedence, DESIGN §7).
+
+Why a hand-rolled schema instead of a settings library: every field needs three
+spellings (TOML key, ``DUETIME_*`` variable, ``--flag``), redaction of secrets, and
+errors that teach ("unknown key 'lease_tl' in duetime.toml; did you mean
+'lease_ttl'?"). The table below is the single source for all three; a bad value
+produces exactly one line naming the source it came from, and *all* bad values are
+reported together so an operator fixes a file in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from scheduler.errors import ConfigError
+
+__all__ = ["FIELDS", "Settings", "load_settings", "redact_url"]
+
+
+def redact_url(url: str) -> str:
+    """Replace the password of a URL by ``***`` so the URL can be logged."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    if ":" in (parts.hostname or ""):  # IPv6 literal
+        host = f"[{parts.hostname}]" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, ""))
+
+
+# -- parsers: each takes the raw value (str from env/flags, typed from TOML) -----------
+
+
+def _url(schemes: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise ValueError("must be a non-empty URL string")
+        parts = urlsplit(value)
+        if parts.scheme not in schemes:
+            raise ValueError(
+                f"scheme must be one of {', '.join(schemes)} (got {parts.scheme or 'none'!r})"
+            )
+        if not parts.hostname and "host=" not in parts.query:
+            raise ValueError("has no host")
+        try:
+            _ = parts.port
+        except ValueError as exc:
+            raise ValueError(f"has an invalid port ({exc})") from None
+        return value
+
+    return parse
+
+
+def _endpoints(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be a comma-separated list of host:port")
+    out: list[str] = []
+    for raw in items:
+        item = str(raw).strip()
+        for prefix in ("http://", "https://"):
+            if item.startswith(prefix):
+                item = item[len(prefix) :]
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"endpoint {raw!r} is not host:port")
+        out.append(item)
+    if not out:
+        raise ValueError("needs at least one endpoint")
+    return tuple(out)
+
+
+def _number(kind: type, *, minimum: float | None = None, exclusive: bool = False) -> Callable:
+    def parse(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"must be a {kind.__name__}, not a boolean")
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be a {kind.__name__} (got {value!r})") from None
+        if minimum is not None and (number <= minimum if exclusive else number < minimum):
+            relation = ">" if exclusive else ">="
+            raise ValueError(f"must be {relation} {minimum} (got {value!r})")
+        return number
+
+    return parse
+
+
+def _optional_port(value: Any) -> int | None:
+    if value in (None, "", "0", 0, "off", "none"):
+        return None
+    port = _number(int, minimum=1)(value)
+    if port > 65535:
+        raise ValueError(f"must be a TCP port 1-65535 (got {value!r})")
+    return int(port)
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).lower()
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)} (got {value!r})")
+        return text
+
+    return parse
+
+
+def _text(value: Any) -> str:
+    text = str(value).strip()
+    if not text:
+        raise ValueError("must not be empty")
+    if len(text) > 200:
+        raise ValueError("is longer than 200 characters")
+    return text
+
+
+def _optional_text(value: Any) -> str | None:
+    text = str(value).strip() if value is not None else ""
+    return text or None
+
+
+def _prefix(value: Any) -> str:
+    text = _text(value).strip("/")
+    if not text or any(c.isspace() for c in text):
+        raise ValueError(f"must be a non-empty key prefix without spaces (got {value!r})")
+    return text
+
+
+def _default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    parse: Callable[[Any], Any]
+    help: str
+    secret: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a duetime process needs to know, validated.
+
+    Field docs live in ``FIELDS`` (they double as ``--help`` and the README table).
+    """
+
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/duetime"
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    etcd_prefix: str = "duetime"
+    etcd_username: str | None = None
+    etcd_password: str | None = None
+    node_id: str = field(default_factory=_default_node_id)
+    lease_ttl: float = 10.0
+    lease_safety_margin: float | None = None
+    etcd_timeout: float = 2.0
+    metrics_port: int | None = None
+    log_level: str = "info"
+    log_format: str = "auto"
+    db_timeout: float = 10.0
+    amqp_timeout: float = 10.0
+    claim_batch_size: int = 500
+    poll_interval: float = 1.0
+    probe_interval: float = 0.05
+    visibility_timeout: float = 60.0
+    reconcile_interval: float = 5.0
+    planner_horizon: float = 10.0
+    partition_days_ahead: int = 14
+    retention_days: float = 7.0
+    worker_concurrency: int = 16
+    worker_grace_period: float = 30.0
+    delivery_limit: int = 20
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict safe to log or print (no passwords)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            spec = FIELDS[f.name]
+            if spec.secret and value:
+                value = "***"
+            elif f.name.endswith("_url") and isinstance(value, str):
+                value = redact_url(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def __repr__(self) -> str:  # never leak a password through repr() in a traceback
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())
+        return f"Settings({inner})"
+
+    @property
+    def effective_safety_margin(self) -> float:
+        """Margin subtracted from the TTL before a leader stops trusting its lease."""
+        if self.lease_safety_margin is not None:
+            return self.lease_safety_margin
+        return min(max(0.25, self.lease_ttl * 0.2), 2.0)
+
+
+FIELDS: dict[str, Field] = {
+    f.name: f
+    for f in [
+        Field("database_url", _url(("postgresql", "postgres")), "PostgreSQL URL (libpq form)"),
+        Field("amqp_url", _url(("amqp", "amqps")), "RabbitMQ URL; its vhost isolates clusters"),
+        Field("etcd_endpoints", _endpoints, "etcd endpoints, comma-separated host:port"),
+        Field("etcd_prefix", _prefix, "key prefix isolating clusters sharing an etcd"),
+        Field("etcd_username", _optional_text, "etcd user (auth enabled clusters)"),
+        Field("etcd_password", _optional_text, "etcd password", secret=True),
+        Field("node_id", _text, "this process's node id (default host-pid)"),
+        Field("lease_ttl", _number(float, minimum=1.0), "leader lease TTL in seconds"),
+        Field(
+            "lease_safety_margin",
+            lambda v: None if v in (None, "") else _number(float, minimum=0.0)(v),
+            "seconds before lease expiry at which a leader stops acting (default 20% of TTL)",
+        ),
+        Field("etcd_timeout", _number(float, minimum=0.0, exclusive=True), "etcd call timeout"),
+        Field("metrics_port", _optional_port, "Prometheus /metrics port (off when unset)"),
+        Field("log_level", _choice("debug", "info", "warning", "error"), "log level"),
+        Field("log_format", _choice("auto", "json", "console"), "auto: JSON unless a TTY"),
+        Field("db_timeout", _number(float, minimum=0.0, exclusive=True), "PostgreSQL timeout"),
+        Field("amqp_timeout", _number(float, minimum=0.0, exclusive=True), "RabbitMQ timeout"),
+        Field("claim_batch_size", _number(int, minimum=1), "jobs claimed per transaction"),
+        Field(
+            "poll_interval",
+            _number(float, minimum=0.0, exclusive=True),
+            "backstop poll when no wake-up arrives",
+        ),
+        Field(
+            "probe_interval",
+            _number(float, minimum=0.0, exclusive=True),
+            "how often the dispatcher re-reads the earliest pending run time",
+        ),
+        Field(
+            "visibility_timeout",
+            _number(float, minimum=1.0),
+            "seconds a dispatched job may go without a sign of life before it is re-published",
+        ),
+        Field("reconcile_interval", _number(float, minimum=0.1), "reconciler period"),
+        Field("planner_horizon", _number(float, minimum=1.0), "seconds of fire times planned ahead"),
+        Field("partition_days_ahead", _number(int, minimum=1), "daily partitions created ahead"),
+        Field("retention_days", _number(float, minimum=0.0), "days finished jobs are kept"),
+        Field("worker_concurrency", _number(int, minimum=1), "handlers run at once per worker"),
+        Field(
+            "worker_grace_period",
+            _number(float, minimum=0.0),
+            "seconds in-flight handlers get after SIGTERM",
+        ),
+        Field("delivery_limit", _number(int, minimum=1), "broker redeliveries before dead-letter"),
+    ]
+}
+
+assert set(FIELDS) == {f.name for f in dataclasses.fields(Settings)}, "FIELDS out of sync"
+
+ENV_PREFIX = "DUETIME_"
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, FIELDS, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _read_toml(path: Path) -> Mapping[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    # Accept either top-level keys or a [duetime] table.
+    if set(data) == {"duetime"} and isinstance(data["duetime"], dict):
+        data = data["duetime"]
+    return data
+
+
+def load_settings(
+    *,
+    config_file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build settings: defaults < TOML file < environment < overrides (flags).
+
+    Raises ``ConfigError`` listing every bad value, one per line, each naming its source.
+    """
+    env = os.environ if env is None else env
+    raw: dict[str, tuple[Any, str]] = {}
+    errors: list[str] = []
+
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        path = Path(path)
+        for key, value in _read_toml(path).items():
+            if key not in FIELDS:
+                errors.append(f"unknown key {key!r} in {path}{_suggest(key)}")
+                continue
+            raw[key] = (value, f"{path}: {key}")
+
+    known_env = {env_name(n) for n in FIELDS} | {ENV_PREFIX + "CONFIG"}
+    for key, value in env.items():
+        if not key.startswith(ENV_PREFIX) or key.startswith(ENV_PREFIX + "TEST_"):
+            continue
+        if key not in known_env:
+            name = key[len(ENV_PREFIX) :].lower()
+            errors.append(f"unknown environment variable {key}{_suggest(name)}")
+            continue
+        if key != ENV_PREFIX + "CONFIG":
+            raw[key[len(ENV_PREFIX) :].lower()] = (value, key)
+
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in FIELDS:
+            raise ConfigError(f"unknown setting {key!r}{_suggest(key)}")
+        raw[key] = (value, "--" + key.replace("_", "-"))
+
+    values: dict[str, Any] = {}
+    for key, (value, source) in raw.items():
+        spec = FIELDS[key]
+        try:
+            values[key] = spec.parse(value)
+        except ValueError as exc:
+            shown = "***" if spec.secret else value
+            if key.endswith("_url") and isinstance(value, str):
+                shown = redact_url(value)
+            errors.append(f"{source}={shown!s}: {key} {exc}")
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    settings = Settings(**values)
+    margin = settings.effective_safety_margin
+    if margin >= settings.lease_ttl:
+        raise ConfigError(
+            f"invalid configuration:\n  lease_safety_margin {margin} must be smaller than "
+            f"lease_ttl {settings.lease_ttl}"
+        )
+    return settings

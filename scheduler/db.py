@@ -1,0 +1,89 @@
+"""PostgreSQL connections: one place that sets codecs, timeouts and session settings.
+
+jsonb is decoded to dicts (and encoded from them) on every connection, so the rest of
+the code never calls ``json.loads`` on a column. Timeouts: asyncpg's ``timeout`` bounds
+connecting; ``command_timeout`` bounds each statement on the client side.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import asyncpg
+
+from scheduler.config import Settings, redact_url
+from scheduler.errors import ServiceUnavailable
+
+
+async def init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec(
+        "jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog"
+    )
+
+
+def _server_settings(application_name: str, extra: dict[str, str] | None) -> dict[str, str]:
+    settings = {"application_name": application_name[:63]}
+    settings.update(extra or {})
+    return settings
+
+
+async def connect(
+    dsn: str,
+    *,
+    timeout: float = 10.0,
+    application_name: str = "duetime",
+    server_settings: dict[str, str] | None = None,
+) -> asyncpg.Connection:
+    try:
+        conn = await asyncpg.connect(
+            dsn,
+            timeout=timeout,
+            command_timeout=timeout * 3,
+            server_settings=_server_settings(application_name, server_settings),
+        )
+    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        raise ServiceUnavailable(
+            f"cannot connect to PostgreSQL at {redact_url(dsn)}: {type(exc).__name__}: {exc}"
+        ) from None
+    await init_connection(conn)
+    return conn
+
+
+async def create_pool(
+    dsn: str,
+    *,
+    min_size: int = 1,
+    max_size: int = 10,
+    timeout: float = 10.0,
+    application_name: str = "duetime",
+    server_settings: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> asyncpg.Pool:
+    try:
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            timeout=timeout,
+            command_timeout=timeout * 3,
+            init=init_connection,
+            server_settings=_server_settings(application_name, server_settings),
+            **kwargs,
+        )
+    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        raise ServiceUnavailable(
+            f"cannot connect to PostgreSQL at {redact_url(dsn)}: {type(exc).__name__}: {exc}"
+        ) from None
+    assert pool is not None
+    return pool
+
+
+async def pool_from_settings(settings: Settings, *, max_size: int = 10, **kw: Any) -> asyncpg.Pool:
+    return await create_pool(
+        settings.database_url,
+        max_size=max_size,
+        timeout=settings.db_timeout,
+        application_name=f"duetime:{settings.node_id}",
+        **kw,
+    )

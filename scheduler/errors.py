@@ -1,0 +1,63 @@
+"""The exception tree, drawn so callers know what to catch::
+
+    DuetimeError                 base of everything duetime raises on purpose
+    ├── ConfigError              bad configuration; message lists every bad value
+    ├── InvalidInput             bad user input (time, payload, cron, queue name, ...)
+    ├── JobNotFound              no job with that id
+    ├── InvalidTransition        e.g. cancelling a job that is not pending
+    ├── Fenced                   a newer leader fenced this epoch: stop acting now
+    ├── LeadershipLost           the etcd lease can no longer be proven alive
+    └── ServiceUnavailable       PostgreSQL / RabbitMQ / etcd cannot be reached
+
+CLI commands map ``DuetimeError`` to one line on stderr and exit code 2 (bad input)
+or 1 (service trouble); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class DuetimeError(Exception):
+    """Base class for errors duetime raises on purpose."""
+
+    exit_code = 2
+
+
+class ConfigError(DuetimeError):
+    """Configuration is invalid; the message names every bad value and its source."""
+
+
+class InvalidInput(DuetimeError):
+    """User-supplied input (CLI, API) is invalid."""
+
+
+class JobNotFound(DuetimeError):
+    def __init__(self, job_id: int) -> None:
+        super().__init__(f"job {job_id} not found")
+        self.job_id = job_id
+
+
+class InvalidTransition(DuetimeError):
+    """A state change that the job's current status does not allow."""
+
+
+class Fenced(DuetimeError):
+    """This leader's epoch is older than the fence: a newer leader exists."""
+
+    exit_code = 1
+
+    def __init__(self, epoch: int, fence_epoch: int | None) -> None:
+        super().__init__(f"epoch {epoch} is fenced (fence holds epoch {fence_epoch})")
+        self.epoch = epoch
+        self.fence_epoch = fence_epoch
+
+
+class LeadershipLost(DuetimeError):
+    exit_code = 1
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"leadership lost: {reason}")
+        self.reason = reason
+
+
+class ServiceUnavailable(DuetimeError):
+    exit_code = 1

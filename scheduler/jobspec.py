@@ -1,0 +1,79 @@
+"""What a producer asks for, validated before it reaches the database (pure).
+
+The database refuses bad rows too (CHECK constraints, for producers using plain SQL);
+validating here first gives API and CLI users an error that names their mistake
+instead of a constraint name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from scheduler.errors import InvalidInput
+
+QUEUE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+MAX_TASK_LENGTH = 200
+MAX_KEY_LENGTH = 500
+MAX_ATTEMPTS_LIMIT = 1000
+DEFAULT_QUEUE = "default"
+DEFAULT_MAX_ATTEMPTS = 5
+
+
+def validate_queue(queue: str) -> str:
+    if not isinstance(queue, str) or not QUEUE_NAME.match(queue):
+        raise InvalidInput(
+            f"invalid queue name {queue!r}: 1-100 characters, letters, digits, '_', '.', '-',"
+            " starting with a letter or digit"
+        )
+    return queue
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    task: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    due_at: datetime | None = None  # None: now (database time)
+    queue: str = DEFAULT_QUEUE
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    idempotency_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task, str) or not self.task.strip():
+            raise InvalidInput("task name must be a non-empty string")
+        if len(self.task) > MAX_TASK_LENGTH:
+            raise InvalidInput(f"task name is longer than {MAX_TASK_LENGTH} characters")
+        if not isinstance(self.payload, dict):
+            raise InvalidInput(
+                f"payload must be a JSON object (a dict), not {type(self.payload).__name__}"
+            )
+        validate_queue(self.queue)
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise InvalidInput("max_attempts must be an integer")
+        if not 1 <= self.max_attempts <= MAX_ATTEMPTS_LIMIT:
+            raise InvalidInput(f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}")
+        if self.due_at is not None:
+            if not isinstance(self.due_at, datetime):
+                raise InvalidInput("due_at must be a datetime")
+            if self.due_at.tzinfo is None:
+                raise InvalidInput("due_at must be timezone-aware (e.g. UTC)")
+        if self.idempotency_key is not None and not (
+            isinstance(self.idempotency_key, str) and 1 <= len(self.idempotency_key) <= MAX_KEY_LENGTH
+        ):
+            raise InvalidInput(f"idempotency_key must be 1-{MAX_KEY_LENGTH} characters")
+
+
+def resolve_due(
+    *, due_at: datetime | None, delay: timedelta | float | None, now: datetime
+) -> datetime | None:
+    """``due_at`` or ``now + delay`` (not both); None means 'now' in database time."""
+    if due_at is not None and delay is not None:
+        raise InvalidInput("give either due_at or delay, not both")
+    if delay is None:
+        return due_at
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if seconds < 0:
+        raise InvalidInput("delay must not be negative")
+    return now + timedelta(seconds=seconds)

@@ -1,0 +1,45 @@
+"""Every SQL statement duetime runs lives in this folder.
+
+``queries.sql``-style files hold named statements (``-- name: claim_due`` headers,
+as procrastinate does); ``migrations/NNNN_name.sql`` hold schema changes. Logic
+modules never build SQL strings: store classes load the named statements here.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import resources
+
+_HEADER = re.compile(r"^--\s*name:\s*(?P<name>[a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+
+
+@cache
+def load(group: str) -> dict[str, str]:
+    """Return the named statements of ``<group>.sql`` as {name: sql}."""
+    text = resources.files(__package__).joinpath(f"{group}.sql").read_text("utf-8")
+    queries: dict[str, str] = {}
+    matches = list(_HEADER.finditer(text))
+    for i, match in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
+        body = text[match.end() : end].strip()
+        name = match.group("name")
+        if name in queries:
+            raise ValueError(f"duplicate query name {name!r} in {group}.sql")
+        queries[name] = body
+    return queries
+
+
+def migrations() -> list[tuple[int, str, str]]:
+    """All shipped migrations as (version, name, sql), ordered by version."""
+    folder = resources.files(__package__).joinpath("migrations")
+    found: list[tuple[int, str, str]] = []
+    for entry in folder.iterdir():
+        match = re.fullmatch(r"(\d{4})_([a-z0-9_]+)\.sql", entry.name)
+        if match:
+            found.append((int(match.group(1)), match.group(2), entry.read_text("utf-8")))
+    found.sort()
+    versions = [v for v, _, _ in found]
+    if len(set(versions)) != len(versions):
+        raise ValueError(f"duplicate migration versions: {versions}")
+    return found

@@ -1,0 +1,165 @@
+"""JobStore: the producer-facing job API (enqueue, bulk enqueue, get, list, cancel, retry).
+
+Every method is async and takes its connection from the pool it was built with; pass
+``conn=`` to run inside a caller's transaction (enqueue a job atomically with your own
+writes — the transactional-outbox pattern that makes duetime safe to publish from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+
+from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound
+from scheduler.jobspec import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec, resolve_due
+from scheduler.rows import JOB_STATUSES, Job
+from scheduler.sql import load
+
+Q = load("jobs")
+
+BULK_COLUMNS = ("task", "payload", "due_at", "queue", "max_attempts", "idempotency_key")
+MAX_PAGE = 10_000
+
+
+class JobStore:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @asynccontextmanager
+    async def _conn(self, conn: asyncpg.Connection | None) -> AsyncIterator[asyncpg.Connection]:
+        if conn is not None:
+            yield conn
+        else:
+            async with self._pool.acquire() as acquired:
+                yield acquired
+
+    async def enqueue(
+        self,
+        task: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        due_at: datetime | None = None,
+        delay: timedelta | float | None = None,
+        queue: str = DEFAULT_QUEUE,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        idempotency_key: str | None = None,
+        conn: asyncpg.Connection | None = None,
+    ) -> Job:
+        """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now."""
+        when = resolve_due(due_at=due_at, delay=delay, now=datetime.now(UTC))
+        spec = JobSpec(
+            task=task,
+            payload={} if payload is None else payload,
+            due_at=when,
+            queue=queue,
+            max_attempts=max_attempts,
+            idempotency_key=idempotency_key,
+        )
+        async with self._conn(conn) as c:
+            record = await c.fetchrow(
+                Q["insert"],
+                spec.task,
+                spec.payload,
+                spec.due_at,
+                spec.queue,
+                spec.max_attempts,
+                spec.idempotency_key,
+            )
+        return Job.from_record(record)
+
+    async def bulk_enqueue(
+        self, specs: Iterable[JobSpec], *, conn: asyncpg.Connection | None = None
+    ) -> int:
+        """COPY many jobs in one statement (hundreds of thousands per second).
+
+        Jobs without ``due_at`` are due now. Returns the number of rows inserted. The
+        insert trigger sends one NOTIFY for the whole COPY.
+        """
+        now = datetime.now(UTC)
+        records = [
+            (s.task, s.payload, s.due_at or now, s.queue, s.max_attempts, s.idempotency_key)
+            for s in specs
+        ]
+        if not records:
+            return 0
+        async with self._conn(conn) as c:
+            result = await c.copy_records_to_table(
+                "jobs", schema_name="duetime", columns=list(BULK_COLUMNS), records=records
+            )
+        # asyncpg returns the command tag, e.g. "COPY 1000"
+        return int(str(result).split()[-1])
+
+    async def get(self, job_id: int, *, conn: asyncpg.Connection | None = None) -> Job:
+        async with self._conn(conn) as c:
+            record = await c.fetchrow(Q["get"], job_id)
+        if record is None:
+            raise JobNotFound(job_id)
+        return Job.from_record(record)
+
+    async def list(
+        self,
+        *,
+        status: str | None = None,
+        queue: str | None = None,
+        task: str | None = None,
+        due_from: datetime | None = None,
+        due_to: datetime | None = None,
+        after_id: int | None = None,
+        limit: int = 100,
+        conn: asyncpg.Connection | None = None,
+    ) -> list[Job]:
+        """One page ordered by id; pass the last id as ``after_id`` for the next page."""
+        if status is not None and status not in JOB_STATUSES:
+            raise InvalidInput(f"unknown status {status!r} (one of {', '.join(JOB_STATUSES)})")
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidInput(f"limit must be between 1 and {MAX_PAGE}")
+        async with self._conn(conn) as c:
+            records = await c.fetch(
+                Q["list"], status, queue, task, due_from, due_to, after_id, limit
+            )
+        return [Job.from_record(r) for r in records]
+
+    async def iterate(self, *, page_size: int = 1000, **filters: Any) -> AsyncIterator[Job]:
+        """Every job matching ``filters``, page by page (keyset pagination)."""
+        after: int | None = None
+        while True:
+            page = await self.list(after_id=after, limit=page_size, **filters)
+            for job in page:
+                yield job
+            if len(page) < page_size:
+                return
+            after = page[-1].id
+
+    async def cancel(self, job_id: int, *, conn: asyncpg.Connection | None = None) -> Job:
+        """pending → cancelled. Other states are refused with the reason."""
+        async with self._conn(conn) as c:
+            record = await c.fetchrow(Q["cancel"], job_id)
+            if record is not None:
+                return Job.from_record(record)
+            current = await self.get(job_id, conn=c)
+        raise InvalidTransition(
+            f"job {job_id} is {current.status}; only pending jobs can be cancelled"
+        )
+
+    async def retry(self, job_id: int, *, conn: asyncpg.Connection | None = None) -> Job:
+        """dead → pending, runnable now, with attempts reset to 1 (a fresh budget)."""
+        async with self._conn(conn) as c, c.transaction():
+            record = await c.fetchrow(Q["retry"], job_id)
+            if record is not None:
+                await c.execute(Q["notify"])
+                return Job.from_record(record)
+            current = await self.get(job_id, conn=c)
+        raise InvalidTransition(
+            f"job {job_id} is {current.status}; only dead jobs can be retried"
+        )
+
+    async def counts_by_status(self) -> dict[str, int]:
+        async with self._pool.acquire() as c:
+            rows = await c.fetch(Q["count_by_status"])
+        counts = dict.fromkeys(JOB_STATUSES, 0)
+        counts.update({r["status"]: r["n"] for r in rows})
+        return counts

@@ -1,0 +1,1 @@
+"""duetime workers: the execution runtime (see workers.worker)."""
