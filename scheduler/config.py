@@ -33,15 +33,13 @@ def redact_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable url>"
-    if parts.password is None:
+    # Work on the raw netloc: it keeps IPv6 brackets and a port that does not parse
+    # (a bad port is exactly what an error message about this URL has to show).
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    if ":" in (parts.hostname or ""):  # IPv6 literal
-        host = f"[{parts.hostname}]" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, ""))
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit((parts.scheme, f"{user}:***@{hostport}", parts.path, parts.query, ""))
 
 
 # -- parsers: each takes the raw value (str from env/flags, typed from TOML) -----------
@@ -254,7 +252,7 @@ FIELDS: dict[str, Field] = {
             "seconds a dispatched job may go without a sign of life before it is re-published",
         ),
         Field("reconcile_interval", _number(float, minimum=0.1), "reconciler period"),
-        Field("planner_horizon", _number(float, minimum=1.0), "seconds of fire times planned ahead"),
+        Field("planner_horizon", _number(float, minimum=1.0), "seconds of fire times planned"),
         Field("partition_days_ahead", _number(int, minimum=1), "daily partitions created ahead"),
         Field("retention_days", _number(float, minimum=0.0), "days finished jobs are kept"),
         Field("worker_concurrency", _number(int, minimum=1), "handlers run at once per worker"),
@@ -276,9 +274,18 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def _suggest(key: str) -> str:
+def _suggest(key: str, *, env: bool = False) -> str:
     close = difflib.get_close_matches(key, FIELDS, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    if not close:
+        return ""
+    return f"; did you mean {env_name(close[0])}?" if env else f"; did you mean {close[0]!r}?"
+
+
+def _invalid(errors: list[str]) -> ConfigError:
+    """One line for one bad value (the CLI prints it after 'duetime: error:'), else a list."""
+    if len(errors) == 1:
+        return ConfigError(f"invalid configuration: {errors[0]}")
+    return ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
 
 
 def _read_toml(path: Path) -> Mapping[str, Any]:
@@ -324,7 +331,7 @@ def load_settings(
             continue
         if key not in known_env:
             name = key[len(ENV_PREFIX) :].lower()
-            errors.append(f"unknown environment variable {key}{_suggest(name)}")
+            errors.append(f"unknown environment variable {key}{_suggest(name, env=True)}")
             continue
         if key != ENV_PREFIX + "CONFIG":
             raw[key[len(ENV_PREFIX) :].lower()] = (value, key)
@@ -347,12 +354,11 @@ def load_settings(
                 shown = redact_url(value)
             errors.append(f"{source}={shown!s}: {key} {exc}")
     if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+        raise _invalid(errors)
     settings = Settings(**values)
     margin = settings.effective_safety_margin
     if margin >= settings.lease_ttl:
-        raise ConfigError(
-            f"invalid configuration:\n  lease_safety_margin {margin} must be smaller than "
-            f"lease_ttl {settings.lease_ttl}"
+        raise _invalid(
+            [f"lease_safety_margin {margin} must be smaller than lease_ttl {settings.lease_ttl}"]
         )
     return settings

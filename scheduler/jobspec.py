@@ -7,9 +7,10 @@ instead of a constraint name.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from scheduler.errors import InvalidInput
@@ -20,6 +21,10 @@ MAX_KEY_LENGTH = 500
 MAX_ATTEMPTS_LIMIT = 1000
 DEFAULT_QUEUE = "default"
 DEFAULT_MAX_ATTEMPTS = 5
+# asyncpg sends datetime.min/max as -infinity/infinity, which the jobs_due_at_not_finite
+# CHECK refuses with a constraint name; a plain range check gives the user a clear error.
+EARLIEST_DUE = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_DUE = datetime(9999, 1, 1, tzinfo=UTC)
 
 
 def validate_queue(queue: str) -> str:
@@ -59,9 +64,12 @@ class JobSpec:
                 raise InvalidInput("due_at must be a datetime")
             if self.due_at.tzinfo is None:
                 raise InvalidInput("due_at must be timezone-aware (e.g. UTC)")
-        if self.idempotency_key is not None and not (
-            isinstance(self.idempotency_key, str) and 1 <= len(self.idempotency_key) <= MAX_KEY_LENGTH
-        ):
+            if not EARLIEST_DUE <= self.due_at < LATEST_DUE:
+                raise InvalidInput(
+                    f"due_at {self.due_at.isoformat()} is out of range (years 1970 to 9998)"
+                )
+        key = self.idempotency_key
+        if key is not None and not (isinstance(key, str) and 1 <= len(key) <= MAX_KEY_LENGTH):
             raise InvalidInput(f"idempotency_key must be 1-{MAX_KEY_LENGTH} characters")
 
 
@@ -74,6 +82,9 @@ def resolve_due(
     if delay is None:
         return due_at
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-    if seconds < 0:
-        raise InvalidInput("delay must not be negative")
-    return now + timedelta(seconds=seconds)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidInput(f"delay must be a finite number of seconds >= 0 (got {seconds})")
+    try:
+        return now + timedelta(seconds=seconds)
+    except OverflowError:
+        raise InvalidInput(f"delay of {seconds:g} seconds is too large") from None

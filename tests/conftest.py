@@ -35,7 +35,9 @@ from scheduler.migrate import migrate
 configure_logging("warning", "console")
 
 RUN_ID = uuid.uuid4().hex[:8]
-PG_URL = os.environ.get("DUETIME_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+PG_URL = os.environ.get(
+    "DUETIME_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 AMQP_URL = os.environ.get("DUETIME_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 ETCD_ENDPOINTS = os.environ.get("DUETIME_TEST_ETCD_ENDPOINTS", "127.0.0.1:2379")
 
@@ -99,8 +101,12 @@ def _ensure_services() -> tuple[str, str, str]:
             _containers.started.append(container)
             pg = container.get_connection_url().replace("+psycopg2", "")
         else:
-            _require("PostgreSQL", pg_parts.hostname or "127.0.0.1", pg_parts.port or 5432,
-                     "the machine's PostgreSQL (make services)")
+            _require(
+                "PostgreSQL",
+                pg_parts.hostname or "127.0.0.1",
+                pg_parts.port or 5432,
+                "the machine's PostgreSQL (make services)",
+            )
     amqp_parts = urlsplit(amqp)
     if not _port_open(amqp_parts.hostname or "127.0.0.1", amqp_parts.port or 5672):
         docker = _docker_available() if docker is None else docker
@@ -114,8 +120,12 @@ def _ensure_services() -> tuple[str, str, str]:
                 f"{container.get_exposed_port(5672)}/"
             )
         else:
-            _require("RabbitMQ", amqp_parts.hostname or "127.0.0.1", amqp_parts.port or 5672,
-                     "rabbitmq-server -detached (make services)")
+            _require(
+                "RabbitMQ",
+                amqp_parts.hostname or "127.0.0.1",
+                amqp_parts.port or 5672,
+                "rabbitmq-server -detached (make services)",
+            )
     host, _, port = etcd.split(",")[0].rpartition(":")
     if not _port_open(host, int(port)):
         docker = _docker_available() if docker is None else docker
@@ -267,4 +277,3 @@ def test_env(dsn: str, amqp_url: str, etcd_endpoints: str, unique: str) -> dict[
         DUETIME_LOG_FORMAT="json",
     )
     return env
-

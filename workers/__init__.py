@@ -1,1 +1,41 @@
-"""duetime workers: the execution runtime (see workers.worker)."""
+"""duetime workers: the execution runtime (DESIGN §6).
+
+Write tasks::
+
+    from workers import JobContext, Retry, Fail, task
+
+    @task("send_email", timeout=30, max_attempts=8)
+    async def send_email(ctx: JobContext, payload: dict) -> None:
+        row = await ctx.db.fetchrow("SELECT ... FOR UPDATE", payload["user_id"])
+        if row is None:
+            raise Fail("no such user")              # dead now, no retries
+        if not mailer_ready():
+            raise Retry(in_=60)                     # try again in a minute (counts an attempt)
+        await mailer.send(..., idempotency_key=ctx.idempotency_key)
+        await ctx.db.execute("UPDATE users SET emailed_at = now() WHERE id = $1", ...)
+
+and run them: ``duetime worker --import myapp.tasks --queue default --concurrency 64``.
+
+Guarantee: delivery is at least once; effects done through ``ctx.db`` happen exactly
+once (they commit in the same transaction as the idempotency-ledger row and the job's
+``succeeded`` status); give ``ctx.idempotency_key`` to external APIs.
+"""
+
+from workers.context import JobContext
+from workers.registry import DuplicateTask, Registry, TaskSpec, default_registry, task
+from workers.retry import Fail, Retry, RetryPolicy
+from workers.worker import Worker, run_worker
+
+__all__ = [
+    "DuplicateTask",
+    "Fail",
+    "JobContext",
+    "Registry",
+    "Retry",
+    "RetryPolicy",
+    "TaskSpec",
+    "Worker",
+    "default_registry",
+    "run_worker",
+    "task",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -26,7 +27,10 @@ def parse_duration(text: str) -> timedelta:
         pos = match.end()
     if not compact or pos != len(compact):
         raise InvalidInput(f"invalid duration {text!r}: use e.g. 30s, 5m, 1h30m, 2d")
-    return timedelta(seconds=total)
+    try:
+        return timedelta(seconds=total)
+    except OverflowError:
+        raise InvalidInput(f"invalid duration {text!r}: too large") from None
 
 
 def parse_when(text: str) -> datetime:
@@ -49,10 +53,34 @@ def parse_payload(text: str | None) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidInput(f"--payload is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        raise InvalidInput(
+            f"--payload is not valid JSON: {exc.msg} at position {exc.pos}"
+        ) from None
     if not isinstance(value, dict):
         raise InvalidInput(f"--payload must be a JSON object, not {type(value).__name__}")
+    problem = _jsonb_problem(value)
+    if problem:
+        raise InvalidInput(f"--payload {problem}")
     return value
+
+
+def _jsonb_problem(value: Any) -> str | None:
+    """What PostgreSQL's jsonb would refuse that Python's json accepts, if anything."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"contains {value}, which JSON (and jsonb) cannot store"
+    if isinstance(value, str) and "\x00" in value:
+        return "contains \\u0000, which jsonb cannot store"
+    if isinstance(value, dict):
+        items: list[Any] = [*value.keys(), *value.values()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        return None
+    for item in items:
+        problem = _jsonb_problem(item)
+        if problem:
+            return problem
+    return None
 
 
 def positive_int(text: str) -> int:
@@ -65,14 +93,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+MAX_ID = 2**63 - 1  # ids are bigint
+
+
 def job_id(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"job id must be an integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"job id must be positive, not {text!r}")
+    if not 1 <= value <= MAX_ID:
+        raise argparse.ArgumentTypeError(f"job id must be between 1 and {MAX_ID}, not {text!r}")
     return value
+
+
+def after_id(text: str) -> int:
+    """``--after``: like a job id, but 0 (before the first job) is allowed."""
+    return 0 if text.strip() == "0" else job_id(text)
 
 
 def _cell(value: Any) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 from scheduler import db
 from scheduler.cli._util import (
+    after_id,
     job_id,
     parse_duration,
     parse_payload,
@@ -46,7 +47,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     lst.add_argument("--task")
     lst.add_argument("--due-from", help="ISO 8601, inclusive")
     lst.add_argument("--due-to", help="ISO 8601, exclusive")
-    lst.add_argument("--after", type=int, help="show jobs with id greater than this")
+    lst.add_argument("--after", type=after_id, help="show jobs with id greater than this")
     lst.add_argument("--limit", type=positive_int, default=50)
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(func=run_list)

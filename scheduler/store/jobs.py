@@ -7,6 +7,7 @@ writes — the transactional-outbox pattern that makes duetime safe to publish f
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -78,17 +79,40 @@ class JobStore:
 
         Jobs without ``due_at`` are due now. Returns the number of rows inserted. The
         insert trigger sends one NOTIFY for the whole COPY.
+
+        Why text COPY built here rather than ``copy_records_to_table``: asyncpg's binary
+        COPY needs a binary codec for every column, and jsonb is registered with a text
+        codec (``scheduler.db``), so the binary path fails with "no binary format encoder
+        for type jsonb". Every row is encoded before the COPY starts, so a payload that
+        is not JSON-serialisable is refused with ``InvalidInput`` and nothing is written.
         """
         now = datetime.now(UTC)
-        records = [
-            (s.task, s.payload, s.due_at or now, s.queue, s.max_attempts, s.idempotency_key)
-            for s in specs
-        ]
-        if not records:
+        lines: list[str] = []
+        for index, s in enumerate(specs):
+            try:
+                payload = json.dumps(
+                    s.payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+                )
+            except (TypeError, ValueError) as exc:
+                raise InvalidInput(f"job {index}: payload is not valid JSON: {exc}") from None
+            fields = (
+                s.task,
+                payload,
+                (s.due_at or now).isoformat(),
+                s.queue,
+                str(s.max_attempts),
+                s.idempotency_key,
+            )
+            lines.append("\t".join(map(_copy_field, fields)) + "\n")
+        if not lines:
             return 0
         async with self._conn(conn) as c:
-            result = await c.copy_records_to_table(
-                "jobs", schema_name="duetime", columns=list(BULK_COLUMNS), records=records
+            result = await c.copy_to_table(
+                "jobs",
+                schema_name="duetime",
+                columns=list(BULK_COLUMNS),
+                source=_chunks(lines),
+                format="text",
             )
         # asyncpg returns the command tag, e.g. "COPY 1000"
         return int(str(result).split()[-1])
@@ -163,3 +187,21 @@ class JobStore:
         counts = dict.fromkeys(JOB_STATUSES, 0)
         counts.update({r["status"]: r["n"] for r in rows})
         return counts
+
+
+def _copy_field(value: str | None) -> str:
+    """One field in PostgreSQL's COPY text format (backslash escapes, \\N for NULL)."""
+    if value is None:
+        return "\\N"
+    return (
+        value.replace("\\", "\\\\")
+        .replace("\t", "\\t")
+        .replace("\n", "\\n")
+        .replace("\r", "\\r")
+    )
+
+
+async def _chunks(lines: list[str], rows: int = 5000) -> AsyncIterator[bytes]:
+    """Feed COPY in slices so the encoded bytes never exist all at once."""
+    for start in range(0, len(lines), rows):
+        yield "".join(lines[start : start + rows]).encode()

@@ -93,8 +93,8 @@ class PrivateEtcd:
     ) -> None:
         self.name = name
         self._own_dir = data_dir is None
-        self.base_dir = Path(tempfile.mkdtemp(prefix="duetime-etcd-")) if data_dir is None else (
-            Path(data_dir)
+        self.base_dir = (
+            Path(tempfile.mkdtemp(prefix="duetime-etcd-")) if data_dir is None else (Path(data_dir))
         )
         self.data_dir = self.base_dir / "data"
         self.client_port = free_port()

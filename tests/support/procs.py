@@ -8,6 +8,8 @@ and resume (``sigcont``) a replica or worker; ``stop`` is the polite SIGTERM-the
 Cleanup is not optional: ``ChildProcess`` and ``Processes`` are (async) context
 managers that SIGKILL whatever is still running, and an ``atexit`` hook kills any child
 a crashed test left behind, so no test run leaves orphans holding ports or leases.
+Logs are kept for the post-mortem: pass pytest's ``tmp_path`` as ``log_dir`` to have
+pytest manage them (otherwise they stay in a ``/tmp/duetime-proc*`` directory).
 
 Typical fixture::
 
@@ -80,8 +82,8 @@ class ChildProcess:
         base.setdefault("PYTHONUNBUFFERED", "1")  # output reaches the file before a kill -9
         self.env = {**base, **(env or {})}
         self.cwd = Path(cwd) if cwd is not None else REPO_ROOT
-        directory = Path(log_dir) if log_dir is not None else Path(
-            tempfile.mkdtemp(prefix="duetime-proc-")
+        directory = (
+            Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="duetime-proc-"))
         )
         directory.mkdir(parents=True, exist_ok=True)
         self.stdout_path = directory / f"{self.name}.log"
@@ -243,7 +245,9 @@ class ChildProcess:
         self.kill()
 
     def __repr__(self) -> str:
-        state = "not started" if self._proc is None else f"pid={self._proc.pid} rc={self.returncode}"
+        state = (
+            "not started" if self._proc is None else f"pid={self._proc.pid} rc={self.returncode}"
+        )
         return f"ChildProcess({self.name!r}, {state})"
 
 
@@ -251,8 +255,10 @@ class Processes:
     """A set of child processes killed together at cleanup (fixture-friendly)."""
 
     def __init__(self, log_dir: str | os.PathLike[str] | None = None) -> None:
-        self.log_dir = Path(log_dir) if log_dir is not None else Path(
-            tempfile.mkdtemp(prefix="duetime-procs-")
+        self.log_dir = (
+            Path(log_dir)
+            if log_dir is not None
+            else Path(tempfile.mkdtemp(prefix="duetime-procs-"))
         )
         self._children: list[ChildProcess] = []
 

@@ -10,17 +10,31 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
 
+@overload
 async def wait_for(
-    predicate: Callable[[], T | Awaitable[T]],
+    predicate: Callable[[], Awaitable[T]],
+    timeout: float,
+    interval: float = ...,
+    message: str = ...,
+) -> T: ...
+@overload
+async def wait_for(
+    predicate: Callable[[], T],
+    timeout: float,
+    interval: float = ...,
+    message: str = ...,
+) -> T: ...
+async def wait_for(
+    predicate: Callable[[], Any],
     timeout: float,
     interval: float = 0.05,
     message: str = "",
-) -> T:
+) -> Any:
     """Call ``predicate`` (sync or async) until it returns a truthy value; return it.
 
     Raises ``AssertionError`` naming ``message``, the timeout and the last value seen
@@ -38,7 +52,7 @@ async def wait_for(
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         remaining = deadline - loop.time()
         if remaining <= 0:
             what = message or getattr(predicate, "__name__", repr(predicate))

@@ -1,0 +1,289 @@
+"""Insert throughput into duetime.jobs, and what the NOTIFY insert trigger costs.
+
+Usage::
+
+    .venv/bin/python bench/insert_rate.py --dsn postgresql://postgres@127.0.0.1:5432/postgres
+
+``--dsn`` names a server (any database on it we may connect to); the script creates a
+scratch database of its own, migrates it, measures, drops it, and prints one JSON
+document. What it measures (issue 2, "Done means"):
+
+- ``single_insert_loop``: ``JobStore.enqueue`` one job at a time (one round trip, one
+  autocommit transaction per job), the way a web request publishes;
+- ``executemany``: asyncpg ``executemany`` of a plain three-column INSERT;
+- ``bulk_copy``: ``JobStore.bulk_enqueue`` (one COPY) of 100k and 500k jobs;
+- ``notify_trigger``: the same COPY (200k) and the same single-INSERT loop with the
+  statement-level trigger ``jobs_notify_insert`` enabled vs disabled (``ALTER TABLE ...
+  DISABLE TRIGGER``), repeated and interleaved, median and ratio;
+- ``trigger_variants`` (``--variants``): the alternatives DESIGN §5 mentions, a
+  row-level trigger with a WHEN horizon and a statement trigger with a transition table,
+  so the choice stays measured.
+
+Jobs are spread over the next seven days (several daily partitions), with a small
+payload, as producers would send them. The table is truncated before every run so each
+run starts from the same state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from scheduler import db
+from scheduler.jobspec import JobSpec
+from scheduler.log import configure_logging
+from scheduler.migrate import migrate
+from scheduler.store import JobStore
+
+WEEK = 7 * 86_400
+INSERT = "INSERT INTO duetime.jobs (task, payload, due_at) VALUES ($1, $2, $3)"
+
+# Alternatives to the shipped statement trigger, for --variants only.
+VARIANTS: dict[str, list[str]] = {
+    "row_when_due_within_5s": [
+        "CREATE FUNCTION duetime.bench_notify_row() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN PERFORM pg_notify('duetime_jobs', ''); RETURN NULL; END $$",
+        "CREATE TRIGGER bench_variant AFTER INSERT ON duetime.jobs FOR EACH ROW "
+        "WHEN (NEW.due_at < now() + interval '5 seconds') "
+        "EXECUTE FUNCTION duetime.bench_notify_row()",
+    ],
+    "statement_transition_table_within_5s": [
+        "CREATE FUNCTION duetime.bench_notify_stmt() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN IF EXISTS (SELECT 1 FROM new_rows WHERE due_at < now() + interval "
+        "'5 seconds') THEN PERFORM pg_notify('duetime_jobs', ''); END IF; RETURN NULL; END $$",
+        "CREATE TRIGGER bench_variant AFTER INSERT ON duetime.jobs "
+        "REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT "
+        "EXECUTE FUNCTION duetime.bench_notify_stmt()",
+    ],
+}
+DROP_VARIANT = [
+    "DROP TRIGGER IF EXISTS bench_variant ON duetime.jobs",
+    "DROP FUNCTION IF EXISTS duetime.bench_notify_row()",
+    "DROP FUNCTION IF EXISTS duetime.bench_notify_stmt()",
+]
+
+
+def _with_db(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
+
+
+def _specs(n: int, start: datetime, task: str = "bench") -> list[JobSpec]:
+    return [
+        JobSpec(task, {"i": i, "to": "user@example.com"}, due_at=start + timedelta(seconds=s))
+        for i, s in ((i, i % WEEK) for i in range(n))
+    ]
+
+
+def _rate(n: int, seconds: float) -> dict[str, float]:
+    return {"jobs": n, "seconds": round(seconds, 3), "jobs_per_s": round(n / seconds)}
+
+
+class Bench:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+        self.store = JobStore(pool)
+
+    async def reset(self) -> None:
+        """Same starting state for every run: empty table, nothing dirty to flush."""
+        await self.pool.execute("TRUNCATE duetime.jobs")
+        try:
+            await self.pool.execute("CHECKPOINT")
+        except asyncpg.PostgresError:
+            pass  # not a superuser: runs are a little noisier, nothing else changes
+
+    async def trigger(self, enabled: bool) -> None:
+        action = "ENABLE" if enabled else "DISABLE"
+        await self.pool.execute(f"ALTER TABLE duetime.jobs {action} TRIGGER jobs_notify_insert")
+
+    async def timed(self, run: Callable[[], Awaitable[Any]]) -> float:
+        await self.reset()
+        started = time.perf_counter()
+        await run()
+        return time.perf_counter() - started
+
+    async def single_loop(self, n: int) -> float:
+        start = datetime.now(UTC)
+
+        async def run() -> None:
+            async with self.pool.acquire() as conn:
+                for i in range(n):
+                    await self.store.enqueue(
+                        "bench",
+                        {"i": i, "to": "user@example.com"},
+                        due_at=start + timedelta(seconds=i % WEEK),
+                        conn=conn,
+                    )
+
+        return await self.timed(run)
+
+    async def executemany(self, n: int) -> float:
+        start = datetime.now(UTC)
+        rows = [
+            ("bench", {"i": i, "to": "user@example.com"}, start + timedelta(seconds=i % WEEK))
+            for i in range(n)
+        ]
+
+        async def run() -> None:
+            async with self.pool.acquire() as conn:
+                await conn.executemany(INSERT, rows)
+
+        return await self.timed(run)
+
+    async def copy(self, n: int) -> float:
+        specs = _specs(n, datetime.now(UTC))
+
+        async def run() -> None:
+            assert await self.store.bulk_enqueue(specs) == n
+
+        return await self.timed(run)
+
+    async def with_and_without(
+        self, measure: Callable[[], Awaitable[float]], repeat: int, n: int
+    ) -> dict[str, Any]:
+        """Interleave enabled/disabled runs so drift in machine load hits both alike."""
+        times: dict[bool, list[float]] = {True: [], False: []}
+        await measure()  # warm-up: connection, prepared statements, caches
+        for _ in range(repeat):
+            for enabled in (True, False):
+                await self.trigger(enabled)
+                times[enabled].append(await measure())
+        await self.trigger(True)
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        return {
+            "jobs": n,
+            "repeat": repeat,
+            "enabled_seconds": [round(t, 3) for t in times[True]],
+            "disabled_seconds": [round(t, 3) for t in times[False]],
+            "median_enabled_jobs_per_s": round(n / on),
+            "median_disabled_jobs_per_s": round(n / off),
+            "time_ratio_enabled_over_disabled": round(on / off, 3),
+            "cost_percent": round((on / off - 1) * 100, 1),
+        }
+
+    async def variant(self, name: str, copy_n: int, single_n: int, repeat: int) -> dict[str, Any]:
+        """A replacement trigger vs no trigger at all (the shipped one is disabled)."""
+        await self.trigger(False)
+        for sql in VARIANTS[name]:
+            await self.pool.execute(sql)
+        try:
+
+            async def toggle(enabled: bool) -> None:
+                action = "ENABLE" if enabled else "DISABLE"
+                await self.pool.execute(f"ALTER TABLE duetime.jobs {action} TRIGGER bench_variant")
+
+            results: dict[str, Any] = {}
+            for label, measure, n in (
+                ("copy_due_spread_over_week", lambda: self.copy(copy_n), copy_n),
+                ("single_insert_loop", lambda: self.single_loop(single_n), single_n),
+            ):
+                times: dict[bool, list[float]] = {True: [], False: []}
+                await measure()  # warm-up
+                for _ in range(repeat):
+                    for enabled in (True, False):
+                        await toggle(enabled)
+                        times[enabled].append(await measure())
+                on, off = statistics.median(times[True]), statistics.median(times[False])
+                results[label] = {
+                    "jobs": n,
+                    "median_enabled_jobs_per_s": round(n / on),
+                    "median_disabled_jobs_per_s": round(n / off),
+                    "time_ratio_enabled_over_disabled": round(on / off, 3),
+                    "cost_percent": round((on / off - 1) * 100, 1),
+                }
+            return results
+        finally:
+            for sql in DROP_VARIANT:
+                await self.pool.execute(sql)
+            await self.trigger(True)
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    name = f"duetime_bench_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(args.dsn, timeout=10)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        version = await admin.fetchval("SHOW server_version")
+    finally:
+        await admin.close()
+    url = _with_db(args.dsn, name)
+    result: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "postgresql": version,
+            "python": platform.python_version(),
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        },
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    try:
+        await migrate(url)
+        pool = await db.create_pool(url, min_size=1, max_size=2, timeout=30)
+        try:
+            bench = Bench(pool)
+            await bench.single_loop(min(args.single, 500))  # warm-up
+            result["single_insert_loop"] = _rate(args.single, await bench.single_loop(args.single))
+            result["executemany"] = _rate(args.many, await bench.executemany(args.many))
+            result["bulk_copy"] = [_rate(n, await bench.copy(n)) for n in args.bulk]
+            result["notify_trigger"] = {
+                "copy": await bench.with_and_without(
+                    lambda: bench.copy(args.trigger_copy), args.repeat, args.trigger_copy
+                ),
+                "single_insert_loop": await bench.with_and_without(
+                    lambda: bench.single_loop(args.trigger_single), args.repeat, args.trigger_single
+                ),
+            }
+            if args.variants:
+                result["trigger_variants"] = {
+                    v: await bench.variant(v, args.trigger_copy, args.trigger_single, args.repeat)
+                    for v in VARIANTS
+                }
+        finally:
+            await pool.close()
+    finally:
+        admin = await asyncpg.connect(args.dsn, timeout=10)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dsn",
+        default="postgresql://postgres@127.0.0.1:5432/postgres",
+        help="server to use (a scratch database is created and dropped on it)",
+    )
+    parser.add_argument("--single", type=int, default=5000, help="jobs in the enqueue loop")
+    parser.add_argument("--many", type=int, default=50_000, help="jobs in the executemany")
+    parser.add_argument(
+        "--bulk",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[100_000, 500_000],
+        help="comma-separated COPY sizes",
+    )
+    parser.add_argument("--trigger-copy", type=int, default=200_000)
+    parser.add_argument("--trigger-single", type=int, default=3000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--variants", action="store_true", help="also measure alternatives")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    configure_logging("warning", "json")  # logs to stderr; stdout is the JSON result
+    print(json.dumps(asyncio.run(main(parse_args())), indent=2))

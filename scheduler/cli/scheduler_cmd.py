@@ -1,0 +1,39 @@
+"""``duetime scheduler``: run one scheduler replica until SIGTERM/SIGINT.
+
+The replica campaigns for leadership in etcd, runs the leader's duties
+(``scheduler.duties.default_duties``) while it holds the lease, and resigns on the way
+out so a standby takes over at once. Exit status 0 after a graceful stop, 130 after a
+second signal, 1 when PostgreSQL cannot be reached at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from scheduler.config import Settings
+from scheduler.duties import default_duties
+from scheduler.log import get_logger
+from scheduler.replica import Replica
+from scheduler.service import Service
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    parser = sub.add_parser(
+        "scheduler",
+        parents=[common],
+        help="run a scheduler replica (leader election, dispatch and maintenance duties)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(func=run)
+
+
+async def run(args: argparse.Namespace, settings: Settings) -> int:
+    log = get_logger("duetime.scheduler", node_id=settings.node_id, epoch=None)
+    log.info("scheduler_starting", config=settings.redacted())
+    async with Service("scheduler", metrics_port=settings.metrics_port) as service:
+        replica = Replica(settings, default_duties)
+        await replica.run_until_stopped(service.stop_event, on_ready=service.ready)
+    log.info("scheduler_exited")
+    return 0

@@ -1,0 +1,178 @@
+"""``duetime status``: leader, per-queue backlog and schedules, with a monitoring exit code."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from scheduler import db
+from scheduler.cli._util import print_json, print_table
+from scheduler.config import Settings
+from scheduler.errors import ServiceUnavailable
+from scheduler.status import STALE_RENEWALS, StatusReport, collect_status
+
+DEFAULT_MAX_BACKLOG_AGE = 60.0
+
+EPILOG = f"""\
+exit codes:
+  0  healthy: a live leader and no due job older than --max-backlog-age
+  1  unhealthy: no leader (the election key <prefix>/leader is absent in etcd, or the
+     database fence was last renewed more than {STALE_RENEWALS} x DUETIME_LEASE_TTL ago),
+     or the oldest due pending job is older than --max-backlog-age, or PostgreSQL
+     cannot be reached
+  2  bad flags or configuration
+
+etcd being unreachable from this host is a warning, not a failure: the fence in
+PostgreSQL still shows whether a leader is alive. --json prints the same report as a
+JSON object (keys: healthy, problems, warnings, leader, etcd, queues, schedules).
+"""
+
+QUEUE_COLUMNS = ("queue", "pending", "due_now", "oldest_overdue", "dispatched", "dead_1h")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    parser = sub.add_parser(
+        "status",
+        parents=[common],
+        help="cluster health: leader, backlog per queue, schedules (exit 1 when unhealthy)",
+        description="Show the current leader, the backlog per queue and the schedules.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--max-backlog-age",
+        type=_seconds,
+        default=DEFAULT_MAX_BACKLOG_AGE,
+        metavar="SECONDS",
+        help="unhealthy when a due job has waited longer than this (default %(default)g)",
+    )
+    parser.add_argument(
+        "--etcd-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="etcd read timeout (default DUETIME_ETCD_TIMEOUT)",
+    )
+    parser.set_defaults(func=run)
+
+
+async def run(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        pool = await db.pool_from_settings(
+            settings,
+            max_size=1,
+            min_size=1,
+            server_settings={"statement_timeout": str(int(settings.db_timeout * 1000))},
+        )
+    except ServiceUnavailable as exc:
+        if not args.json:
+            raise
+        print_json(
+            {
+                "healthy": False,
+                "problems": [{"code": "database_unreachable", "message": str(exc)}],
+                "warnings": [],
+            }
+        )
+        return 1
+    try:
+        report = await collect_status(
+            settings,
+            pool,
+            max_backlog_age=args.max_backlog_age,
+            etcd_timeout=args.etcd_timeout,
+        )
+    finally:
+        await pool.close()
+    if args.json:
+        print_json(report.to_dict())
+    else:
+        render(report)
+    return report.exit_code
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    return f"{hours // 24}d{hours % 24:02d}h"
+
+
+def render(report: StatusReport) -> None:
+    snap, etcd, fence = report.snapshot, report.etcd, report.snapshot.fence
+    if fence.epoch:
+        print(
+            f"leader     {fence.leader_node or '-'}  epoch {fence.epoch}  "
+            f"since {_ts(fence.elected_at)} ({_age(fence.elected_age)} ago)  "
+            f"last renew {_age(fence.renewed_age)} ago"
+        )
+    else:
+        print("leader     none has ever fenced the database")
+    if not etcd.reachable:
+        print(f"etcd       unreachable: {etcd.error}")
+    elif etcd.leader is None:
+        print(f"etcd       {etcd.key} absent (no leader) via {etcd.endpoint}")
+    else:
+        lease = f", lease {etcd.lease_remaining:g}s left" if etcd.lease_remaining is not None else ""
+        print(
+            f"etcd       {etcd.key} = {etcd.leader} (epoch {etcd.epoch}{lease}) via {etcd.endpoint}"
+        )
+    print()
+    if snap.queues:
+        rows = [
+            {
+                "queue": q.queue,
+                "pending": q.pending,
+                "due_now": q.due_now,
+                "oldest_overdue": _age(q.oldest_overdue) if q.oldest_overdue is not None else None,
+                "dispatched": q.dispatched,
+                "dead_1h": q.dead_last_hour,
+            }
+            for q in snap.queues
+        ]
+        print_table(rows, QUEUE_COLUMNS)
+    else:
+        print("queues     no pending, dispatched or recently dead jobs")
+    print()
+    sched = snap.schedules
+    if sched is None:
+        print("schedules  (table duetime.schedules not present: run duetime migrate)")
+    else:
+        nxt = ""
+        if sched.upcoming:
+            first = sched.upcoming[0]
+            when = (
+                f"in {_age(first.fires_in)}"
+                if first.fires_in >= 0
+                else f"{_age(-first.fires_in)} overdue"
+            )
+            nxt = f"; next fire {first.name} at {_ts(first.next_fire_at)} ({when})"
+        print(f"schedules  {sched.total} ({sched.paused} paused){nxt}")
+    print()
+    for warning in report.warnings:
+        print(f"warning: {warning.message}")
+    for problem in report.problems:
+        print(f"PROBLEM: {problem.message}")
+    print("status: OK" if report.healthy else "status: UNHEALTHY")
+
+
+def _ts(value: Any) -> str:
+    return value.isoformat(timespec="seconds") if value is not None else "-"

@@ -1,0 +1,118 @@
+"""``duetime worker --import mod[,mod…] --queue q[,q…] --concurrency N [--grace-period S]``.
+
+The ``--import`` modules are the only code a worker loads: importing them runs their
+``@task`` decorators, which fill the registry. Nothing named in a message is ever
+imported. As with ``python -m``, the current directory is importable, so
+``duetime worker --import myapp.tasks`` works from the application's checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Any
+
+from scheduler.cli._util import positive_int
+from scheduler.config import Settings
+from scheduler.errors import InvalidInput
+from scheduler.jobspec import validate_queue
+
+
+class _SettingOverride(argparse.Action):
+    """Store a flag's value as an override of the ``Settings`` field ``dest``, so the
+    value is validated and shown like every other setting (flags > env > file)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        overrides = dict(getattr(namespace, "settings_overrides", None) or {})
+        overrides[self.dest] = values
+        namespace.settings_overrides = overrides
+
+
+def _csv(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    parser = sub.add_parser(
+        "worker",
+        parents=[common],
+        help="execute jobs from RabbitMQ queues",
+        description="Run registered tasks for jobs on the given queues until SIGTERM.",
+    )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        required=True,
+        metavar="MODULE[,MODULE…]",
+        help="module(s) whose @task functions this worker runs (repeatable)",
+    )
+    parser.add_argument(
+        "--queue",
+        dest="queues",
+        action="append",
+        metavar="QUEUE[,QUEUE…]",
+        help="job queue(s) to consume (repeatable; default: default)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        dest="worker_concurrency",
+        type=positive_int,
+        action=_SettingOverride,
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="handlers run at once = prefetch (env DUETIME_WORKER_CONCURRENCY; default 16)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        dest="worker_grace_period",
+        action=_SettingOverride,
+        default=argparse.SUPPRESS,
+        metavar="SECONDS",
+        help="seconds running handlers get after SIGTERM (env DUETIME_WORKER_GRACE_PERIOD)",
+    )
+    parser.set_defaults(func=run)
+
+
+def import_task_modules(modules: list[str]) -> None:
+    """Import each module; a missing or failing module is one clear error line."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except InvalidInput:
+            raise  # e.g. a task name registered twice: its message says where
+        except ModuleNotFoundError as exc:
+            raise InvalidInput(f"--import {name}: {exc} (is it on PYTHONPATH?)") from None
+        except Exception as exc:
+            raise InvalidInput(
+                f"--import {name} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+async def run(args: argparse.Namespace, settings: Settings) -> int:
+    from workers.registry import default_registry
+    from workers.worker import run_worker
+
+    modules = [m for raw in args.imports for m in _csv(raw)]
+    queues = [validate_queue(q) for raw in (args.queues or ["default"]) for q in _csv(raw)]
+    if not modules:
+        raise InvalidInput("--import needs at least one module name")
+    if not queues:
+        raise InvalidInput("--queue needs at least one queue name")
+    import_task_modules(modules)
+    if not len(default_registry):
+        raise InvalidInput(
+            f"--import {','.join(modules)} registered no tasks (use @workers.task(...))"
+        )
+    return await run_worker(settings, queues=queues, registry=default_registry)

@@ -1,0 +1,263 @@
+"""The reconciler: re-publishes dispatched jobs that went silent (DESIGN §5.4).
+
+A job is *stalled* when it is ``dispatched`` and its last sign of life
+(``heartbeat_at``, else ``dispatched_at``) is older than ``visibility_timeout``. Each
+pass, in one fenced transaction, it locks a batch of them ``FOR UPDATE SKIP LOCKED``,
+re-publishes them (same ``message_id`` ``<job_id>:<attempt>``, confirmed), and for the
+confirmed ones bumps ``dispatched_at`` (a new visibility window), clears
+``heartbeat_at`` and sets ``dispatch_epoch`` to this term; each is counted
+(``RECONCILED``) and logged with its id. Unconfirmed ones are simply looked at again
+next pass.
+
+Why a job can be stalled although the dispatcher commits only after the broker
+confirmed (dispatcher option a): the message was dead-lettered after
+``x-delivery-limit`` deliveries (workers crashing on it), its queue was deleted or
+purged, the broker lost it, or a worker died after taking it. A job that a worker is
+*executing* is not stalled, however long it runs: the worker's transaction holds its
+row ``FOR KEY SHARE``, which ``SKIP LOCKED`` skips.
+
+Trade-offs (documented, not hidden):
+
+- **Long queue backlogs.** A message can legitimately wait in a queue longer than the
+  visibility timeout when workers are behind. Re-publishing it is harmless for
+  correctness (the worker reads the row and the ledger, and skips a finished job) but
+  it *amplifies* the backlog: every timeout would add another copy of every waiting
+  job. So before re-publishing, the reconciler asks RabbitMQ how many messages are
+  ready in the job's queue; while that queue has a backlog its stalled jobs are
+  deferred (logged, and the queue is skipped for one ``interval``), and they are
+  re-published once the queue has drained. The cost: a job whose message really is
+  gone, in a queue that never drains, waits until it does.
+- **Dead-lettered messages.** A message dead-lettered by ``x-delivery-limit`` leaves the
+  job ``dispatched``; re-publishing it is correct (the ledger makes it safe) and gives
+  the job another ``delivery_limit`` deliveries. A job that kills every worker that
+  touches it would cycle forever, one round per visibility timeout, so the reconciler
+  counts how often it re-published each job in this term and logs a warning with the
+  count from ``warn_after`` on; a hard cap needs a persistent counter column (see the
+  issue note).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import asyncpg
+
+from scheduler.backoff import bounded_jitter
+from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.config import Settings
+from scheduler.duty import LoopDuty
+from scheduler.errors import LeadershipLost
+from scheduler.fence import fenced_transaction
+from scheduler.metrics import PUBLISH_FAILURES, RECONCILED
+from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
+from scheduler.store.dispatch import DispatchStore, StalledJob
+
+if TYPE_CHECKING:
+    from scheduler.replica import ReplicaContext
+
+MAX_IDS_LOGGED = 100
+#: Re-publish counts are remembered for this many jobs (oldest forgotten first).
+MAX_TRACKED_JOBS = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcilerConfig:
+    visibility_timeout: float = 60.0
+    """Seconds a dispatched job may go without a sign of life before it is re-published."""
+    interval: float = 5.0
+    """Seconds between passes (a full batch is followed by another pass at once)."""
+    batch_size: int = 500
+    """Stalled jobs locked and re-published per transaction."""
+    publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT
+    """Deadline for one batch's confirms."""
+    defer_backlogged_queues: bool = True
+    """Skip queues that still hold ready messages (see the module doc)."""
+    warn_after: int = 3
+    """Log a warning when a job is re-published this many times in one term."""
+
+    def __post_init__(self) -> None:
+        if self.visibility_timeout <= 0:
+            raise ValueError("visibility_timeout must be > 0")
+        if self.interval <= 0:
+            raise ValueError("interval must be > 0")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if self.publish_timeout <= 0:
+            raise ValueError("publish_timeout must be > 0")
+        if self.warn_after < 1:
+            raise ValueError("warn_after must be >= 1")
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: object) -> ReconcilerConfig:
+        values: dict[str, object] = {
+            "visibility_timeout": settings.visibility_timeout,
+            "interval": settings.reconcile_interval,
+            "batch_size": settings.claim_batch_size,
+            "publish_timeout": publish_timeout_for(settings),
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileReport:
+    stalled: int = 0
+    republished: int = 0
+    deferred: int = 0
+    failed: int = 0
+
+
+class Reconciler(LoopDuty):
+    name = "reconciler"
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: asyncpg.Pool,
+        *,
+        config: ReconcilerConfig | None = None,
+        publisher: Publisher | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        is_leader: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__(clock=clock)
+        self._is_leader = is_leader
+        self.settings = settings
+        self.pool = pool
+        self.store = DispatchStore(pool)
+        self.config = config or ReconcilerConfig.from_settings(settings)
+        self._owns_publisher = publisher is None
+        self.publisher = publisher or Publisher.from_settings(
+            settings, name="duetime-reconciler", publish_timeout=self.config.publish_timeout
+        )
+        self._deferred_until: dict[str, float] = {}
+        self._republished: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._broker_failures = 0
+
+    @classmethod
+    def from_context(cls, ctx: ReplicaContext) -> Reconciler:
+        """The reconciler a replica runs: its pool, clock and lease check."""
+        return cls(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader)
+
+    def _check_leader(self) -> None:
+        """Fail closed: no claim once the lease can no longer be proven alive."""
+        if self._is_leader is not None and not self._is_leader():
+            raise LeadershipLost("lease not provably alive before a fenced claim")
+
+    async def setup(self) -> None:
+        await self.publisher.open()
+
+    async def teardown(self) -> None:
+        if self._owns_publisher:
+            await self.publisher.close()
+
+    async def run_once(self) -> float:
+        throttle = self.publisher.throttle_delay()
+        if throttle > 0:
+            return throttle
+        if not await self.publisher.wait_ready(1.0):
+            self._broker_failures += 1
+            return bounded_jitter(self._broker_failures, base=0.5, cap=self.config.interval)
+        self._broker_failures = 0
+        report = await self.reconcile_batch()
+        if report.stalled >= self.config.batch_size and (report.republished or report.deferred):
+            return 0.0
+        return self.config.interval
+
+    async def reconcile_batch(self) -> ReconcileReport:
+        """One fenced transaction: lock stalled jobs, re-publish, start new windows."""
+        epoch = self.term.epoch
+        self._check_leader()
+        now = time.monotonic()
+        skip = sorted(q for q, until in self._deferred_until.items() if until > now)
+        async with (
+            self.pool.acquire(timeout=self.settings.db_timeout) as conn,
+            fenced_transaction(conn, epoch),
+        ):
+            stalled = await self.store.lock_stalled(
+                conn, self.config.visibility_timeout, self.config.batch_size, skip_queues=skip
+            )
+            if not stalled:
+                return ReconcileReport()
+            due, deferred = await self._split_backlogged(stalled)
+            result = await self.publisher.publish([s.job for s in due], epoch)
+            marked = await self.store.mark_redispatched(conn, result.confirmed, epoch)
+        self._account(due, marked, result.failures_by_reason())
+        return ReconcileReport(len(stalled), len(marked), len(deferred), len(result.failed))
+
+    async def _split_backlogged(
+        self, stalled: list[StalledJob]
+    ) -> tuple[list[StalledJob], list[StalledJob]]:
+        if not self.config.defer_backlogged_queues:
+            return stalled, []
+        backlogged: dict[str, int] = {}
+        for queue in sorted({s.job.queue for s in stalled}):
+            ready = await self.publisher.ready_messages(queue)
+            if ready:
+                backlogged[queue] = ready
+        if not backlogged:
+            return stalled, []
+        until = time.monotonic() + self.config.interval
+        due: list[StalledJob] = []
+        deferred: list[StalledJob] = []
+        for s in stalled:
+            (deferred if s.job.queue in backlogged else due).append(s)
+        for queue, ready in backlogged.items():
+            self._deferred_until[queue] = until
+            ids = [s.job.id for s in deferred if s.job.queue == queue]
+            self.log.info(
+                "reconcile_deferred",
+                queue=queue,
+                ready_messages=ready,
+                count=len(ids),
+                job_ids=ids[:MAX_IDS_LOGGED],
+                reason="queue has a backlog; its messages are probably still waiting",
+            )
+        return due, deferred
+
+    def _account(
+        self,
+        due: list[StalledJob],
+        marked: set[int],
+        failures: dict[tuple[str, str], list[int]],
+    ) -> None:
+        done = [s for s in due if s.job.id in marked]
+        if done:
+            RECONCILED.inc(len(done))
+            repeats = []
+            for s in done:
+                key = (s.job.id, s.job.attempt)
+                count = self._republished.pop(key, 0) + 1
+                self._republished[key] = count
+                if count >= self.config.warn_after:
+                    repeats.append((s.job.id, count))
+            while len(self._republished) > MAX_TRACKED_JOBS:
+                self._republished.popitem(last=False)
+            self.log.warning(
+                "jobs_reconciled",
+                count=len(done),
+                job_ids=[s.job.id for s in done][:MAX_IDS_LOGGED],
+                oldest_silence=round(max(s.silent_for for s in done), 3),
+                previous_epochs=sorted({s.dispatch_epoch for s in done if s.dispatch_epoch}),
+            )
+            if repeats:
+                self.log.warning(
+                    "jobs_reconciled_repeatedly",
+                    count=len(repeats),
+                    jobs=repeats[:MAX_IDS_LOGGED],
+                    hint="dead-lettered again and again? look at the dead-letter queue",
+                )
+        for (reason, queue), ids in failures.items():
+            PUBLISH_FAILURES.inc(len(ids))
+            self.log.error(
+                "reconcile_publish_failed",
+                reason=reason,
+                queue=queue,
+                count=len(ids),
+                job_ids=ids[:MAX_IDS_LOGGED],
+                outcome="still dispatched; retried next pass",
+            )

@@ -1,0 +1,152 @@
+"""One shape for every leader duty (dispatcher, planner, reconciler, maintainer, ...).
+
+A duty is a loop around ``run_once()``: do one pass of work, return how long to wait
+before the next pass; ``wake()`` cuts the wait short (a NOTIFY arrived, a new job is
+due earlier). The loop lives in one owned asyncio task started by ``start(term)`` and
+cancelled by ``stop()``. Contract (after River's startstop):
+
+- ``stop()`` is safe before ``start()`` and safe twice; it awaits the task's cleanup.
+- A pass that raises is logged with its traceback and counted, and the loop retries
+  after a jittered back-off: a duty never dies silently while the replica still
+  claims leadership.
+- ``Fenced`` and ``LeadershipLost`` are not retried: they end the task, and the
+  replica, which watches ``task``, steps down (a planned stop is told apart from a
+  failure by ``stopped_by_request``).
+
+Tests call ``run_once()`` directly; no sleeps needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.backoff import bounded_jitter
+from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.errors import Fenced, LeadershipLost
+from scheduler.log import get_logger
+from scheduler.metrics import DUTY_FAILURES
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderTerm:
+    """What a duty knows about the leadership it runs under."""
+
+    epoch: int
+    node_id: str
+
+
+class LoopDuty:
+    """Base class: subclasses implement ``run_once`` and may override ``setup``/``teardown``."""
+
+    name = "duty"
+    max_backoff = 10.0
+
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
+        self._term: LeaderTerm | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self.stopped_by_request = False
+        self.failures = 0
+        self.log: Any = get_logger(f"duetime.{self.name}")
+
+    # -- what subclasses implement ---------------------------------------------------
+
+    async def setup(self) -> None:
+        """Acquire per-term resources (connections, LISTEN). Retried like a pass."""
+
+    async def run_once(self) -> float:
+        """One pass of work; return seconds to wait before the next pass."""
+        raise NotImplementedError
+
+    async def teardown(self) -> None:
+        """Release per-term resources; must not raise."""
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @property
+    def term(self) -> LeaderTerm:
+        if self._term is None:
+            raise RuntimeError(f"duty {self.name} used outside a leadership term")
+        return self._term
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
+
+    def bind(self, term: LeaderTerm) -> None:
+        """Set the term without starting the loop (tests drive ``run_once`` directly)."""
+        self._term = term
+        self.log = get_logger(f"duetime.{self.name}", node_id=term.node_id, epoch=term.epoch)
+
+    def start(self, term: LeaderTerm) -> asyncio.Task[None]:
+        if self._task is not None and not self._task.done():
+            raise RuntimeError(f"duty {self.name} already running")
+        self.bind(term)
+        self.stopped_by_request = False
+        self.failures = 0
+        self._task = asyncio.create_task(self._loop(), name=f"duty:{self.name}")
+        return self._task
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self.stopped_by_request = True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Fenced, LeadershipLost):
+            await task
+        # a task that died with any other error was logged by _loop already
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        ready = False
+        try:
+            while True:
+                try:
+                    if not ready:
+                        await self.setup()
+                        ready = True
+                    delay = await self.run_once()
+                    self.failures = 0
+                except (Fenced, LeadershipLost):
+                    raise
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    self.failures += 1
+                    DUTY_FAILURES.labels(self.name).inc()
+                    delay = bounded_jitter(self.failures, base=0.2, cap=self.max_backoff)
+                    self.log.exception(
+                        "duty_failed", duty=self.name, failures=self.failures, retry_in=delay
+                    )
+                    if ready:
+                        ready = False
+                        await self._safe_teardown()
+                await self._sleep(delay)
+        finally:
+            await self._safe_teardown()
+
+    async def _safe_teardown(self) -> None:
+        try:
+            await asyncio.shield(self.teardown())
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            self.log.exception("duty_teardown_failed", duty=self.name)
+
+    async def _sleep(self, delay: float) -> None:
+        if self._wake.is_set():
+            self._wake.clear()
+            return
+        if delay <= 0:
+            await asyncio.sleep(0)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=delay)
+        self._wake.clear()

@@ -1,0 +1,559 @@
+"""Leader election on etcd: who may dispatch, and for how long it may believe it.
+
+States (``Election.state``)::
+
+    idle ──campaign()──▶ candidate ⇄ follower (watching another node's key)
+                             │ won the transaction
+                             ▼
+                        leader(term) ──hold() raises LeadershipLost──▶ lost
+                             └────────resign(term)─────────────────▶ idle
+
+A lost or idle election may ``campaign()`` again; every new term has a new epoch.
+
+**The key.** One key, ``<prefix>/leader``, holds the leader's node id (a contract:
+operators and tests read it) and is attached to the leader's etcd lease, so it vanishes
+when the lease does. A candidate takes it with one transaction: *if the key's
+create_revision is 0 (absent), put it with my lease, else read it*. etcd applies
+transactions one at a time, so at most one candidate creates each incarnation of the key.
+
+**Terms and epochs.** The winner's *epoch* is the create_revision of the key it created.
+Revisions come from etcd's single, strictly increasing counter, so every later
+incarnation has a larger epoch: it is the fencing token the leader writes to
+PostgreSQL. A ``Term`` (epoch, lease id, node id) scopes everything a leader does:
+``hold(term)`` renews only that term's lease and checks that the key is still that
+incarnation (create_revision == epoch); ``resign(term)`` deletes the key only if its
+create_revision is still the epoch, so a late resign can never remove a newer leader.
+
+**Campaigning.** A candidate reads the key. If a leader exists it watches for the key's
+DELETE from the revision it read (nothing between the read and the watch is missed) and
+re-reads every TTL in case a stream broke silently. If the key is absent it grants a
+fresh lease and runs the transaction; a lost race revokes that lease at once (no lease
+is held while waiting). etcd errors are retried with jittered exponential back-off, on
+the next endpoint. A candidate never busy-loops: it waits on a watch, a back-off, or a
+call that has a deadline.
+
+**Our own old key.** The key may hold *our* node id on a lease we do not hold: a
+previous process with the same node id (a fast restart), or a transaction whose reply
+was lost. We never adopt it. We cannot prove its holder is gone — a paused process with
+the same node id would wake up holding the same epoch, and a fence cannot tell two
+holders of one epoch apart. We wait for that lease to expire (at most one TTL; a
+graceful shutdown resigns and avoids the wait) and win a new incarnation and epoch.
+
+**The trust window.** etcd expires a lease TTL seconds after it *processed* the last
+refresh, and it processed it after we *sent* it. So, clock rates being equal, the
+lease lives at least until ``sent_at + TTL``. The leader trusts its lease until
+``sent_at + TTL - safety_margin`` of the last successful refresh (monotonic clock): a
+slow reply shortens the window instead of stretching it, and a stale reply can neither
+move the deadline back nor past its own ``sent_at + TTL``. We ask etcd for the TTL
+rounded up to whole seconds (etcd TTLs are integers, and etcd may raise them to its
+minimum); the window uses the smaller of the configured and the granted TTL.
+The window opens when the lease is granted, so ``hold()`` must start as soon as
+``campaign()`` returns (it raises at once if the window already closed). It refreshes
+every TTL/3 (less if the margin is huge), so two refreshes can fail before the window
+closes, and it raises ``LeadershipLost`` when the window closes without a successful refresh,
+when etcd says the lease is gone (TTL <= 0), or when the key is gone or another
+incarnation. ``is_leader()``/``term_valid_until()`` let a duty check the window right
+before acting: fail closed.
+
+**Safety margin.** Default ``min(max(0.25, 0.2 * TTL), 2.0)`` (the same rule as
+``Settings.effective_safety_margin``). It covers what happens after the deadline is
+computed: event-loop stalls and the time to cancel duties (hundreds of ms on a loaded
+host) and clock-rate skew (ppm). Those do not grow with the TTL, hence the 2 s cap; the
+20 % keeps at least 80 % of the TTL usable.
+
+**Limits.** The window is the first line of defence, not the guarantee: CLOCK_MONOTONIC
+stops while a VM is suspended, and a process can stall between checking ``is_leader()``
+and committing. The database fence (``leader_fence``) is what makes a zombie harmless.
+
+**Connections.** Every call has a deadline (gRPC and ``asyncio.wait_for``). gRPC
+keepalive notices a frozen etcd under an idle watch in 5-7 s (a killed one at once, by
+the connection reset); a leader notices within TTL - margin either way. Endpoints are
+tried in turn; after any error the client is discarded (aetcd's watcher does not
+survive a failed stream) and the next endpoint gets a fresh channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
+
+import aetcd
+import grpc
+
+from scheduler.backoff import bounded_jitter
+from scheduler.clock import SYSTEM_CLOCK
+from scheduler.errors import ConfigError, DuetimeError, LeadershipLost, ServiceUnavailable
+from scheduler.log import get_logger
+
+__all__ = [
+    "GRPC_OPTIONS",
+    "Election",
+    "ElectionError",
+    "LeaderInfo",
+    "LeadershipLost",
+    "LeaseDeadline",
+    "Term",
+    "default_safety_margin",
+]
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+GRPC_OPTIONS: dict[str, int] = {
+    # etcd's default --grpc-keepalive-min-time is 5 s: pinging more often earns a GOAWAY
+    # "too_many_pings", which kills the watch stream (measured with 2 s).
+    "grpc.keepalive_time_ms": 6_000,
+    "grpc.keepalive_timeout_ms": 3_000,
+    # Without it grpcio 1.85 does not act on an unanswered keepalive ping (measured: a
+    # frozen etcd under an idle watch unnoticed for > 40 s; with it, 5-7 s).
+    "grpc.http2.ping_timeout_ms": 3_000,
+    # Default 2: an idle watch stream stops pinging after two pings, and a frozen etcd
+    # then goes unnoticed for good (measured: > 40 s). 0 = no limit.
+    "grpc.http2.max_pings_without_data": 0,
+    # etcd rejects pings on a connection without streams (PermitWithoutStream=false).
+    "grpc.keepalive_permit_without_calls": 0,
+    # A channel that saw etcd down must not back off for minutes once it is back.
+    "grpc.max_reconnect_backoff_ms": 1_000,
+}
+_ETCD_ERRORS: tuple[type[BaseException], ...] = (
+    aetcd.ClientError, grpc.RpcError, grpc.aio.BaseError, TimeoutError, OSError,
+)  # fmt: skip
+# etcd answered and said no: the connection is fine, keep it.
+_ANSWERS: tuple[type[BaseException], ...] = (
+    aetcd.InvalidArgumentError, aetcd.PreconditionFailedError, aetcd.RevisionCompactedError,
+)  # fmt: skip
+_CLOSE_TIMEOUT = 1.0
+
+
+class ElectionError(DuetimeError):
+    """The election API was used out of order (e.g. ``hold`` on a term that ended)."""
+
+
+class MonotonicClock(Protocol):
+    def monotonic(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Term:
+    """One leadership term. ``epoch`` is the fencing token."""
+
+    epoch: int
+    lease_id: int
+    node_id: str
+    elected_at: float  # clock.monotonic() when the campaign was won
+
+
+class LeaderInfo(NamedTuple):
+    node_id: str
+    epoch: int
+
+
+def default_safety_margin(ttl: float) -> float:
+    """The margin used when none is configured (see the module docstring)."""
+    return min(max(0.25, ttl * 0.2), 2.0)
+
+
+class LeaseDeadline:
+    """The trust window of one lease, as pure arithmetic on monotonic seconds."""
+
+    def __init__(self, ttl: float, safety_margin: float) -> None:
+        if ttl <= 0 or not 0 <= safety_margin < ttl:
+            raise ValueError(
+                f"need ttl > 0 and 0 <= safety_margin < ttl (got {ttl}, {safety_margin})"
+            )
+        self.ttl = ttl
+        self.safety_margin = safety_margin
+        self._valid_until: float | None = None
+
+    @property
+    def valid_until(self) -> float | None:
+        """Monotonic instant the lease stops being trusted; None before any refresh."""
+        return self._valid_until
+
+    def renewed(self, sent_at: float, granted_ttl: float | None = None) -> float | None:
+        """Record a successful refresh whose request was *sent* at ``sent_at``.
+
+        The window never shrinks (a stale reply is harmless) and never extends past
+        ``sent_at + min(ttl, granted_ttl) - safety_margin``.
+        """
+        ttl = self.ttl if granted_ttl is None else min(self.ttl, granted_ttl)
+        if ttl > 0:
+            candidate = sent_at + ttl - self.safety_margin
+            if self._valid_until is None or candidate > self._valid_until:
+                self._valid_until = candidate
+        return self._valid_until
+
+    def expired(self, now: float) -> bool:
+        return self._valid_until is None or now >= self._valid_until
+
+    def remaining(self, now: float) -> float:
+        return 0.0 if self._valid_until is None else max(0.0, self._valid_until - now)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (or ``http://host:port``, ``[::1]:2379``) to ``(host, port)``."""
+    text = endpoint.strip().removeprefix("http://").removeprefix("https://").rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"etcd endpoint {endpoint!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class Election:
+    """Campaign for, hold, and resign ``<prefix>/leader``. One instance per replica."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        prefix: str,
+        node_id: str,
+        ttl: float,
+        safety_margin: float | None = None,
+        call_timeout: float = 2.0,
+        clock: MonotonicClock | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ConfigError("at least one etcd endpoint is required")
+        if not node_id:
+            raise ConfigError("node_id must not be empty")
+        if call_timeout <= 0:
+            raise ConfigError(f"call_timeout must be > 0 (got {call_timeout})")
+        margin = default_safety_margin(ttl) if safety_margin is None else safety_margin
+        if ttl <= 0 or not 0 <= margin < ttl:
+            raise ConfigError(
+                f"need lease ttl > 0 and 0 <= safety margin < ttl (got {ttl}, {margin})"
+            )
+        self._endpoints = [parse_endpoint(e) for e in endpoints]
+        self.key = f"{prefix.rstrip('/')}/leader"
+        self._key = self.key.encode()
+        self.node_id = node_id
+        self.ttl = ttl
+        self.safety_margin = margin
+        self.etcd_ttl = max(1, math.ceil(ttl))
+        # TTL/3, but at least two attempts inside the window even with a huge margin.
+        self.renew_interval = min(ttl / 3, (ttl - margin) / 2)
+        self.call_timeout = call_timeout
+        self._clock: MonotonicClock = clock or SYSTEM_CLOCK
+        self._auth = (username, password)
+        self._rng = rng or random.Random()
+        self._client: aetcd.Client | None = None
+        self._endpoint_index = 0
+        self._term: Term | None = None
+        self._deadline: LeaseDeadline | None = None
+        self._lost: str | None = None
+        self.state = "idle"
+        """idle | candidate | follower (watching another's key) | leader | lost"""
+        self._log = log.bind(node_id=node_id, election_key=self.key)
+
+    # -- state a duty may check ------------------------------------------------------
+
+    @property
+    def term(self) -> Term | None:
+        return self._term
+
+    def is_leader(self) -> bool:
+        """True only inside the trust window of an unlost, unresigned term."""
+        return (
+            self._term is not None
+            and self._lost is None
+            and self._deadline is not None
+            and not self._deadline.expired(self._clock.monotonic())
+        )
+
+    def term_valid_until(self) -> float | None:
+        """Monotonic instant the current term stops being trusted; None if not leader."""
+        return self._deadline.valid_until if self.is_leader() and self._deadline else None
+
+    # -- campaign ---------------------------------------------------------------------
+
+    async def campaign(self) -> Term:
+        """Return once this node is leader. Waits on watches; retries etcd errors forever."""
+        if self._term is not None and self._lost is None:
+            raise ElectionError(f"already leader in epoch {self._term.epoch}; resign first")
+        failures = 0
+        cap = min(5.0, max(1.0, self.ttl / 2))
+        while True:
+            try:
+                term = await self._campaign_once()
+            except _ETCD_ERRORS as exc:
+                failures += 1
+                delay = bounded_jitter(failures, base=0.1, cap=cap, rng=self._rng)
+                self._log.warning(
+                    "election_etcd_error", op="campaign", attempt=failures,
+                    error=_describe(exc), retry_in=round(delay, 3),
+                )  # fmt: skip
+                await asyncio.sleep(delay)
+                continue
+            if term is not None:
+                return term
+            failures = 0
+
+    async def _campaign_once(self) -> Term | None:
+        self.state = "candidate"
+        current = await self._call(lambda c: c.get(self._key))
+        if current is None:
+            return await self._try_acquire()
+        self._note_holder(current)
+        await self._wait_for_vacancy(current.header.revision)
+        return None
+
+    async def _try_acquire(self) -> Term | None:
+        sent_at = self._clock.monotonic()
+        lease = await self._call(lambda c: c.lease(self.etcd_ttl))
+        try:
+            won, responses = await self._call(
+                lambda c: c.transaction(
+                    compare=[c.transactions.create(self._key) == 0],
+                    success=[
+                        c.transactions.put(self._key, self.node_id.encode(), lease=lease.id),
+                        c.transactions.get(self._key),
+                    ],
+                    failure=[c.transactions.get(self._key)],
+                )
+            )
+        except BaseException:
+            await self._revoke_quietly(lease.id)  # if the put landed unseen, this undoes it
+            raise
+        if not won:
+            await self._revoke_quietly(lease.id)
+            holders = responses[0] if responses else []
+            if holders:
+                _, holder = holders[0]
+                self._note_holder(holder)
+                await self._wait_for_vacancy(holder.header.revision)
+            return None
+        _, kv = responses[1][0]
+        deadline = LeaseDeadline(self.ttl, self.safety_margin)
+        deadline.renewed(sent_at, lease.ttl)
+        term = Term(kv.create_revision, lease.id, self.node_id, self._clock.monotonic())
+        self._term, self._deadline, self._lost = term, deadline, None
+        self.state = "leader"
+        self._log.info(
+            "leadership_acquired", epoch=term.epoch, lease_id=term.lease_id,
+            granted_ttl=lease.ttl, trusted_for=round(deadline.remaining(term.elected_at), 3),
+        )  # fmt: skip
+        return term
+
+    def _note_holder(self, kv: Any) -> None:
+        self.state = "follower"
+        holder = bytes(kv.value).decode(errors="replace")
+        if holder == self.node_id:
+            self._log.warning(
+                "election_key_held_by_old_lease_of_ours", epoch=kv.create_revision,
+                lease_id=kv.lease, note="not adopted; waiting for that lease to expire",
+            )  # fmt: skip
+        else:
+            self._log.info("election_follower", leader=holder, epoch=kv.create_revision)
+
+    async def _wait_for_vacancy(self, read_revision: int) -> None:
+        """Return when the key was deleted after ``read_revision``, or after one TTL."""
+        client = self._get_client()
+        watch = None
+        try:
+            watch = await asyncio.wait_for(
+                client.watch(
+                    self._key, start_revision=read_revision + 1, kind=aetcd.EventKind.DELETE
+                ),
+                self.call_timeout,
+            )
+            async with asyncio.timeout(self.ttl):  # re-check even if a stream dies silently
+                async for _event in watch:
+                    return
+        except aetcd.RevisionCompactedError:
+            return  # history is gone: re-read the key instead
+        except TimeoutError as exc:
+            if watch is None:
+                await self._discard(client, exc)
+                raise
+            return
+        except _ETCD_ERRORS as exc:
+            await self._discard(client, exc)
+            raise
+        finally:
+            if watch is not None:  # cleanup only: the client may already be closed
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(watch.cancel(), self.call_timeout)
+
+    # -- hold -------------------------------------------------------------------------
+
+    async def hold(self, term: Term) -> NoReturn:
+        """Keep ``term`` alive until it cannot be proven; then raise ``LeadershipLost``."""
+        deadline = self._deadline_of(term)
+        interval = self.renew_interval
+        failures = 0
+        while True:
+            sent_at = self._clock.monotonic()
+            if term != self._term:
+                raise self._lose(term, "resigned")
+            if deadline.expired(sent_at):
+                raise self._lose(term, "lease_unconfirmed", failed_renewals=failures)
+            try:
+                granted, kv = await self._renew(
+                    term, min(self.call_timeout, deadline.remaining(sent_at))
+                )
+            except _ETCD_ERRORS as exc:
+                failures += 1
+                remaining = deadline.remaining(self._clock.monotonic())
+                self._log.warning(
+                    "lease_renew_failed", epoch=term.epoch, attempt=failures,
+                    error=_describe(exc), trust_remaining=round(remaining, 3),
+                )  # fmt: skip
+                await asyncio.sleep(
+                    min(bounded_jitter(failures, base=0.05, cap=interval, rng=self._rng), remaining)
+                )
+                continue
+            if granted <= 0:
+                raise self._lose(term, "lease_expired")
+            if kv is None:
+                raise self._lose(term, "key_deleted")
+            if (kv.create_revision, kv.lease, bytes(kv.value)) != (
+                term.epoch,
+                term.lease_id,
+                self.node_id.encode(),
+            ):
+                raise self._lose(
+                    term, "key_replaced", holder=bytes(kv.value).decode(errors="replace"),
+                    holder_epoch=kv.create_revision,
+                )  # fmt: skip
+            deadline.renewed(sent_at, granted)
+            if failures:
+                self._log.info("lease_renew_recovered", epoch=term.epoch, after_attempts=failures)
+            failures = 0
+            await asyncio.sleep(max(0.0, sent_at + interval - self._clock.monotonic()))
+
+    async def _renew(self, term: Term, budget: float) -> tuple[int, Any]:
+        """Refresh the lease, then read the key: ``(granted ttl, key or None)``."""
+        client = self._get_client()
+        try:
+            async with asyncio.timeout(budget):
+                reply = await client.refresh_lease(term.lease_id)
+                if reply is None:
+                    raise aetcd.ClientError("lease keepalive stream closed without a reply")
+                if reply.TTL <= 0:
+                    return int(reply.TTL), None
+                return int(reply.TTL), await client.get(self._key)
+        except _ETCD_ERRORS as exc:
+            await self._discard(client, exc)
+            raise
+
+    def _deadline_of(self, term: Term) -> LeaseDeadline:
+        if term != self._term or self._deadline is None:
+            raise ElectionError(f"term {term.epoch} is not this election's current term")
+        if self._lost is not None:
+            raise LeadershipLost(self._lost)
+        return self._deadline
+
+    def _lose(self, term: Term, reason: str, **details: Any) -> LeadershipLost:
+        if term == self._term:
+            self._lost = reason
+            self.state = "lost"
+        self._log.warning("leadership_lost", epoch=term.epoch, reason=reason, **details)
+        return LeadershipLost(reason)
+
+    # -- resign -----------------------------------------------------------------------
+
+    async def resign(self, term: Term) -> None:
+        """Give up ``term`` now: stop trusting it, delete the key if still ours, revoke
+        the lease. Each step is bounded by the call timeout; etcd being down is logged,
+        never raised (the lease then simply expires)."""
+        if term == self._term:
+            self._term, self._deadline, self._lost = None, None, None
+            self.state = "idle"
+        deleted = False
+        try:
+            deleted, _ = await self._call(
+                lambda c: c.transaction(
+                    compare=[c.transactions.create(self._key) == term.epoch],
+                    success=[c.transactions.delete(self._key)],
+                    failure=[],
+                )
+            )
+        except _ETCD_ERRORS as exc:
+            self._log.warning("resign_delete_failed", epoch=term.epoch, error=_describe(exc))
+        await self._revoke_quietly(term.lease_id)
+        self._log.info("leadership_resigned", epoch=term.epoch, key_deleted=deleted)
+
+    async def _revoke_quietly(self, lease_id: int) -> None:
+        try:
+            await self._call(lambda c: c.revoke_lease(lease_id))
+        except _ETCD_ERRORS as exc:  # "not found" included: the lease is gone either way
+            self._log.info("lease_revoke_failed", lease_id=lease_id, error=_describe(exc))
+
+    # -- queries ----------------------------------------------------------------------
+
+    async def current_leader(self) -> LeaderInfo | None:
+        """The leader's node id and epoch as etcd sees it now, or None (one bounded get).
+
+        Raises ``ServiceUnavailable`` when etcd cannot answer in time."""
+        try:
+            kv = await self._call(lambda c: c.get(self._key))
+        except _ETCD_ERRORS as exc:
+            raise ServiceUnavailable(f"etcd did not answer: {_describe(exc)}") from exc
+        if kv is None:
+            return None
+        return LeaderInfo(bytes(kv.value).decode(errors="replace"), kv.create_revision)
+
+    # -- connection -------------------------------------------------------------------
+
+    def _get_client(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = self._endpoints[self._endpoint_index]
+            username, password = self._auth
+            self._client = aetcd.Client(
+                host=host, port=port, username=username, password=password,
+                timeout=self.call_timeout, options=dict(GRPC_OPTIONS),
+            )  # fmt: skip
+        return self._client
+
+    async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """Run one bounded etcd call; on failure drop the client and move endpoints."""
+        client = self._get_client()
+        try:
+            return await asyncio.wait_for(op(client), self.call_timeout)
+        except _ETCD_ERRORS as exc:
+            await self._discard(client, exc)
+            raise
+
+    async def _discard(self, client: aetcd.Client, error: BaseException) -> None:
+        """Drop ``client`` after ``error`` unless etcd merely answered "no"."""
+        if isinstance(error, _ANSWERS) or "not found" in str(error):
+            return
+        if client is self._client:
+            self._client = None
+            self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
+        await _close_client(client)
+
+    async def close(self) -> None:
+        """Close the etcd connection. Does not resign: call ``resign(term)`` first."""
+        client, self._client = self._client, None
+        if client is not None:
+            await _close_client(client)
+
+    async def __aenter__(self) -> Election:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _close_client(client: aetcd.Client) -> None:
+    channel = client.channel
+    try:
+        await asyncio.wait_for(client.close(), _CLOSE_TIMEOUT)
+    except Exception:  # a half-broken watcher must not keep the channel open
+        if channel is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(channel.close(), _CLOSE_TIMEOUT)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,68 @@
+"""Every Prometheus metric duetime exposes, defined once (names are part of what
+operators alert on; docs/operations.md explains each).
+
+Buckets span 1 ms … 60 s: a scheduler's lags live from milliseconds (idle) to tens
+of seconds (storms, failover).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LAG_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+IS_LEADER = Gauge("duetime_is_leader", "1 while this replica holds leadership")
+LEADER_EPOCH = Gauge("duetime_leader_epoch", "epoch (fencing token) of the current term")
+LEADER_TRANSITIONS = Counter(
+    "duetime_leader_transitions_total", "leadership gained or lost, by reason", ["reason"]
+)
+JOBS_CLAIMED = Counter("duetime_jobs_claimed_total", "jobs claimed for dispatch", ["queue"])
+JOBS_PUBLISHED = Counter(
+    "duetime_jobs_published_total", "jobs published and confirmed by RabbitMQ", ["queue"]
+)
+PUBLISH_FAILURES = Counter(
+    "duetime_publish_failures_total", "publishes not confirmed (jobs returned to pending)"
+)
+DISPATCH_LAG = Histogram(
+    "duetime_dispatch_lag_seconds", "dispatched_at minus run time", buckets=LAG_BUCKETS
+)
+FIRE_LAG = Histogram(
+    "duetime_fire_lag_seconds", "handler start minus run time (workers)", buckets=LAG_BUCKETS
+)
+JOBS_FINISHED = Counter(
+    "duetime_jobs_finished_total",
+    "deliveries finished, by task and outcome (succeeded, retried, dead, skipped)",
+    ["task", "outcome"],
+)
+JOB_DURATION = Histogram(
+    "duetime_job_duration_seconds", "handler run time", ["task"], buckets=LAG_BUCKETS
+)
+RECONCILED = Counter("duetime_reconciled_total", "stalled dispatched jobs re-published")
+BACKLOG = Gauge("duetime_backlog_jobs", "pending jobs whose run time has passed")
+SCHEDULE_FIRES = Counter("duetime_schedule_fires_total", "fire times materialized as jobs")
+SCHEDULE_MISFIRES = Counter(
+    "duetime_schedule_misfires_total", "fire times missed (skipped or caught up)", ["policy"]
+)
+EVENT_LOOP_LAG = Histogram(
+    "duetime_event_loop_lag_seconds", "asyncio event loop scheduling delay", buckets=LAG_BUCKETS
+)
+DUTY_FAILURES = Counter("duetime_duty_failures_total", "leader duty passes that raised", ["duty"])
+MALFORMED_MESSAGES = Counter(
+    "duetime_malformed_messages_total", "messages dead-lettered as unparseable"
+)

@@ -1,0 +1,356 @@
+"""Publishing job messages to RabbitMQ with confirms, many in flight (DESIGN §5).
+
+A ``Publisher`` owns one robust connection and one channel opened with publisher
+confirms and ``on_return_raises=True``; every message goes through the default
+exchange with ``mandatory=True``, so each publish ends in exactly one of:
+
+- **confirmed** — the broker acked it: the message is in a durable quorum queue;
+- **nack** — the broker refused it (``DeliveryError``);
+- **returned** — no queue took it, e.g. the queue was deleted under us
+  (``PublishError``); the queue is forgotten and re-declared before the next publish;
+- **timeout** — no answer within the batch deadline (the message may still arrive);
+- **connection** — the channel or connection went away while it was in flight.
+
+Only confirmed jobs may be marked dispatched. A job in any other outcome stays pending
+and is claimed again; if its message did reach a queue after all, the worker's ledger
+absorbs the duplicate (at-least-once, DESIGN §1.2).
+
+Throughput comes from having a whole batch in flight: awaiting each confirm in turn caps
+at ~1k msg/s, a batch of 500 outstanding publishes at several thousand. The batch shares
+one deadline (``publish_timeout``), which also bounds how long the dispatcher's claim
+transaction, and any worker waiting on its row locks, can last.
+
+Backpressure: ``throttle_delay()`` is how long the caller should wait before the next
+batch — non-zero while RabbitMQ has blocked the connection (a resource alarm:
+publishes would only sit in socket buffers and time out) or while recent batches came
+close to the deadline (publish latency growing). aio-pika does not expose
+``connection.blocked``/``unblocked`` as callbacks; aiormq tracks them in a private
+event, read here defensively (absent in another aiormq version → latency alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection, DeliveryMode
+
+from scheduler import broker
+from scheduler.config import Settings
+from scheduler.errors import DuetimeError
+from scheduler.log import get_logger
+from scheduler.messages import CONTENT_TYPE, JobMessage
+from scheduler.rows import ClaimedJob
+
+log = get_logger(__name__)
+
+DEFAULT_PUBLISH_TIMEOUT = 5.0
+DEFAULT_RECONNECT_INTERVAL = 1.0
+#: A batch that used more than this share of ``publish_timeout`` counts as slow.
+SLOW_BATCH_FRACTION = 0.5
+#: Longest pause ``throttle_delay`` asks for because of latency.
+MAX_THROTTLE = 2.0
+#: How often a caller re-checks a blocked connection.
+BLOCKED_RECHECK = 0.25
+
+OUTCOMES = ("nack", "returned", "timeout", "connection", "declare", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class PublishFailure:
+    job: ClaimedJob
+    reason: str  # one of OUTCOMES
+    detail: str
+
+
+@dataclass(slots=True)
+class PublishResult:
+    confirmed: list[ClaimedJob] = field(default_factory=list)
+    failed: list[PublishFailure] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def failures_by_reason(self) -> dict[tuple[str, str], list[int]]:
+        """{(reason, queue): [job ids]} — what error logs report."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        for failure in self.failed:
+            groups.setdefault((failure.reason, failure.job.queue), []).append(failure.job.id)
+        return groups
+
+
+def build_message(job: ClaimedJob, epoch: int) -> aio_pika.Message:
+    """The contract message for one job: JSON body, ``message_id`` ``<job_id>:<attempt>``."""
+    body = JobMessage(
+        job_id=job.id,
+        due_at=job.due_at,
+        attempt=job.attempt,
+        task=job.task,
+        payload=job.payload,
+        idempotency_key=job.idempotency_key,
+        epoch=epoch,
+    ).encode()
+    return aio_pika.Message(
+        body,
+        delivery_mode=DeliveryMode.PERSISTENT,
+        message_id=f"{job.id}:{job.attempt}",
+        content_type=CONTENT_TYPE,
+        type=job.task,
+        app_id="duetime",
+    )
+
+
+def publish_timeout_for(settings: Settings) -> float:
+    """The batch deadline for a scheduler: at most ``DEFAULT_PUBLISH_TIMEOUT``, the AMQP
+    timeout, and half the lease TTL. The claim transaction is idle while it waits for
+    confirms, and the replica sets ``idle_in_transaction_session_timeout`` to about one
+    TTL: a batch must finish well before PostgreSQL would end the session."""
+    return min(DEFAULT_PUBLISH_TIMEOUT, settings.amqp_timeout, settings.lease_ttl / 2)
+
+
+def _classify(exc: BaseException) -> str:
+    if isinstance(exc, aiormq.exceptions.PublishError):
+        return "returned"
+    if isinstance(exc, aiormq.exceptions.DeliveryError):
+        return "nack"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, asyncio.CancelledError):  # a confirm future cancelled by a closing channel
+        return "connection"
+    if isinstance(
+        exc,
+        aiormq.exceptions.AMQPError
+        | aiormq.exceptions.ChannelInvalidStateError
+        | ConnectionError
+        | OSError,
+    ):
+        return "connection"
+    return "error"
+
+
+class Publisher:
+    """One confirmed channel, the queues declared on it, and the latency it sees."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        delivery_limit: int,
+        publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
+        connect_timeout: float = 10.0,
+        reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
+        name: str = "duetime-publisher",
+    ) -> None:
+        if publish_timeout <= 0:
+            raise ValueError("publish_timeout must be > 0")
+        self.url = url
+        self.delivery_limit = delivery_limit
+        self.publish_timeout = publish_timeout
+        self.connect_timeout = connect_timeout
+        self.reconnect_interval = reconnect_interval
+        self.name = name
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._declared: set[str] = set()
+        self._pressure = 0.0  # EWMA of batch time / publish_timeout
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, name: str, **overrides: Any) -> Publisher:
+        kwargs: dict[str, Any] = {
+            "delivery_limit": settings.delivery_limit,
+            "publish_timeout": publish_timeout_for(settings),
+            "connect_timeout": settings.amqp_timeout,
+            "name": f"{name}:{settings.node_id}",
+        }
+        kwargs.update(overrides)
+        return cls(settings.amqp_url, **kwargs)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def open(self) -> Publisher:
+        if self._connection is not None:
+            return self
+        connection = await broker.connect(
+            self.url,
+            timeout=self.connect_timeout,
+            name=self.name,
+            reconnect_interval=self.reconnect_interval,
+        )
+        try:
+            channel = connection.channel(publisher_confirms=True, on_return_raises=True)
+            await asyncio.wait_for(channel.initialize(), self.connect_timeout)
+        except BaseException:
+            await connection.close()
+            raise
+        self._connection, self._channel = connection, channel
+        return self
+
+    async def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        self._declared.clear()
+        if connection is not None:
+            try:
+                await asyncio.wait_for(connection.close(), self.connect_timeout)
+            except Exception as exc:  # closing a dead connection must not fail teardown
+                log.warning("publisher_close_failed", error=repr(exc))
+
+    async def __aenter__(self) -> Publisher:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def channel(self) -> AbstractChannel:
+        if self._channel is None:
+            raise RuntimeError("publisher is not open")
+        return self._channel
+
+    # -- state -----------------------------------------------------------------------
+
+    @property
+    def blocked(self) -> bool:
+        """True while RabbitMQ has blocked this connection (memory/disk alarm)."""
+        connection = self._connection
+        transport = getattr(connection, "transport", None) if connection else None
+        underlay = getattr(transport, "connection", None)
+        unblocked = getattr(underlay, "_Connection__connection_unblocked", None)
+        return isinstance(unblocked, asyncio.Event) and not unblocked.is_set()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._channel is not None and not self._channel.is_closed
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the channel to be usable (after a reconnect)."""
+        if self._channel is None:
+            return False
+        if not self._channel.is_closed:
+            return True
+        ready = getattr(self._channel, "ready", None)
+        if ready is None:
+            return False
+        try:
+            await asyncio.wait_for(ready(), timeout)
+        except TimeoutError:
+            return False
+        return not self._channel.is_closed
+
+    @property
+    def pressure(self) -> float:
+        """Recent batch time as a share of ``publish_timeout`` (smoothed)."""
+        return self._pressure
+
+    def throttle_delay(self) -> float:
+        """Seconds to wait before publishing the next batch (0: go ahead)."""
+        if self.blocked:
+            return BLOCKED_RECHECK
+        if self._pressure > SLOW_BATCH_FRACTION:
+            return min(MAX_THROTTLE, self._pressure * self.publish_timeout)
+        return 0.0
+
+    def should_throttle(self) -> bool:
+        return self.throttle_delay() > 0
+
+    def _record(self, seconds: float, timed_out: bool) -> None:
+        if timed_out:  # the deadline was hit: back off at once
+            self._pressure = 1.0
+        else:
+            self._pressure = 0.5 * self._pressure + 0.5 * seconds / self.publish_timeout
+
+    # -- topology --------------------------------------------------------------------
+
+    async def ensure_queue(self, queue: str) -> None:
+        """Declare ``duetime.<queue>`` once per publisher (until it is forgotten)."""
+        if queue in self._declared:
+            return
+        await asyncio.wait_for(
+            broker.declare_job_queue(self.channel, queue, delivery_limit=self.delivery_limit),
+            self.connect_timeout,
+        )
+        self._declared.add(queue)
+
+    def forget_queue(self, queue: str) -> None:
+        """Re-declare ``queue`` before its next publish (it was deleted or returned)."""
+        self._declared.discard(queue)
+
+    async def ready_messages(self, queue: str) -> int | None:
+        """Messages waiting in ``duetime.<queue>`` (declares it); None when unknown."""
+        try:
+            underlay = await asyncio.wait_for(
+                self.channel.get_underlay_channel(), self.connect_timeout
+            )
+            ok = await underlay.queue_declare(
+                broker.queue_name(queue),
+                durable=True,
+                arguments=broker.job_queue_arguments(self.delivery_limit),
+                timeout=self.connect_timeout,
+            )
+        except (aiormq.exceptions.AMQPError, TimeoutError, ConnectionError, RuntimeError) as exc:
+            log.warning("queue_depth_unknown", queue=queue, error=repr(exc))
+            return None
+        count = getattr(ok, "message_count", None)
+        return int(count) if count is not None else None
+
+    # -- publishing ------------------------------------------------------------------
+
+    async def publish(self, jobs: Sequence[ClaimedJob], epoch: int) -> PublishResult:
+        """Publish every job with its confirm in flight at once; report each outcome.
+
+        Never raises for a per-message failure: the result says which jobs were
+        confirmed and why the others were not.
+        """
+        result = PublishResult()
+        if not jobs:
+            return result
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.publish_timeout
+
+        sendable: list[ClaimedJob] = []
+        broken: dict[str, str] = {}
+        for queue in sorted({job.queue for job in jobs}):
+            try:
+                await self.ensure_queue(queue)
+            except (DuetimeError, aiormq.exceptions.AMQPError, TimeoutError, RuntimeError) as exc:
+                broken[queue] = f"{type(exc).__name__}: {exc}"
+                # RabbitMQ closes the channel on a refused declare; the robust channel
+                # reopens it, and nothing else may use it before that
+                await self.wait_ready(max(0.0, deadline - loop.time()))
+        for job in jobs:
+            if job.queue in broken:
+                result.failed.append(PublishFailure(job, "declare", broken[job.queue]))
+            else:
+                sendable.append(job)
+
+        outcomes = await asyncio.gather(
+            *(self._publish_one(job, epoch, deadline) for job in sendable),
+            return_exceptions=True,
+        )
+        returned: set[str] = set()
+        for job, outcome in zip(sendable, outcomes, strict=True):
+            if outcome is None:
+                result.confirmed.append(job)
+                continue
+            reason = _classify(outcome)
+            if reason == "returned":
+                returned.add(job.queue)
+            result.failed.append(
+                PublishFailure(job, reason, f"{type(outcome).__name__}: {outcome}")
+            )
+        for queue in returned:
+            self.forget_queue(queue)
+        result.seconds = time.monotonic() - started
+        self._record(result.seconds, any(f.reason == "timeout" for f in result.failed))
+        return result
+
+    async def _publish_one(self, job: ClaimedJob, epoch: int, deadline: float) -> None:
+        """Publish one job and wait for its confirm; raises what went wrong."""
+        message = build_message(job, epoch)
+        async with asyncio.timeout_at(deadline):
+            await self.channel.default_exchange.publish(
+                message, routing_key=broker.queue_name(job.queue), mandatory=True
+            )

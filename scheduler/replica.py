@@ -1,0 +1,471 @@
+"""The replica: the glue between the etcd election and the leader's duties (DESIGN §4).
+
+``election.py`` decides *whether* this process may lead; this module decides *what
+runs* while it does. Each transition is logged with ``node_id`` and ``epoch``::
+
+    campaigning ──won──▶ elected ──fence advanced──▶ leading (duties run)
+         ▲                  │ fence ahead/error          │ hold() lost the lease, a duty
+         │                  ▼                            ▼ ended (Fenced, ...), or stop
+         └──── resigned ◀── stepping_down ◀──────────────┘
+
+Rules, and why:
+
+- **Fence first.** Duties start only after ``leader_fence`` holds our epoch. If the
+  fence already holds a newer one, a newer leader exists (or the etcd cluster was
+  rebuilt and its revisions restarted: ``fence_ahead`` says so): we resign instead of
+  acting. While the fence update waits for a paused predecessor's open transaction
+  (PostgreSQL kills it after ``idle_in_transaction_session_timeout`` ≈ TTL, set on our
+  pool), ``hold()`` already renews the lease.
+- **Watch everything, fail closed.** ``hold()`` and every duty's task are awaited
+  together; whichever ends first ends the term: a lost lease, a duty that saw
+  ``Fenced``/``LeadershipLost``, or a duty task that died for any other reason (a duty
+  must never be dead while the replica still claims leadership; passes that raise are
+  retried inside the duty, with back-off, and never end its task).
+- **Stop duties before anything else.** On every step-down all duties are stopped and
+  their cleanup awaited (bounded) before metrics change and before resigning, so once
+  ``resigned`` is logged nothing of that term still runs here.
+- **Resign whenever possible.** Deleting the key (if still ours) lets a standby win at
+  once instead of waiting for the lease to expire; SIGTERM handover relies on it.
+- **No flapping.** A term shorter than one TTL counts as a failure; consecutive ones
+  delay the next campaign with jittered back-off (e.g. a fence that is ahead).
+
+The duty list comes from a factory called once per replica with a ``ReplicaContext``
+(pool, settings, clock, node id, fence), so ``duetime scheduler`` passes
+``scheduler.duties.default_duties`` and tests pass whatever they need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import structlog
+
+from scheduler import db
+from scheduler.backoff import bounded_jitter
+from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.config import Settings
+from scheduler.duty import LeaderTerm, LoopDuty
+from scheduler.election import Election, Term
+from scheduler.errors import Fenced, LeadershipLost
+from scheduler.fence import FenceStore
+from scheduler.log import get_logger
+from scheduler.metrics import IS_LEADER, LEADER_EPOCH, LEADER_TRANSITIONS
+
+__all__ = [
+    "STEP_DOWN_REASONS",
+    "DutiesFactory",
+    "Replica",
+    "ReplicaContext",
+    "Transition",
+    "recampaign_delay",
+    "term_end_reason",
+]
+
+log = get_logger(__name__)
+
+# Bounded label values of duetime_leader_transitions_total{reason}; "elected" counts gains.
+STEP_DOWN_REASONS = ("stopped", "lease_lost", "fenced", "fence_error", "duty_exited", "error")
+POOL_SIZE = 10
+DUTY_STOP_TIMEOUT = 10.0  # a duty whose cleanup takes longer is abandoned (and logged)
+CLOSE_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class ReplicaContext:
+    """What a duty may use: built once per replica, shared by every duty it runs."""
+
+    settings: Settings
+    pool: asyncpg.Pool
+    fence: FenceStore
+    clock: Clock
+    node_id: str
+    is_leader: Callable[[], bool]
+    """True only inside the lease's trust window; check right before acting (fail closed)."""
+
+
+DutiesFactory = Callable[[ReplicaContext], Sequence[LoopDuty]]
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One logged state change, kept in ``Replica.transitions`` for tests and status."""
+
+    event: str  # elected | leading | stepping_down | resigned
+    epoch: int
+    reason: str | None
+    at: float  # clock.monotonic()
+
+
+# -- pure decisions ----------------------------------------------------------------------
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def term_end_reason(
+    *,
+    hold: asyncio.Future[Any] | None,
+    duties: Mapping[str, asyncio.Future[Any]],
+    stopped: bool,
+) -> tuple[str, str]:
+    """Why a term ends, as ``(reason, detail)``, from the tasks that have finished.
+
+    ``reason`` is one of ``STEP_DOWN_REASONS`` (a metric label). A finished ``hold``
+    always means the lease can no longer be proven (even a bug in it: fail closed).
+    """
+    if hold is not None and hold.done():
+        if hold.cancelled():
+            return "lease_lost", "hold cancelled"
+        exc = hold.exception()
+        if isinstance(exc, LeadershipLost):
+            return "lease_lost", exc.reason
+        return "lease_lost", f"hold ended: {_describe(exc) if exc else 'returned'}"
+    for name, task in duties.items():
+        if not task.done():
+            continue
+        if task.cancelled():
+            return "duty_exited", f"{name}: cancelled"
+        exc = task.exception()
+        if isinstance(exc, Fenced):
+            return "fenced", f"{name}: {exc}"
+        if isinstance(exc, LeadershipLost):
+            return "lease_lost", f"{name}: {exc.reason}"
+        return "duty_exited", f"{name}: {_describe(exc) if exc else 'returned'}"
+    if stopped:
+        return "stopped", "stop requested"
+    raise ValueError("no term task has finished")
+
+
+def recampaign_delay(short_terms: int, ttl: float) -> float:
+    """Pause before campaigning again after ``short_terms`` consecutive terms that
+    lasted less than one TTL (0 after a healthy term)."""
+    if short_terms <= 0:
+        return 0.0
+    return bounded_jitter(short_terms, base=ttl / 4, cap=ttl * 4)
+
+
+# -- the replica -------------------------------------------------------------------------
+
+
+class Replica:
+    """One scheduler replica: campaigns, leads (duties), steps down, campaigns again."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        duties_factory: DutiesFactory,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        pool_size: int = POOL_SIZE,
+        duty_stop_timeout: float = DUTY_STOP_TIMEOUT,
+    ) -> None:
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.clock = clock
+        self._duties_factory = duties_factory
+        self._pool_size = pool_size
+        self._duty_stop_timeout = duty_stop_timeout
+        self._pool: asyncpg.Pool | None = None
+        self._election: Election | None = None
+        self._fence: FenceStore | None = None
+        self.duties: list[LoopDuty] = []
+        self.term: LeaderTerm | None = None  # set while leading (fence advanced, duties up)
+        self.transitions: deque[Transition] = deque(maxlen=200)
+        self._short_terms = 0
+        self._log = log.bind(node_id=self.node_id, epoch=None)
+
+    # -- public ----------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """Leading and still inside the lease's trust window."""
+        return (
+            self.term is not None and self._election is not None and self._election.is_leader()
+        )
+
+    @property
+    def election(self) -> Election | None:
+        return self._election
+
+    async def run_until_stopped(
+        self, stop: asyncio.Event, *, on_ready: Callable[[], None] | None = None
+    ) -> None:
+        """Campaign and lead until ``stop`` is set; then resign and close everything.
+
+        ``on_ready`` is called once the database pool is up and the duties are built
+        (systemd ``READY=1``). Raises ``ServiceUnavailable`` if PostgreSQL cannot be
+        reached at start.
+        """
+        with structlog.contextvars.bound_contextvars(node_id=self.node_id):
+            await self._open()
+            stop_waiter = asyncio.create_task(stop.wait(), name="replica:stop")
+            try:
+                if on_ready is not None:
+                    on_ready()
+                await self._run(stop, stop_waiter)
+            finally:
+                stop_waiter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stop_waiter
+                await self._close()
+
+    # -- setup and teardown -----------------------------------------------------------
+
+    async def _open(self) -> None:
+        settings = self.settings
+        # A paused (SIGSTOPped) leader's open transaction holds the fence row FOR SHARE;
+        # PostgreSQL ends such a session after about one TTL, so it cannot block the
+        # next leader's fence update for longer than that.
+        idle_ms = max(1000, int(settings.lease_ttl * 1000))
+        self._pool = await db.pool_from_settings(
+            settings,
+            max_size=self._pool_size,
+            server_settings={"idle_in_transaction_session_timeout": f"{idle_ms}ms"},
+        )
+        try:
+            self._fence = FenceStore(self._pool)
+            self._election = Election(
+                list(settings.etcd_endpoints),
+                settings.etcd_prefix,
+                self.node_id,
+                settings.lease_ttl,
+                settings.lease_safety_margin,
+                settings.etcd_timeout,
+                self.clock,
+                settings.etcd_username,
+                settings.etcd_password,
+            )
+            ctx = ReplicaContext(
+                settings=settings,
+                pool=self._pool,
+                fence=self._fence,
+                clock=self.clock,
+                node_id=self.node_id,
+                is_leader=self._election.is_leader,
+            )
+            self.duties = list(self._duties_factory(ctx))
+            names = [d.name for d in self.duties]
+            if len(set(names)) != len(names):
+                raise ValueError(f"duty names must be unique, got {names}")
+        except BaseException:
+            await self._close()
+            raise
+        self._log.info(
+            "replica_started",
+            duties=[d.name for d in self.duties],
+            election_key=self._election.key,
+            lease_ttl=settings.lease_ttl,
+        )
+
+    async def _close(self) -> None:
+        election, self._election = self._election, None
+        if election is not None:
+            try:
+                await asyncio.wait_for(election.close(), CLOSE_TIMEOUT)
+            except Exception as exc:
+                self._log.warning("election_close_failed", error=_describe(exc))
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), CLOSE_TIMEOUT)
+            except Exception as exc:
+                self._log.warning("pool_close_failed", error=_describe(exc))
+                pool.terminate()
+        self._log.info("replica_stopped")
+
+    # -- the election loop ------------------------------------------------------------
+
+    async def _run(self, stop: asyncio.Event, stop_waiter: asyncio.Task[Any]) -> None:
+        ttl = self.settings.lease_ttl
+        while not stop.is_set():
+            term = await self._campaign(stop_waiter)
+            if term is None:
+                return
+            started = self.clock.monotonic()
+            reason = await self._lead(term, stop_waiter)
+            if reason == "stopped" or stop.is_set():
+                return
+            lasted = self.clock.monotonic() - started
+            self._short_terms = 0 if lasted >= ttl else self._short_terms + 1
+            delay = recampaign_delay(self._short_terms, ttl)
+            if delay > 0:
+                self._log.info(
+                    "campaign_delayed", delay=round(delay, 3), short_terms=self._short_terms
+                )
+                await asyncio.wait({stop_waiter}, timeout=delay)
+
+    async def _campaign(self, stop_waiter: asyncio.Task[Any]) -> Term | None:
+        """Return the won term, or None once stop is requested (resigning a late win)."""
+        assert self._election is not None
+        election = self._election
+        self._log.info("campaigning")
+        failures = 0
+        while True:
+            task = asyncio.create_task(election.campaign(), name="election:campaign")
+            await asyncio.wait({task, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+            if task.cancelled():
+                return None
+            exc = task.exception()
+            if exc is None:
+                term = task.result()
+                if stop_waiter.done():  # won and asked to stop in the same instant
+                    await self._resign(term)
+                    return None
+                return term
+            # campaign() retries etcd errors itself: anything else is a bug; retry slowly
+            failures += 1
+            delay = bounded_jitter(failures, base=0.5, cap=self.settings.lease_ttl * 4)
+            self._log.error(
+                "campaign_failed", error=_describe(exc), retry_in=round(delay, 3), exc_info=exc
+            )
+            await asyncio.wait({stop_waiter}, timeout=delay)
+            if stop_waiter.done():
+                return None
+
+    async def _lead(self, term: Term, stop_waiter: asyncio.Task[Any]) -> str:
+        """One term, from the won campaign to the resignation. Returns the reason it ended."""
+        assert self._election is not None
+        epoch = term.epoch
+        tlog = self._log.bind(epoch=epoch)
+        with structlog.contextvars.bound_contextvars(epoch=epoch):
+            tlog.info("elected", lease_id=term.lease_id)
+            self._record("elected", epoch, None)
+            hold = asyncio.create_task(self._election.hold(term), name=f"election:hold:{epoch}")
+            running: list[LoopDuty] = []
+            reason, detail = "stopped", "cancelled"
+            try:
+                reason, detail = await self._advance_fence(term, hold, stop_waiter, tlog)
+                if not reason:
+                    running = self._start_duties(LeaderTerm(epoch, self.node_id), tlog)
+                    IS_LEADER.set(1)
+                    LEADER_EPOCH.set(epoch)
+                    LEADER_TRANSITIONS.labels("elected").inc()
+                    tlog.info("leading", duties=[d.name for d in running])
+                    self._record("leading", epoch, None)
+                    reason, detail = await self._watch(hold, running, stop_waiter)
+            except asyncio.CancelledError:
+                reason, detail = "stopped", "replica cancelled"
+                raise
+            except Exception as exc:  # a bug here must still end the term cleanly
+                tlog.exception("term_failed")
+                reason, detail = "error", _describe(exc)
+                raise
+            finally:
+                tlog.info("stepping_down", reason=reason, detail=detail)
+                self._record("stepping_down", epoch, reason)
+                await self._stop_duties(running, tlog)
+                if running:
+                    tlog.info("duties_stopped", reason=reason)
+                self.term = None
+                if running:
+                    IS_LEADER.set(0)
+                    LEADER_EPOCH.set(0)
+                LEADER_TRANSITIONS.labels(reason).inc()
+                hold.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await hold
+                await self._resign(term)
+                tlog.info("resigned", reason=reason)
+                self._record("resigned", epoch, reason)
+        return reason
+
+    async def _advance_fence(
+        self, term: Term, hold: asyncio.Task[Any], stop_waiter: asyncio.Task[Any], tlog: Any
+    ) -> tuple[str, str]:
+        """Raise the fence to our epoch while ``hold`` keeps the lease; ("", "") on success."""
+        assert self._fence is not None
+        fence = self._fence
+        # Long enough to outwait a paused predecessor's transaction (killed after ~TTL).
+        lock_timeout = self.settings.lease_ttl * 1.5 + 1.0
+        advance = asyncio.create_task(
+            fence.advance(term.epoch, self.node_id, lock_timeout=lock_timeout),
+            name=f"fence:advance:{term.epoch}",
+        )
+        await asyncio.wait({advance, hold, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not advance.done():
+            advance.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await advance
+            return term_end_reason(hold=hold, duties={}, stopped=stop_waiter.done())
+        if advance.cancelled() or advance.exception() is not None:
+            exc = advance.exception() if not advance.cancelled() else None
+            error = _describe(exc) if exc else "cancelled"
+            tlog.error("fence_advance_failed", error=error)
+            return "fence_error", error
+        if not advance.result():
+            fence_epoch: int | None = None
+            with contextlib.suppress(Exception):
+                fence_epoch = (await asyncio.wait_for(fence.read(), CLOSE_TIMEOUT)).epoch
+            tlog.error(
+                "fence_ahead",
+                fence_epoch=fence_epoch,
+                hint="a newer leader exists; if the etcd cluster was rebuilt (revisions "
+                "restarted), reset duetime.leader_fence.epoch to 0 with no scheduler running",
+            )
+            return "fenced", f"fence holds epoch {fence_epoch}"
+        tlog.info("fence_advanced")
+        return "", ""
+
+    def _start_duties(self, leader_term: LeaderTerm, tlog: Any) -> list[LoopDuty]:
+        running: list[LoopDuty] = []
+        for duty in self.duties:
+            try:
+                duty.start(leader_term)
+            except Exception:
+                tlog.exception("duty_start_failed", duty=duty.name)
+                continue  # its missing task is noticed by _watch: the term ends
+            running.append(duty)
+        self.term = leader_term
+        return running
+
+    async def _watch(
+        self, hold: asyncio.Task[Any], running: list[LoopDuty], stop_waiter: asyncio.Task[Any]
+    ) -> tuple[str, str]:
+        tasks: dict[str, asyncio.Future[Any]] = {}
+        for duty in self.duties:
+            task = duty.task if duty in running else None
+            if task is None:
+                return "duty_exited", f"{duty.name}: not running"
+            tasks[duty.name] = task
+        await asyncio.wait(
+            {hold, stop_waiter, *tasks.values()}, return_when=asyncio.FIRST_COMPLETED
+        )
+        return term_end_reason(hold=hold, duties=tasks, stopped=stop_waiter.done())
+
+    async def _stop_duties(self, running: list[LoopDuty], tlog: Any) -> None:
+        """Stop every duty and await its cleanup, concurrently, bounded per duty."""
+        if not running:
+            return
+
+        async def stop_one(duty: LoopDuty) -> None:
+            try:
+                await asyncio.wait_for(duty.stop(), self._duty_stop_timeout)
+            except TimeoutError:
+                tlog.error("duty_stop_timeout", duty=duty.name, timeout=self._duty_stop_timeout)
+            except Exception:
+                tlog.exception("duty_stop_failed", duty=duty.name)
+
+        await asyncio.gather(*(stop_one(d) for d in running))
+
+    async def _resign(self, term: Term) -> None:
+        assert self._election is not None
+        budget = self.settings.etcd_timeout * 3 + 1.0
+        try:
+            await asyncio.wait_for(self._election.resign(term), budget)
+        except Exception as exc:  # resign never raises on etcd trouble; bugs are logged
+            self._log.warning("resign_failed", epoch=term.epoch, error=_describe(exc))
+
+    def _record(self, event: str, epoch: int, reason: str | None) -> None:
+        self.transitions.append(Transition(event, epoch, reason, self.clock.monotonic()))

@@ -1,0 +1,86 @@
+-- The leader's dispatch path on duetime.jobs (DESIGN §5): claim, mark dispatched,
+-- probe the next run time, sample the backlog, and rescue stalled dispatched jobs.
+-- Run time = coalesce(run_at, due_at); every predicate on it is written exactly like the
+-- partial indexes' expressions so the planner uses them, and every statement that can
+-- also says `due_at <= now()` (true whenever the run time is due, because run_at is
+-- never earlier than due_at) so future partitions are pruned.
+
+-- name: claim
+-- Runs inside the dispatcher's fenced transaction. SKIP LOCKED: rows held by a concurrent
+-- claimer, a canceller or a worker (FOR KEY SHARE) are left for a later pass.
+SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key
+  FROM duetime.jobs
+ WHERE status = 'pending'
+   AND coalesce(run_at, due_at) <= now()
+   AND due_at <= now()
+ ORDER BY coalesce(run_at, due_at)
+ LIMIT $1
+   FOR UPDATE SKIP LOCKED;
+
+-- name: mark_dispatched
+-- Only the jobs RabbitMQ confirmed: $1 their ids, $2..$3 the smallest and largest of their
+-- due_at. Ids are unique (one sequence), so `id = ANY($1)` finds exactly them, and the
+-- due_at range prunes the scan to the partitions the batch lives in. Measured against
+-- joining `unnest($1, $2)` on (id, due_at): the join probes every partition per row
+-- (9.0 ms for 500 rows with 17 partitions, 20.7 ms for 1000), `= ANY` on both columns
+-- filters in O(n²) (10.9 / 25.6 ms); this form takes 6.2 / 12.8 ms. statement_timestamp()
+-- is after the confirms, so dispatched_at and the returned lag include publishing.
+UPDATE duetime.jobs AS j
+   SET status = 'dispatched', dispatched_at = statement_timestamp(), heartbeat_at = NULL,
+       dispatch_epoch = $4
+ WHERE j.id = ANY($1::bigint[])
+   AND j.due_at >= $2 AND j.due_at <= $3
+   AND j.status = 'pending'
+RETURNING j.id,
+          extract(epoch FROM statement_timestamp() - coalesce(j.run_at, j.due_at))::float8
+              AS lag;
+
+-- name: next_run_in
+-- Seconds from now until the earliest pending run time (negative when overdue, NULL when
+-- nothing is pending), computed on the database clock so host clock skew cannot make
+-- the dispatcher wake early or late. Plans as a Limit over the per-partition partial
+-- indexes (~0.2 ms).
+SELECT extract(epoch FROM min(coalesce(run_at, due_at)) - clock_timestamp())::float8
+  FROM duetime.jobs
+ WHERE status = 'pending';
+
+-- name: backlog
+-- Pending jobs whose run time has passed (sampled for the BACKLOG gauge, not per pass).
+SELECT count(*)
+  FROM duetime.jobs
+ WHERE status = 'pending'
+   AND coalesce(run_at, due_at) <= now()
+   AND due_at <= now();
+
+-- name: lock_stalled
+-- Reconciler, inside its fenced transaction: dispatched jobs with no sign of life for
+-- $1 seconds, except in the queues $3 (deferred: they still hold a backlog of messages).
+-- A job a worker is executing is locked FOR KEY SHARE by the worker's transaction, so
+-- SKIP LOCKED leaves it alone however long it runs.
+SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key,
+       dispatch_epoch,
+       extract(epoch FROM now() - coalesce(heartbeat_at, dispatched_at))::float8 AS silent_for
+  FROM duetime.jobs
+ WHERE status = 'dispatched'
+   AND coalesce(heartbeat_at, dispatched_at) < now() - make_interval(secs => $1)
+   AND due_at <= now()
+   AND queue <> ALL($3::text[])
+ ORDER BY coalesce(heartbeat_at, dispatched_at)
+ LIMIT $2
+   FOR UPDATE SKIP LOCKED;
+
+-- name: mark_redispatched
+-- Reconciler: the jobs it re-published and RabbitMQ confirmed start a new visibility
+-- window under this epoch (same arguments as mark_dispatched). heartbeat_at is cleared,
+-- or coalesce(heartbeat_at, dispatched_at) would keep pointing at the old sign of life.
+UPDATE duetime.jobs AS j
+   SET dispatched_at = statement_timestamp(), heartbeat_at = NULL, dispatch_epoch = $4
+ WHERE j.id = ANY($1::bigint[])
+   AND j.due_at >= $2 AND j.due_at <= $3
+   AND j.status = 'dispatched'
+RETURNING j.id;
+
+-- name: ping
+-- The dispatcher's LISTEN connection proves it is still alive (a half-open TCP
+-- connection delivers no notifications and no error until traffic crosses it).
+SELECT 1;

@@ -1,0 +1,63 @@
+-- The worker's side of duetime.jobs and duetime.job_ledger (DESIGN §6).
+-- Every statement matches (id, due_at): the pair is the primary key, and due_at (carried
+-- in the message) prunes the lookup to one partition. Outcome updates also match
+-- status = 'dispatched' AND attempt = $3, so a stale or duplicate delivery can never
+-- overwrite a newer attempt's outcome.
+
+-- name: lock_job
+-- First statement of every delivery's transaction. FOR KEY SHARE waits for the
+-- dispatcher's claim transaction (it publishes before it commits), so the worker sees
+-- the claim's committed outcome; held while the handler runs, it makes the reconciler's
+-- FOR UPDATE SKIP LOCKED leave an executing job alone, while heartbeats (FOR NO KEY
+-- UPDATE) do not conflict with it.
+SELECT status, attempt, max_attempts, queue, idempotency_key,
+       coalesce(run_at, due_at) AS run_time
+  FROM duetime.jobs
+ WHERE id = $1 AND due_at = $2
+   FOR KEY SHARE;
+
+-- name: insert_ledger
+-- Returns a row only when this delivery is the first to complete the key; a concurrent
+-- duplicate blocks on the primary key until the first transaction ends.
+INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task, worker)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING 1;
+
+-- name: mark_succeeded
+-- Also settles a duplicate whose key the ledger already holds. last_error is kept: it
+-- says why earlier attempts failed.
+UPDATE duetime.jobs
+   SET status = 'succeeded', finished_at = now()
+ WHERE id = $1 AND due_at = $2 AND status = 'dispatched' AND attempt = $3
+RETURNING 1;
+
+-- name: schedule_retry
+-- Back to pending with the next attempt, runnable after $4 seconds (never before due_at,
+-- the table's CHECK). dispatched_at/heartbeat_at are cleared so the reconciler's
+-- "no sign of life" clock starts again at the next dispatch.
+UPDATE duetime.jobs
+   SET status = 'pending', attempt = attempt + 1,
+       run_at = greatest(now() + make_interval(secs => $4::float8), due_at),
+       last_error = $5, dispatched_at = NULL, heartbeat_at = NULL, dispatch_epoch = NULL
+ WHERE id = $1 AND due_at = $2 AND status = 'dispatched' AND attempt = $3
+RETURNING run_at;
+
+-- name: mark_dead
+UPDATE duetime.jobs
+   SET status = 'dead', finished_at = now(), last_error = $4, heartbeat_at = NULL
+ WHERE id = $1 AND due_at = $2 AND status = 'dispatched' AND attempt = $3
+RETURNING 1;
+
+-- name: notify
+-- Wakes the dispatcher for a retry that may be due before its next planned wake-up.
+SELECT pg_notify('duetime_jobs', '');
+
+-- name: heartbeat
+-- Autocommit, on its own connection: a sign of life for the reconciler. Takes FOR NO KEY
+-- UPDATE on the row, which does not conflict with the executing transaction's FOR KEY
+-- SHARE. No row means the job is no longer this attempt's (finished or superseded).
+UPDATE duetime.jobs
+   SET heartbeat_at = now()
+ WHERE id = $1 AND due_at = $2 AND status = 'dispatched' AND attempt = $3
+RETURNING 1;

@@ -1,0 +1,357 @@
+"""What ``duetime status`` knows, and whether it is healthy (usable from monitoring).
+
+Two sources, read independently so either can be down:
+
+- PostgreSQL (``StatusStore``): the fence row (leader node, epoch, elected_at,
+  renewed_at), per-queue counts, and schedules when migration 0002 created that table.
+  One read-only REPEATABLE READ transaction, so the figures agree with each other, and
+  ages computed by the database clock.
+- etcd (``read_election_key``): the election key ``<prefix>/leader`` — value = node id,
+  create_revision = epoch (DESIGN §4) — with a short timeout. etcd being unreachable
+  from here is reported as a warning, not a crash: the fence alone still tells whether
+  a leader is alive, because a leader that cannot reach etcd stops renewing it.
+
+``evaluate`` turns both into problems (exit 1) and warnings (exit 0):
+
+- ``no_leader``: etcd answers and the election key is absent, or no leader ever fenced;
+- ``leader_stale``: the fence was last renewed more than 3 × lease TTL ago (the leader
+  renews it at least once per TTL; three missed renewals is not a hiccup);
+- ``backlog_too_old``: a pending job has been due for longer than ``max_backlog_age``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from scheduler.config import Settings
+from scheduler.log import scrub
+from scheduler.sql import load
+
+Q = load("status")
+
+DEAD_WINDOW_SECONDS = 3600.0
+STALE_RENEWALS = 3  # fence renewals a leader may miss before status calls it gone
+UPCOMING_SCHEDULES = 5
+
+
+@dataclass(frozen=True, slots=True)
+class FenceView:
+    epoch: int
+    leader_node: str | None
+    elected_at: datetime | None
+    renewed_at: datetime | None
+    elected_age: float | None
+    renewed_age: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    queue: str
+    pending: int = 0
+    due_now: int = 0
+    oldest_overdue: float | None = None  # seconds the oldest due pending job is late
+    dispatched: int = 0
+    dead_last_hour: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UpcomingFire:
+    name: str
+    next_fire_at: datetime
+    fires_in: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleSummary:
+    total: int
+    paused: int
+    next_fire_at: datetime | None
+    upcoming: tuple[UpcomingFire, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DbSnapshot:
+    db_now: datetime
+    fence: FenceView
+    queues: tuple[QueueStatus, ...]
+    schedules: ScheduleSummary | None  # None: no duetime.schedules table (before 0002)
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdView:
+    key: str
+    reachable: bool
+    endpoint: str | None = None
+    leader: str | None = None  # node id stored in the key; None when absent
+    epoch: int | None = None  # the key's create_revision
+    lease_remaining: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    snapshot: DbSnapshot
+    etcd: EtcdView
+    max_backlog_age: float
+    stale_after: float
+    problems: tuple[Finding, ...] = ()
+    warnings: tuple[Finding, ...] = field(default=())
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.healthy else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        snap = self.snapshot
+        return _jsonable(
+            {
+                "healthy": self.healthy,
+                "problems": [asdict(p) for p in self.problems],
+                "warnings": [asdict(w) for w in self.warnings],
+                "checked_at": snap.db_now,
+                "thresholds": {
+                    "max_backlog_age": self.max_backlog_age,
+                    "leader_stale_after": self.stale_after,
+                },
+                "leader": asdict(snap.fence),
+                "etcd": asdict(self.etcd),
+                "queues": [asdict(q) for q in snap.queues],
+                "schedules": asdict(snap.schedules) if snap.schedules is not None else None,
+            }
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, float):
+        return round(value, 3)
+    return value
+
+
+class StatusStore:
+    """Read-only queries behind ``duetime status`` and the ``db`` readiness check."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def ping(self) -> None:
+        """Raise unless PostgreSQL answers a trivial query (a readiness check)."""
+        async with self._pool.acquire() as conn:
+            await conn.fetchval(Q["ping"])
+
+    async def snapshot(self, *, dead_window: float = DEAD_WINDOW_SECONDS) -> DbSnapshot:
+        async with self._pool.acquire() as conn, conn.transaction(
+            isolation="repeatable_read", readonly=True
+        ):
+            fence_row = await conn.fetchrow(Q["fence"])
+            pending = await conn.fetch(Q["pending_by_queue"])
+            dispatched = await conn.fetch(Q["dispatched_by_queue"])
+            dead = await conn.fetch(Q["dead_by_queue"], dead_window)
+            schedules = None
+            if await conn.fetchval(Q["schedules_table"]):
+                schedules = await self._schedules(conn)
+            db_now = await conn.fetchval(Q["now"])
+        fence = _fence(fence_row)
+        queues: dict[str, dict[str, Any]] = {}
+        for row in pending:
+            queues.setdefault(row["queue"], {}).update(
+                pending=row["pending"], due_now=row["due_now"], oldest_overdue=row["oldest_overdue"]
+            )
+        for row in dispatched:
+            queues.setdefault(row["queue"], {})["dispatched"] = row["dispatched"]
+        for row in dead:
+            queues.setdefault(row["queue"], {})["dead_last_hour"] = row["dead"]
+        return DbSnapshot(
+            db_now=db_now,
+            fence=fence,
+            queues=tuple(QueueStatus(queue=q, **queues[q]) for q in sorted(queues)),
+            schedules=schedules,
+        )
+
+    async def _schedules(self, conn: asyncpg.Connection) -> ScheduleSummary:
+        summary = await conn.fetchrow(Q["schedules_summary"])
+        upcoming = await conn.fetch(Q["schedules_next"], UPCOMING_SCHEDULES)
+        return ScheduleSummary(
+            total=summary["total"],
+            paused=summary["paused"],
+            next_fire_at=summary["next_fire_at"],
+            upcoming=tuple(
+                UpcomingFire(r["name"], r["next_fire_at"], r["fires_in"]) for r in upcoming
+            ),
+        )
+
+
+def _fence(row: Any) -> FenceView:
+    if row is None:  # the migration inserts the row; a missing one reads as "never"
+        return FenceView(0, None, None, None, None, None)
+    return FenceView(
+        epoch=row["epoch"],
+        leader_node=row["leader_node"],
+        elected_at=row["elected_at"],
+        renewed_at=row["renewed_at"],
+        elected_age=row["elected_age"],
+        renewed_age=row["renewed_age"],
+    )
+
+
+def election_key(prefix: str) -> str:
+    """The election key (DESIGN §4): ``<prefix>/leader``."""
+    return f"{prefix.strip('/')}/leader"
+
+
+async def read_election_key(settings: Settings, *, timeout: float | None = None) -> EtcdView:
+    """Read the election key from the first etcd endpoint that answers in time."""
+    import aetcd  # imported lazily: grpc start-up costs ~100 ms the DB path never needs
+
+    key = election_key(settings.etcd_prefix)
+    timeout = settings.etcd_timeout if timeout is None else timeout
+    errors: list[str] = []
+    for endpoint in settings.etcd_endpoints:
+        host, _, port = endpoint.rpartition(":")
+        client = aetcd.Client(
+            host=host,
+            port=int(port),
+            username=settings.etcd_username,
+            password=settings.etcd_password,
+            timeout=timeout,  # type: ignore[arg-type]  # grpc takes float seconds
+        )
+        try:
+            async with asyncio.timeout(timeout * 2):
+                await client.connect()
+                kv = await client.get(key.encode())
+                remaining = None
+                if kv is not None and kv.lease:
+                    info = await client.get_lease_info(kv.lease, keys=False)
+                    remaining = float(info.TTL) if info.TTL >= 0 else None
+        except Exception as exc:  # aetcd.ClientError, grpc errors, TimeoutError, OSError
+            detail = str(exc) or f"no answer within {timeout:g}s"
+            errors.append(scrub(f"{endpoint}: {type(exc).__name__}: {detail}")[:300])
+            continue
+        finally:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(timeout):
+                    await client.close()
+        if kv is None:
+            return EtcdView(key, True, endpoint)
+        return EtcdView(
+            key,
+            True,
+            endpoint,
+            leader=kv.value.decode("utf-8", "replace"),
+            epoch=kv.create_revision,
+            lease_remaining=remaining,
+        )
+    return EtcdView(key, False, error="; ".join(errors) or "no endpoints configured")
+
+
+def evaluate(
+    snapshot: DbSnapshot, etcd: EtcdView, *, lease_ttl: float, max_backlog_age: float
+) -> StatusReport:
+    """Judge a snapshot: problems make ``duetime status`` exit 1."""
+    problems: list[Finding] = []
+    warnings: list[Finding] = []
+    stale_after = STALE_RENEWALS * lease_ttl
+    fence = snapshot.fence
+    if etcd.reachable and etcd.leader is None:
+        problems.append(Finding("no_leader", f"no leader: election key {etcd.key} is absent"))
+    if fence.epoch == 0 or fence.renewed_age is None:
+        problems.append(Finding("no_leader", "no leader has ever fenced the database"))
+    elif fence.renewed_age > stale_after:
+        problems.append(
+            Finding(
+                "leader_stale",
+                f"no live leader: fence (epoch {fence.epoch}, {fence.leader_node}) last renewed "
+                f"{fence.renewed_age:.1f}s ago, more than {STALE_RENEWALS} x TTL = "
+                f"{stale_after:g}s",
+            )
+        )
+    if not etcd.reachable:
+        warnings.append(
+            Finding(
+                "etcd_unreachable",
+                f"etcd unreachable ({etcd.error}); leader judged from the database fence only",
+            )
+        )
+    elif etcd.epoch is not None and fence.epoch and etcd.epoch != fence.epoch:
+        if etcd.epoch > fence.epoch:
+            text = (
+                f"etcd leader {etcd.leader} (epoch {etcd.epoch}) has not fenced the database "
+                f"yet (fence epoch {fence.epoch}); normal for a moment after an election"
+            )
+        else:
+            text = (
+                f"etcd epoch {etcd.epoch} is older than the fence epoch {fence.epoch}: etcd's "
+                "revision history was reset (restored or wiped?); see the 'etcd down' runbook"
+            )
+        warnings.append(Finding("epoch_mismatch", text))
+    elif etcd.leader is not None and fence.leader_node and etcd.leader != fence.leader_node:
+        warnings.append(
+            Finding(
+                "node_mismatch",
+                f"etcd names {etcd.leader} but the fence names {fence.leader_node} "
+                f"for epoch {fence.epoch}",
+            )
+        )
+    worst = max(
+        (q for q in snapshot.queues if q.oldest_overdue is not None),
+        key=lambda q: q.oldest_overdue or 0.0,
+        default=None,
+    )
+    if worst is not None and (worst.oldest_overdue or 0.0) > max_backlog_age:
+        problems.append(
+            Finding(
+                "backlog_too_old",
+                f"queue {worst.queue}: oldest due job is {worst.oldest_overdue:.1f}s late "
+                f"(threshold {max_backlog_age:g}s, {worst.due_now} due now)",
+            )
+        )
+    return StatusReport(
+        snapshot, etcd, max_backlog_age, stale_after, tuple(problems), tuple(warnings)
+    )
+
+
+async def collect_status(
+    settings: Settings,
+    pool: asyncpg.Pool,
+    *,
+    max_backlog_age: float,
+    etcd_timeout: float | None = None,
+) -> StatusReport:
+    """Read PostgreSQL and etcd concurrently and judge the result.
+
+    A PostgreSQL failure propagates (the caller reports it); an etcd failure becomes a
+    warning inside the report.
+    """
+    etcd_task = asyncio.create_task(read_election_key(settings, timeout=etcd_timeout))
+    try:
+        snapshot = await StatusStore(pool).snapshot()
+    except BaseException:
+        etcd_task.cancel()
+        with contextlib.suppress(BaseException):
+            await etcd_task
+        raise
+    etcd = await etcd_task
+    return evaluate(
+        snapshot, etcd, lease_ttl=settings.lease_ttl, max_backlog_age=max_backlog_age
+    )

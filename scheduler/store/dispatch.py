@@ -1,0 +1,192 @@
+"""DispatchStore: every statement the dispatcher and the reconciler run, plus the
+LISTEN connection that wakes the dispatcher (statements in ``sql/dispatch.sql``).
+
+Methods that must run inside the caller's fenced transaction take ``conn``; the others
+use the pool. Statements go through asyncpg's per-connection statement cache, so the
+claim is planned once per connection (planning costs more than executing it, DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeAlias
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+from scheduler import db
+from scheduler.log import get_logger
+from scheduler.rows import ClaimedJob
+from scheduler.sql import load
+
+Q = load("dispatch")
+log = get_logger(__name__)
+
+#: A connection of its own or one borrowed from a pool.
+Conn: TypeAlias = asyncpg.Connection | PoolConnectionProxy
+
+#: Channel the insert trigger, the retry paths and the client API notify (migration 0001).
+NOTIFY_CHANNEL = "duetime_jobs"
+
+
+@dataclass(frozen=True, slots=True)
+class StalledJob:
+    """A dispatched job with no sign of life past the visibility timeout."""
+
+    job: ClaimedJob
+    silent_for: float  # seconds since dispatched_at / heartbeat_at
+    dispatch_epoch: int | None
+
+
+def _key_arrays(jobs: Sequence[ClaimedJob]) -> tuple[list[int], datetime, datetime]:
+    """Arguments identifying ``jobs``: ids, and the due_at range for partition pruning."""
+    dues = [job.due_at for job in jobs]
+    return [job.id for job in jobs], min(dues), max(dues)
+
+
+class DispatchStore:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    # -- dispatcher (inside its fenced transaction) ----------------------------------
+
+    async def claim(self, conn: Conn, limit: int) -> list[ClaimedJob]:
+        """Lock up to ``limit`` due pending jobs, earliest run time first."""
+        records = await conn.fetch(Q["claim"], limit)
+        return [ClaimedJob.from_record(r) for r in records]
+
+    async def mark_dispatched(
+        self, conn: Conn, jobs: Sequence[ClaimedJob], epoch: int
+    ) -> dict[int, float]:
+        """pending → dispatched for ``jobs`` (all confirmed); returns {job id: lag seconds}."""
+        if not jobs:
+            return {}
+        ids, lo, hi = _key_arrays(jobs)
+        records = await conn.fetch(Q["mark_dispatched"], ids, lo, hi, epoch)
+        return {r["id"]: r["lag"] for r in records}
+
+    # -- dispatcher (pool) -----------------------------------------------------------
+
+    async def next_run_in(self) -> float | None:
+        """Seconds until the earliest pending run time (≤ 0: due now; None: nothing)."""
+        async with self._pool.acquire() as conn:
+            value = await conn.fetchval(Q["next_run_in"])
+        return None if value is None else float(value)
+
+    async def backlog(self) -> int:
+        """Pending jobs whose run time has passed."""
+        async with self._pool.acquire() as conn:
+            return int(await conn.fetchval(Q["backlog"]))
+
+    # -- reconciler (inside its fenced transaction) ----------------------------------
+
+    async def lock_stalled(
+        self,
+        conn: Conn,
+        visibility_timeout: float,
+        limit: int,
+        *,
+        skip_queues: Sequence[str] = (),
+    ) -> list[StalledJob]:
+        """Lock up to ``limit`` stalled jobs, longest silent first."""
+        records = await conn.fetch(
+            Q["lock_stalled"], float(visibility_timeout), limit, list(skip_queues)
+        )
+        return [
+            StalledJob(ClaimedJob.from_record(r), r["silent_for"], r["dispatch_epoch"])
+            for r in records
+        ]
+
+    async def mark_redispatched(
+        self, conn: Conn, jobs: Sequence[ClaimedJob], epoch: int
+    ) -> set[int]:
+        """Start a new visibility window for re-published ``jobs``; returns their ids."""
+        if not jobs:
+            return set()
+        ids, lo, hi = _key_arrays(jobs)
+        records = await conn.fetch(Q["mark_redispatched"], ids, lo, hi, epoch)
+        return {r["id"] for r in records}
+
+
+class JobsListener:
+    """A dedicated connection LISTENing on ``duetime_jobs``; calls ``on_notify`` per NOTIFY.
+
+    ``alive`` turns false as soon as asyncpg sees the connection end (termination
+    listener) and ``on_lost`` is called, so the owner can fall back to probing and
+    reconnect. A half-open TCP connection is only noticed by traffic: ``check()`` runs a
+    trivial query under a timeout.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        on_notify: Callable[[], None],
+        *,
+        on_lost: Callable[[], None] | None = None,
+        timeout: float = 10.0,
+        application_name: str = "duetime:listen",
+    ) -> None:
+        self._dsn = dsn
+        self._on_notify = on_notify
+        self._on_lost = on_lost
+        self._timeout = timeout
+        self._application_name = application_name
+        self._conn: asyncpg.Connection | None = None
+        self._lost = False
+
+    @property
+    def alive(self) -> bool:
+        return self._conn is not None and not self._lost and not self._conn.is_closed()
+
+    async def open(self) -> JobsListener:
+        conn = await db.connect(
+            self._dsn, timeout=self._timeout, application_name=self._application_name
+        )
+        try:
+            conn.add_termination_listener(self._terminated)
+            await conn.add_listener(NOTIFY_CHANNEL, self._notified)
+        except BaseException:
+            conn.terminate()
+            raise
+        self._conn, self._lost = conn, False
+        return self
+
+    async def check(self, timeout: float) -> bool:
+        """Round-trip on the connection; False (and closed) when it does not answer."""
+        conn = self._conn
+        if conn is None or not self.alive:
+            return False
+        try:
+            await conn.fetchval(Q["ping"], timeout=timeout)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+            log.warning("listener_check_failed", error=repr(exc))
+            self._terminated(conn)
+            return False
+        return True
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None or conn.is_closed():
+            return
+        conn.remove_termination_listener(self._terminated)
+        try:
+            await asyncio.wait_for(conn.close(), min(self._timeout, 5.0))
+        except Exception:
+            with contextlib.suppress(Exception):
+                conn.terminate()
+
+    def _notified(self, *_: object) -> None:
+        self._on_notify()
+
+    def _terminated(self, conn: Any) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        if not conn.is_closed():
+            conn.terminate()
+        if self._on_lost is not None:
+            self._on_lost()

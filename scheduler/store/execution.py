@@ -1,0 +1,106 @@
+"""ExecutionStore: every statement a worker runs (DESIGN §6; SQL in ``execution.sql``).
+
+The worker owns its transactions (one per delivery: lock-read, ledger row, handler
+work through ``ctx.db``, outcome), so the methods that belong to that transaction take
+the caller's connection; only ``heartbeat`` runs on its own pooled connection, in
+autocommit, so a sign of life is visible while the handler's transaction is still open.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from scheduler.sql import load
+
+Q = load("execution")
+
+
+@dataclass(frozen=True, slots=True)
+class LockedJob:
+    """The job row as the delivery's transaction saw it (locked FOR KEY SHARE)."""
+
+    status: str
+    attempt: int
+    max_attempts: int
+    queue: str
+    idempotency_key: str | None
+    run_time: datetime  # coalesce(run_at, due_at): when this attempt was meant to run
+
+
+class ExecutionStore:
+    def __init__(self, pool: asyncpg.Pool, *, timeout: float = 10.0) -> None:
+        self._pool = pool
+        self._timeout = timeout
+
+    async def lock_job(
+        self, conn: asyncpg.Connection, job_id: int, due_at: datetime
+    ) -> LockedJob | None:
+        """Read the job FOR KEY SHARE (waits for an in-flight claim); None if missing."""
+        record = await conn.fetchrow(Q["lock_job"], job_id, due_at)
+        if record is None:
+            return None
+        return LockedJob(
+            status=record["status"],
+            attempt=record["attempt"],
+            max_attempts=record["max_attempts"],
+            queue=record["queue"],
+            idempotency_key=record["idempotency_key"],
+            run_time=record["run_time"],
+        )
+
+    async def insert_ledger(
+        self,
+        conn: asyncpg.Connection,
+        *,
+        key: str,
+        job_id: int,
+        attempt: int,
+        task: str,
+        worker: str,
+    ) -> bool:
+        """True if this delivery claimed the key; False if it was already completed."""
+        return await conn.fetchval(Q["insert_ledger"], key, job_id, attempt, task, worker) == 1
+
+    async def mark_succeeded(
+        self, conn: asyncpg.Connection, job_id: int, due_at: datetime, attempt: int
+    ) -> bool:
+        """dispatched → succeeded for this attempt; False if the row moved on meanwhile."""
+        return await conn.fetchval(Q["mark_succeeded"], job_id, due_at, attempt) == 1
+
+    async def schedule_retry(
+        self,
+        conn: asyncpg.Connection,
+        job_id: int,
+        due_at: datetime,
+        attempt: int,
+        *,
+        delay: float,
+        error: str,
+    ) -> datetime | None:
+        """dispatched → pending with attempt + 1, runnable after ``delay`` seconds, and a
+        NOTIFY (sent at commit) so the dispatcher wakes for it. Returns the new run time,
+        or None if the row is no longer this attempt's."""
+        run_at = await conn.fetchval(
+            Q["schedule_retry"], job_id, due_at, attempt, float(delay), error
+        )
+        if run_at is not None:
+            await conn.execute(Q["notify"])
+        return run_at  # type: ignore[no-any-return]
+
+    async def mark_dead(
+        self, conn: asyncpg.Connection, job_id: int, due_at: datetime, attempt: int, error: str
+    ) -> bool:
+        """dispatched → dead with ``error``; False if the row moved on meanwhile."""
+        return await conn.fetchval(Q["mark_dead"], job_id, due_at, attempt, error) == 1
+
+    async def heartbeat(self, job_id: int, due_at: datetime, attempt: int) -> bool:
+        """Set heartbeat_at = now() on a connection of its own (autocommit). False when
+        the job is no longer this attempt's (finished elsewhere or superseded)."""
+        async with self._pool.acquire(timeout=self._timeout) as conn:
+            value = await conn.fetchval(
+                Q["heartbeat"], job_id, due_at, attempt, timeout=self._timeout
+            )
+        return value == 1

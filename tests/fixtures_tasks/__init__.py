@@ -1,0 +1,1 @@
+"""Task modules and helpers for worker tests (``--import tests.fixtures_tasks.basic``)."""

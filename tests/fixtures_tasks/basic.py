@@ -1,0 +1,49 @@
+"""Handlers for worker-process tests: ``duetime worker --import tests.fixtures_tasks.basic``.
+
+``fixtures.record`` writes one row to ``worker_test_effects`` through ``ctx.db`` (so it
+commits exactly once, with the ledger row), then optionally heartbeats (the test's
+signal that the handler is running), waits while a file exists (the test decides when
+it may finish), and sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from workers import JobContext, task
+
+EFFECTS_TABLE = "worker_test_effects"
+EFFECTS_DDL = f"""
+CREATE TABLE IF NOT EXISTS {EFFECTS_TABLE} (
+    id         bigserial PRIMARY KEY,
+    job_id     bigint NOT NULL,
+    attempt    integer NOT NULL,
+    tag        text,
+    created_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+@task("fixtures.record", timeout=120)
+async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await ctx.db.execute(
+        f"INSERT INTO {EFFECTS_TABLE} (job_id, attempt, tag) VALUES ($1, $2, $3)",
+        ctx.job_id,
+        ctx.attempt,
+        payload.get("tag"),
+    )
+    if payload.get("beat"):
+        await ctx.heartbeat()
+    hold = payload.get("hold_while_exists")
+    if hold:
+        while os.path.exists(hold):  # noqa: ASYNC110, ASYNC240 — a stat; the test owns it
+            await asyncio.sleep(0.05)
+    if payload.get("sleep"):
+        await asyncio.sleep(float(payload["sleep"]))
+
+
+@task("fixtures.fail")
+async def fail(ctx: JobContext, payload: dict[str, Any]) -> None:
+    raise ValueError(f"boom on attempt {ctx.attempt}")

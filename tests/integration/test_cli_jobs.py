@@ -1,0 +1,371 @@
+"""``duetime jobs add|list|show|cancel|retry`` as users run it: a real process, real
+PostgreSQL (issue 2 item 8). Bad input exits 2 with ONE line ``duetime: error: ...`` on
+stderr and no traceback; an unreachable service exits 1, also with one line.
+
+Runs against a database of its own: the jobs it adds are due and must not reach other
+tests' dispatchers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from scheduler import db
+from scheduler.migrate import migrate
+from tests.conftest import RUN_ID, create_database, drop_database
+
+DUETIME = str(Path(sys.executable).with_name("duetime"))
+UNKNOWN_ID = 987_654_321
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> object:
+        return json.loads(self.out)
+
+    def error_line(self) -> str:
+        """The single stderr line of a failed command (asserts there is exactly one)."""
+        lines = self.err.strip().splitlines()
+        assert len(lines) == 1, f"expected one stderr line, got:\n{self.err}"
+        assert "Traceback" not in self.err
+        assert lines[0].startswith("duetime: error: "), lines[0]
+        return lines[0][len("duetime: error: ") :]
+
+
+@pytest.fixture(scope="module")
+async def cli_dsn(server_dsn: str) -> AsyncIterator[str]:
+    name = f"duetime_test_{RUN_ID}_cli"
+    url = await create_database(server_dsn, name)
+    try:
+        await migrate(url)
+        yield url
+    finally:
+        await drop_database(server_dsn, name)
+
+
+@pytest.fixture(scope="module")
+async def pool(cli_dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await db.create_pool(cli_dsn, min_size=1, max_size=2)
+    yield p
+    await p.close()
+
+
+@pytest.fixture
+def env(test_env: dict[str, str], cli_dsn: str) -> dict[str, str]:
+    return {**test_env, "DUETIME_DATABASE_URL": cli_dsn}
+
+
+async def duetime(env: dict[str, str], *args: str, timeout: float = 30.0) -> Run:
+    proc = await asyncio.create_subprocess_exec(
+        DUETIME, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return Run(proc.returncode, out.decode(), err.decode())
+
+
+async def add(env: dict[str, str], *args: str) -> dict:
+    run = await duetime(env, "jobs", "add", *args, "--json")
+    assert run.code == 0, run
+    job = run.json()
+    assert isinstance(job, dict)
+    return job
+
+
+# -- happy paths ----------------------------------------------------------------------------
+
+
+async def test_add_with_every_option(env: dict[str, str]) -> None:
+    before = datetime.now(UTC)
+    job = await add(
+        env,
+        "send_email",
+        "--in",
+        "5m",
+        "--payload",
+        '{"to": "a@example.com", "n": [1, 2]}',
+        "--queue",
+        "emails",
+        "--max-attempts",
+        "3",
+        "--key",
+        "welcome:42",
+    )
+    after = datetime.now(UTC)
+    assert job["task"] == "send_email"
+    assert job["payload"] == {"to": "a@example.com", "n": [1, 2]}
+    assert (job["queue"], job["max_attempts"], job["idempotency_key"]) == (
+        "emails",
+        3,
+        "welcome:42",
+    )
+    assert (job["status"], job["attempt"], job["run_at"]) == ("pending", 1, None)
+    due = datetime.fromisoformat(job["due_at"])
+    assert before + timedelta(minutes=5) <= due <= after + timedelta(minutes=5)
+
+
+async def test_add_at_and_plain_output(env: dict[str, str]) -> None:
+    run = await duetime(env, "jobs", "add", "report", "--at", "2031-01-02T03:04:05+02:00")
+    assert run.code == 0, run
+    assert run.err == ""
+    words = run.out.split()
+    assert words[:2] == ["enqueued", "job"] and words[2].isdigit()
+    assert run.out.strip().endswith("(report) due 2031-01-02T01:04:05+00:00 on default")
+    naive = await add(env, "report", "--at", "2031-01-02 03:04:05")  # no offset: UTC
+    assert naive["due_at"] == "2031-01-02T03:04:05+00:00"
+    now_job = await add(env, "report", "--at", "now")
+    assert datetime.fromisoformat(now_job["due_at"]) <= datetime.now(UTC)
+
+
+async def test_show(env: dict[str, str]) -> None:
+    job = await add(env, "shown", "--payload", '{"k": "v"}', "--in", "1h")
+    as_json = await duetime(env, "jobs", "show", str(job["id"]), "--json")
+    assert as_json.code == 0 and as_json.json() == job
+    plain = await duetime(env, "jobs", "show", str(job["id"]))
+    assert plain.code == 0
+    fields = {line.split(None, 1)[0]: line.split(None, 1)[1] for line in plain.out.splitlines()}
+    assert fields["id"] == str(job["id"])
+    assert fields["task"] == "shown"
+    assert fields["payload"] == '{"k": "v"}'
+    assert fields["status"] == "pending"
+    assert fields["run_at"] == "-"
+
+
+async def test_list_table_json_filters_and_paging(env: dict[str, str], unique: str) -> None:
+    queue = f"list-{unique}"
+    a = await add(env, "alpha", "--queue", queue, "--at", "2030-01-01T00:00:00Z")
+    b = await add(env, "beta", "--queue", queue, "--at", "2030-01-02T00:00:00Z")
+    c = await add(env, "alpha", "--queue", queue, "--at", "2030-01-03T00:00:00Z")
+    cancelled = await duetime(env, "jobs", "cancel", str(b["id"]))
+    assert cancelled.code == 0
+
+    table = await duetime(env, "jobs", "list", "--queue", queue)
+    assert table.code == 0, table
+    lines = table.out.splitlines()
+    assert lines[0].split() == [
+        "ID",
+        "TASK",
+        "QUEUE",
+        "STATUS",
+        "ATTEMPT",
+        "DUE_AT",
+        "RUN_AT",
+        "LAST_ERROR",
+    ]
+    rows = [line.split() for line in lines[1:]]
+    assert [r[0] for r in rows] == [str(a["id"]), str(b["id"]), str(c["id"])]
+    assert rows[0][1:5] == ["alpha", queue, "pending", "1"]
+    assert rows[1][3] == "cancelled"
+    assert rows[0][5:7] == ["2030-01-01", "00:00:00.000Z"]
+
+    async def ids(*args: str) -> list[int]:
+        run = await duetime(env, "jobs", "list", "--queue", queue, "--json", *args)
+        assert run.code == 0, run
+        return [j["id"] for j in run.json()]  # type: ignore[union-attr]
+
+    assert await ids() == [a["id"], b["id"], c["id"]]
+    assert await ids("--status", "pending") == [a["id"], c["id"]]
+    assert await ids("--task", "alpha") == [a["id"], c["id"]]
+    assert await ids("--after", str(a["id"])) == [b["id"], c["id"]]
+    assert await ids("--due-from", "2030-01-02", "--due-to", "2030-01-03") == [b["id"]]
+    assert await ids("--after", "0", "--limit", "1") == [a["id"]]
+
+    paged = await duetime(env, "jobs", "list", "--queue", queue, "--limit", "2")
+    assert paged.code == 0
+    assert paged.out.splitlines()[-1] == f"... more: duetime jobs list --after {b['id']}"
+
+    empty = await duetime(env, "jobs", "list", "--queue", f"none-{unique}", "--json")
+    assert empty.code == 0 and empty.json() == []
+
+
+async def test_cancel_then_cancel_again(env: dict[str, str]) -> None:
+    job = await add(env, "to-cancel", "--in", "1h")
+    first = await duetime(env, "jobs", "cancel", str(job["id"]))
+    assert (first.code, first.out.strip(), first.err) == (
+        0,
+        f"job {job['id']} is now cancelled",
+        "",
+    )
+    shown = await duetime(env, "jobs", "show", str(job["id"]), "--json")
+    assert shown.json()["status"] == "cancelled"  # type: ignore[index]
+    again = await duetime(env, "jobs", "cancel", str(job["id"]))
+    assert again.code == 2
+    assert again.out == ""
+    assert again.error_line() == (
+        f"job {job['id']} is cancelled; only pending jobs can be cancelled"
+    )
+
+
+async def test_retry_dead_then_retry_pending(env: dict[str, str], pool: asyncpg.Pool) -> None:
+    job = await add(env, "to-retry", "--max-attempts", "2")
+    await pool.execute(
+        "UPDATE duetime.jobs SET status = 'dead', attempt = 2, last_error = 'boom', "
+        "finished_at = now() WHERE id = $1",
+        job["id"],
+    )
+    retried = await duetime(env, "jobs", "retry", str(job["id"]), "--json")
+    assert retried.code == 0, retried
+    body = retried.json()
+    assert isinstance(body, dict)
+    assert (body["status"], body["attempt"], body["finished_at"]) == ("pending", 1, None)
+    assert body["run_at"] is not None
+
+    again = await duetime(env, "jobs", "retry", str(job["id"]))
+    assert again.code == 2
+    assert again.error_line() == f"job {job['id']} is pending; only dead jobs can be retried"
+
+    plain_job = await add(env, "to-retry")
+    await pool.execute("UPDATE duetime.jobs SET status = 'dead' WHERE id = $1", plain_job["id"])
+    plain = await duetime(env, "jobs", "retry", str(plain_job["id"]))
+    assert (plain.code, plain.out.strip()) == (0, f"job {plain_job['id']} is now pending")
+
+
+# -- bad input: exit 2, one line, no traceback -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["add", "t", "--at", "tomorrow"], "invalid time 'tomorrow': use ISO 8601"),
+        (["add", "t", "--at", "2026-02-30T10:00"], "invalid time '2026-02-30T10:00'"),
+        (["add", "t", "--at", "0001-01-01"], "is out of range (years 1970 to 9998)"),
+        (["add", "t", "--payload", "{x"], "--payload is not valid JSON: Expecting property name"),
+        (["add", "t", "--payload", "[1]"], "--payload must be a JSON object, not list"),
+        (["add", "t", "--payload", '"text"'], "--payload must be a JSON object, not str"),
+        (["add", "t", "--payload", '{"a": NaN}'], "--payload contains nan"),
+        (["add", "t", "--in", "5x"], "invalid duration '5x': use e.g. 30s, 5m, 1h30m, 2d"),
+        (["add", "t", "--in", "99999999999d"], "invalid duration '99999999999d': too large"),
+        (["add", "t", "--in", "3000000d"], "too large"),
+        (["add", "t", "--queue", "bad queue"], "invalid queue name 'bad queue'"),
+        (["add", " "], "task name must be a non-empty string"),
+        (["add", "t", "--max-attempts", "1001"], "max_attempts must be between 1 and 1000"),
+        (["add", "t", "--key", ""], "idempotency_key must be 1-500 characters"),
+        (["show", str(UNKNOWN_ID)], f"job {UNKNOWN_ID} not found"),
+        (["cancel", str(UNKNOWN_ID)], f"job {UNKNOWN_ID} not found"),
+        (["retry", str(UNKNOWN_ID)], f"job {UNKNOWN_ID} not found"),
+        (["list", "--due-from", "soon"], "invalid time 'soon'"),
+        (
+            ["list", "--due-from", "2030-02-01", "--due-to", "2030-01-01"],
+            "--due-from must be earlier than --due-to",
+        ),
+    ],
+)
+async def test_bad_input(
+    env: dict[str, str], pool: asyncpg.Pool, args: list[str], message: str
+) -> None:
+    before = await pool.fetchval("SELECT count(*) FROM duetime.jobs")
+    run = await duetime(env, "jobs", *args)
+    assert run.code == 2, run
+    assert run.out == ""
+    assert message in run.error_line()
+    assert await pool.fetchval("SELECT count(*) FROM duetime.jobs") == before
+
+
+async def test_cancel_refuses_dispatched_and_succeeded(
+    env: dict[str, str], pool: asyncpg.Pool
+) -> None:
+    for status in ("dispatched", "succeeded"):
+        job = await add(env, "busy")
+        await pool.execute("UPDATE duetime.jobs SET status = $2 WHERE id = $1", job["id"], status)
+        run = await duetime(env, "jobs", "cancel", str(job["id"]))
+        assert run.code == 2
+        assert (
+            run.error_line() == f"job {job['id']} is {status}; only pending jobs can be cancelled"
+        )
+
+
+@pytest.mark.parametrize(
+    ("extra_env", "flags", "message"),
+    [
+        (
+            {"DUETIME_LEASE_TTL": "-1"},
+            [],
+            "invalid configuration: DUETIME_LEASE_TTL=-1: lease_ttl must be >= 1.0 (got '-1')",
+        ),
+        (
+            {},
+            ["--lease-ttl", "-1"],
+            "invalid configuration: --lease-ttl=-1: lease_ttl must be >= 1.0 (got '-1')",
+        ),
+        (
+            {"DUETIME_DATABASE_URL": "mysql://app:pw-s3cret@db/x"},
+            [],
+            "invalid configuration: DUETIME_DATABASE_URL=mysql://app:***@db/x: database_url "
+            "scheme must be one of postgresql, postgres (got 'mysql')",
+        ),
+        (
+            {"DUETIME_LEASE_TL": "3"},
+            [],
+            "invalid configuration: unknown environment variable DUETIME_LEASE_TL; "
+            "did you mean DUETIME_LEASE_TTL?",
+        ),
+    ],
+)
+async def test_bad_config_value(
+    env: dict[str, str], extra_env: dict[str, str], flags: list[str], message: str
+) -> None:
+    run = await duetime({**env, **extra_env}, "jobs", "list", *flags)
+    assert run.code == 2
+    assert run.out == ""
+    assert run.error_line() == message
+    assert "pw-s3cret" not in run.err
+
+
+async def test_unknown_key_in_config_file(env: dict[str, str], tmp_path: Path) -> None:
+    path = tmp_path / "duetime.toml"
+    path.write_text("lease_tl = 5\n")
+    run = await duetime(env, "jobs", "list", "--config", str(path))
+    assert run.code == 2
+    assert run.error_line() == (
+        f"invalid configuration: unknown key 'lease_tl' in {path}; did you mean 'lease_ttl'?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["show", "abc"], "job id must be an integer, not 'abc'"),
+        (["show", "99999999999999999999"], "job id must be between 1 and"),
+        (["list", "--after", "-3"], "job id must be between 1 and"),
+        (["add", "t", "--max-attempts", "0"], "'0' must be >= 1"),
+        (["add", "t", "--in", "5m", "--at", "now"], "not allowed with argument"),
+        (["list", "--status", "running"], "invalid choice: 'running'"),
+    ],
+)
+async def test_argument_errors_exit_2_without_traceback(
+    env: dict[str, str], args: list[str], message: str
+) -> None:
+    """argparse's own errors (usage + one 'error:' line) also exit 2, never a traceback."""
+    run = await duetime(env, "jobs", *args)
+    assert run.code == 2
+    assert "Traceback" not in run.err
+    last = run.err.strip().splitlines()[-1]
+    assert "error: " in last and message in last, run.err
+
+
+async def test_unreachable_database_exits_1_with_one_line(env: dict[str, str]) -> None:
+    down = {**env, "DUETIME_DATABASE_URL": "postgresql://postgres:pw-s3cret@127.0.0.1:1/x"}
+    run = await duetime(down, "jobs", "list")
+    assert run.code == 1
+    assert run.error_line().startswith(
+        "cannot connect to PostgreSQL at postgresql://postgres:***@127.0.0.1:1/x"
+    )
+    assert "pw-s3cret" not in run.err

@@ -1,0 +1,111 @@
+"""Task registry: registration rules fail at import time, lookups, the public API."""
+
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import workers
+from scheduler.errors import InvalidInput
+from workers import DuplicateTask, Registry, RetryPolicy, task
+
+
+async def handler(ctx: Any, payload: dict[str, Any]) -> None:
+    return None
+
+
+async def other(ctx: Any, payload: dict[str, Any]) -> None:
+    return None
+
+
+def test_decorator_registers_and_returns_the_function() -> None:
+    registry = Registry()
+
+    @registry.task("send_email", timeout=timedelta(seconds=30), max_attempts=8,
+                   retry=RetryPolicy(base=1.0))
+    async def send(ctx: Any, payload: dict[str, Any]) -> None:
+        return None
+
+    spec = registry.get("send_email")
+    assert spec is not None and spec.handler is send
+    assert spec.timeout == 30.0 and spec.max_attempts == 8 and spec.retry.base == 1.0
+    assert "send_email" in registry and len(registry) == 1
+    assert registry.get("nope") is None
+
+
+def test_module_level_task_uses_the_given_registry() -> None:
+    registry = Registry()
+    task("a", registry=registry)(handler)
+    assert registry.names() == ["a"]
+
+
+def test_registering_a_name_twice_is_an_error_naming_both_handlers() -> None:
+    registry = Registry()
+    registry.register("dup", handler)
+    message = r"'dup' is registered twice: by .*handler and by .*other"
+    with pytest.raises(DuplicateTask, match=message):
+        registry.register("dup", other)
+    registry.register("dup", handler)  # the very same function again is harmless
+
+
+def test_handler_must_be_async() -> None:
+    def sync(ctx: Any, payload: dict[str, Any]) -> None:
+        return None
+
+    with pytest.raises(InvalidInput, match="must be an 'async def' function"):
+        Registry().register("s", sync)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"timeout": 0}, "timeout must be > 0"),
+        ({"timeout": "5"}, "timeout must be seconds"),
+        ({"max_attempts": 0}, "max_attempts must be between"),
+        ({"max_attempts": True}, "max_attempts must be an integer"),
+        ({"retry": {"base": 1}}, "retry must be a RetryPolicy"),
+    ],
+)
+def test_bad_options_fail_at_registration(kwargs: dict, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        Registry().register("x", handler, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["", "   ", None, "x" * 201])
+def test_bad_names_fail(name: Any) -> None:
+    with pytest.raises(InvalidInput):
+        Registry().register(name, handler)
+
+
+def test_unknown_message_lists_registered_names() -> None:
+    registry = Registry()
+    registry.register("b", handler)
+    registry.register("a", other)
+    assert registry.unknown_message("x") == "unknown task 'x' (registered: a, b)"
+    assert Registry().unknown_message("x") == "unknown task 'x' (registered: none)"
+
+
+def test_task_max_attempts_replaces_the_row_budget_only_when_set() -> None:
+    registry = Registry()
+    with_budget = registry.register("a", handler, max_attempts=2)
+    without = registry.register("b", other)
+    assert with_budget.attempts_allowed(5) == 2
+    assert without.attempts_allowed(5) == 5
+
+
+def test_public_api_is_exported_and_does_not_drift() -> None:
+    assert sorted(workers.__all__) == [
+        "DuplicateTask", "Fail", "JobContext", "Registry", "Retry", "RetryPolicy", "TaskSpec",
+        "Worker", "default_registry", "run_worker", "task",
+    ]
+    for name in workers.__all__:
+        assert getattr(workers, name) is not None
+
+
+def test_fixture_task_module_registers_into_the_default_registry() -> None:
+    importlib.import_module("tests.fixtures_tasks.basic")
+    importlib.import_module("tests.fixtures_tasks.basic")  # a second import is a no-op
+    assert {"fixtures.record", "fixtures.fail"} <= set(workers.default_registry.names())

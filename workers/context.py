@@ -1,0 +1,89 @@
+"""``JobContext``: what a handler knows about the job it runs, and how it writes.
+
+``ctx.db`` is the asyncpg connection *inside the delivery's ledger transaction*: what a
+handler writes through it commits together with the ledger row and the job's
+``succeeded`` status, or not at all (exception, timeout, crash), which is what makes
+effects exactly-once. Use ``async with ctx.db.transaction():`` for a savepoint; never
+commit or roll back the outer transaction yourself. For effects outside this database
+pass ``ctx.idempotency_key`` on (it is stable across every delivery of the job).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from scheduler.log import get_logger
+
+
+class JobContext:
+    """Read-only facts about the running job, ``db``, ``log`` and ``heartbeat()``."""
+
+    __slots__ = (
+        "_beat",
+        "_log",
+        "attempt",
+        "db",
+        "due_at",
+        "idempotency_key",
+        "job_id",
+        "max_attempts",
+        "queue",
+        "task",
+    )
+
+    def __init__(
+        self,
+        *,
+        job_id: int,
+        attempt: int,
+        max_attempts: int,
+        due_at: datetime,
+        task: str,
+        queue: str,
+        idempotency_key: str,
+        db: asyncpg.Connection,
+        beat: Callable[[], Awaitable[bool]],
+    ) -> None:
+        self.job_id = job_id
+        self.attempt = attempt
+        self.max_attempts = max_attempts
+        self.due_at = due_at
+        self.task = task
+        self.queue = queue
+        self.idempotency_key = idempotency_key
+        self.db = db
+        self._beat = beat
+        self._log: Any = None
+
+    @property
+    def log(self) -> Any:
+        """A structlog logger bound with job_id, attempt and task (created on first use)."""
+        if self._log is None:
+            self._log = get_logger(
+                "duetime.task", job_id=self.job_id, attempt=self.attempt, task=self.task
+            )
+        return self._log
+
+    @property
+    def is_last_attempt(self) -> bool:
+        """True when a failure now makes the job ``dead`` instead of retrying."""
+        return self.attempt >= self.max_attempts
+
+    async def heartbeat(self) -> bool:
+        """Record a sign of life now (``heartbeat_at``), on a separate connection.
+
+        The worker also beats automatically every visibility_timeout/3 while a handler
+        runs; call this from long loops to be explicit. Returns False if the job is no
+        longer this attempt's (the handler may stop early: its outcome will not count).
+        """
+        return await self._beat()
+
+    def __repr__(self) -> str:
+        return (
+            f"JobContext(job_id={self.job_id}, attempt={self.attempt}, task={self.task!r}, "
+            f"queue={self.queue!r})"
+        )

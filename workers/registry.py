@@ -1,0 +1,192 @@
+"""The task registry: the only way a message's ``task`` name becomes code.
+
+``@task("send_email")`` puts an ``async def handler(ctx, payload)`` in a ``Registry``
+(the module-level ``default_registry`` unless told otherwise). A worker runs only what
+its registry holds: nothing in a payload is imported, evaluated or unpickled, and the
+modules that fill the registry come only from the worker's command line (``--import``).
+
+Mistakes fail at import time, when the worker starts, not when the first job arrives:
+a name registered twice, a handler that is not ``async def``, a bad timeout or budget.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from scheduler.errors import InvalidInput
+from scheduler.jobspec import MAX_ATTEMPTS_LIMIT, MAX_TASK_LENGTH
+from workers.retry import DEFAULT_RETRY, RetryPolicy
+
+if TYPE_CHECKING:
+    from workers.context import JobContext
+
+Handler = Callable[["JobContext", dict[str, Any]], Awaitable[Any]]
+H = TypeVar("H", bound=Handler)
+
+
+class DuplicateTask(InvalidInput):
+    """A task name was registered twice."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    """A registered task.
+
+    - ``timeout``: seconds the handler may run (None: no limit; long jobs heartbeat).
+    - ``max_attempts``: when set, replaces the job row's ``max_attempts`` (the column
+      defaults to 5 for every producer, so the task author's number is the informed one).
+    - ``retry``: the back-off policy for this task's failures.
+    """
+
+    name: str
+    handler: Handler
+    timeout: float | None = None
+    max_attempts: int | None = None
+    retry: RetryPolicy = DEFAULT_RETRY
+
+    def attempts_allowed(self, row_max_attempts: int) -> int:
+        return self.max_attempts if self.max_attempts is not None else row_max_attempts
+
+
+def _validate_name(name: Any) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput(f"task name must be a non-empty string, not {name!r}")
+    if len(name) > MAX_TASK_LENGTH:
+        raise InvalidInput(
+            f"task name {name[:40]!r}... is longer than {MAX_TASK_LENGTH} characters"
+        )
+    return name
+
+
+def _validate_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise InvalidInput(f"task timeout must be seconds or a timedelta, not {timeout!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidInput(f"task timeout must be > 0 seconds, not {timeout!r}")
+    return float(seconds)
+
+
+def _validate_attempts(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(f"max_attempts must be an integer, not {value!r}")
+    if not 1 <= value <= MAX_ATTEMPTS_LIMIT:
+        raise InvalidInput(f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}")
+    return value
+
+
+def _where(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+class Registry:
+    """Task name → ``TaskSpec``. Iterating yields names in sorted order."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, TaskSpec] = {}
+
+    def register(
+        self,
+        name: str,
+        handler: Handler,
+        *,
+        timeout: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> TaskSpec:
+        name = _validate_name(name)
+        if not inspect.iscoroutinefunction(handler):
+            raise InvalidInput(
+                f"task {name!r}: handler {_where(handler)} must be an 'async def' function "
+                "taking (ctx, payload)"
+            )
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise InvalidInput(f"task {name!r}: retry must be a RetryPolicy, not {retry!r}")
+        existing = self._tasks.get(name)
+        if existing is not None:
+            if existing.handler is handler:  # the very same function: harmless
+                return existing
+            raise DuplicateTask(
+                f"task {name!r} is registered twice: by {_where(existing.handler)} and by "
+                f"{_where(handler)}"
+            )
+        spec = TaskSpec(
+            name=name,
+            handler=handler,
+            timeout=_validate_timeout(timeout),
+            max_attempts=_validate_attempts(max_attempts),
+            retry=retry or DEFAULT_RETRY,
+        )
+        self._tasks[name] = spec
+        return spec
+
+    def task(
+        self,
+        name: str,
+        *,
+        timeout: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> Callable[[H], H]:
+        """Decorator form of ``register``; returns the handler unchanged."""
+
+        def decorate(handler: H) -> H:
+            self.register(name, handler, timeout=timeout, max_attempts=max_attempts, retry=retry)
+            return handler
+
+        return decorate
+
+    def get(self, name: str) -> TaskSpec | None:
+        return self._tasks.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._tasks)
+
+    def unknown_message(self, name: str, limit: int = 20) -> str:
+        """The ``last_error`` for a job whose task nobody registered."""
+        names = self.names()
+        shown = ", ".join(names[:limit])
+        if len(names) > limit:
+            shown += f", … ({len(names) - limit} more)"
+        return f"unknown task {name!r} (registered: {shown or 'none'})"
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tasks
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+
+default_registry = Registry()
+
+
+def task(
+    name: str,
+    *,
+    timeout: float | timedelta | None = None,
+    max_attempts: int | None = None,
+    retry: RetryPolicy | None = None,
+    registry: Registry | None = None,
+) -> Callable[[H], H]:
+    """Register ``async def handler(ctx: JobContext, payload: dict)`` as task ``name``.
+
+    ``timeout`` (seconds or timedelta) bounds each run; ``max_attempts`` replaces the
+    job row's budget; ``retry`` sets the back-off. Registering a name twice raises
+    ``DuplicateTask`` at import time.
+    """
+    target = registry if registry is not None else default_registry  # empty is falsy
+    return target.task(
+        name, timeout=timeout, max_attempts=max_attempts, retry=retry
+    )

@@ -1,0 +1,160 @@
+"""The worker process: connections, pools, lifecycle and graceful shutdown.
+
+``Worker`` wires the pieces: an asyncpg pool sized to ``concurrency`` plus two for
+heartbeats, a robust RabbitMQ connection with one channel, a ``Ledger`` (the
+per-delivery transaction) and a ``Consumer`` (deliveries, acks). ``run_worker`` is what
+``duetime worker`` runs: the shared service scaffold turns the first SIGTERM/SIGINT into
+a graceful stop and a second into an immediate exit.
+
+Shutdown order matters: stop consuming first (nothing new arrives), then let running
+handlers finish within the grace period, cancel the rest (their transactions roll back
+and their messages go back to the queue), and only then close the channel, the
+connection and the pool. Unacked messages of a process that dies instead (kill -9) are
+requeued by RabbitMQ when its connection drops, and PostgreSQL aborts its transactions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import asyncpg
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+
+from scheduler import broker, db
+from scheduler.config import Settings
+from scheduler.jobspec import validate_queue
+from scheduler.log import get_logger
+from workers.consumer import Consumer
+from workers.ledger import Ledger
+from workers.registry import Registry, default_registry
+
+log = get_logger("duetime.worker")
+
+HEARTBEAT_CONNECTIONS = 2
+
+
+class Worker:
+    """One worker: ``start()``, then ``stop()`` (safe before start and twice)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        queues: Sequence[str],
+        registry: Registry | None = None,
+        concurrency: int | None = None,
+        grace_period: float | None = None,
+    ) -> None:
+        if not queues:
+            raise ValueError("a worker needs at least one queue")
+        self.settings = settings
+        self.queues = [validate_queue(q) for q in dict.fromkeys(queues)]
+        self.registry = registry if registry is not None else default_registry
+        self.concurrency = concurrency or settings.worker_concurrency
+        self.grace_period = (
+            settings.worker_grace_period if grace_period is None else grace_period
+        )
+        self.pool: asyncpg.Pool | None = None
+        self.connection: AbstractRobustConnection | None = None
+        self.channel: AbstractChannel | None = None
+        self.consumer: Consumer | None = None
+        self._stopped = False
+
+    async def start(self) -> None:
+        s = self.settings
+        self.pool = await db.pool_from_settings(
+            s, max_size=self.concurrency + HEARTBEAT_CONNECTIONS, min_size=1
+        )
+        try:
+            ledger = Ledger(
+                self.pool,
+                self.registry,
+                worker_name=s.node_id,
+                heartbeat_interval=s.visibility_timeout / 3,
+                acquire_timeout=s.db_timeout,
+            )
+            self.consumer = Consumer(ledger, concurrency=self.concurrency, timeout=s.amqp_timeout)
+            self.connection = await broker.connect(
+                s.amqp_url, timeout=s.amqp_timeout, name=f"duetime-worker:{s.node_id}"
+            )
+            self.channel = await asyncio.wait_for(self.connection.channel(), s.amqp_timeout)
+            await self.consumer.start(self.channel, self.queues, delivery_limit=s.delivery_limit)
+        except BaseException:
+            await self._close()
+            raise
+        log.info(
+            "worker_started",
+            queues=self.queues,
+            concurrency=self.concurrency,
+            tasks=self.registry.names(),
+            node_id=s.node_id,
+        )
+
+    async def stop(self, grace_period: float | None = None) -> None:
+        """Graceful stop: no new deliveries, running handlers get the grace period."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.grace_period if grace_period is None else grace_period
+        cancelled = 0
+        if self.consumer is not None:
+            log.info("worker_stopping", in_flight=self.consumer.in_flight, grace=grace)
+            cancelled = await self.consumer.drain(grace)
+        await self._close()
+        log.info("worker_stopped", cancelled=cancelled)
+
+    async def _close(self) -> None:
+        timeout = self.settings.amqp_timeout
+        channel, self.channel = self.channel, None
+        connection, self.connection = self.connection, None
+        pool, self.pool = self.pool, None
+        for resource in (channel, connection):
+            if resource is not None:
+                try:
+                    await asyncio.wait_for(resource.close(), timeout)
+                except Exception as exc:
+                    log.warning("broker_close_failed", error=repr(exc))
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), self.settings.db_timeout)
+            except Exception as exc:
+                log.warning("pool_close_failed", error=repr(exc))
+                pool.terminate()
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+
+async def run_worker(
+    settings: Settings,
+    *,
+    queues: Sequence[str],
+    registry: Registry | None = None,
+    concurrency: int | None = None,
+    grace_period: float | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT, then stop gracefully; exit status 0."""
+    from scheduler.service import Service
+
+    worker = Worker(
+        settings,
+        queues=queues,
+        registry=registry,
+        concurrency=concurrency,
+        grace_period=grace_period,
+    )
+    async with Service("worker", metrics_port=settings.metrics_port) as service:
+        try:
+            await worker.start()
+            service.ready()
+            service.status(f"consuming {', '.join(worker.queues)}")
+            await service.stop_event.wait()
+        finally:
+            await worker.stop()
+    return 0
