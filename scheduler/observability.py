@@ -7,11 +7,13 @@ branch on it.
 - ``/metrics``: Prometheus text (or OpenMetrics when the scraper asks for it) of the
   default registry, which holds every metric of ``scheduler.metrics`` plus process and
   Python runtime collectors.
-- ``/healthz`` (liveness): 200 while the event loop is responsive. A monitor task wakes
-  every ``loop_interval`` and records how late it woke in
-  ``duetime_event_loop_lag_seconds``; the answer is 503 while the latest lag exceeds
-  ``stall_threshold``. A loop blocked outright cannot answer at all, which a prober
-  treats as a failure too (systemd's watchdog is the stronger net for that case).
+- ``/healthz`` (liveness): 200 while the event loop is responsive. A small watcher task
+  wakes every ``loop_interval`` and notes how late it woke; the answer is 503 while the
+  latest lag (or the time since its last wake-up) exceeds ``stall_threshold``. A loop
+  blocked outright cannot answer at all, which a prober treats as a failure too
+  (systemd's watchdog is the stronger net for that case). The watcher does not feed
+  ``duetime_event_loop_lag_seconds``: ``scheduler.loopmon.LoopMonitor`` owns that
+  metric, so a process running both does not count every stall twice.
 - ``/readyz`` (readiness): 200 only when every registered check passes. Checks are the
   process's own callables (``{"db": ..., "amqp": ..., "etcd": ...}``), sync or async;
   a check passes unless it raises, returns ``False`` or outlives ``check_timeout``.
@@ -43,7 +45,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-import scheduler.metrics as metrics  # registers every duetime metric in REGISTRY
+import scheduler.metrics  # noqa: F401  (registers every duetime metric in REGISTRY)
 from scheduler.config import Settings
 from scheduler.errors import ConfigError
 from scheduler.log import get_logger, scrub
@@ -53,6 +55,8 @@ __all__ = [
     "CheckResult",
     "Observability",
     "ReadinessReport",
+    "amqp_check",
+    "database_check",
     "start_observability",
 ]
 
@@ -247,7 +251,6 @@ class Observability:
             lag = max(0.0, loop.time() - before - self.loop_interval)
             self.loop_lag = lag
             self.last_tick = time.monotonic()
-            metrics.EVENT_LOOP_LAG.observe(lag)
 
     async def _evaluate(self) -> ReadinessReport:
         names = sorted(self._checks)
@@ -311,13 +314,17 @@ class Observability:
             await self._respond(writer, 400, _json({"error": str(exc)}), "GET")
             return
         if headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in headers:
-            await self._respond(writer, 413, b'{"error":"request bodies are not accepted"}\n', "GET")
+            await self._respond(
+                writer, 413, b'{"error":"request bodies are not accepted"}\n', "GET"
+            )
             return
         if len(self._connections) > self.max_connections:
             await self._respond(writer, 503, b'{"error":"too many connections"}\n', method)
             return
         if method not in ("GET", "HEAD"):
-            await self._respond(writer, 405, b'{"error":"use GET"}\n', method, {"Allow": "GET, HEAD"})
+            await self._respond(
+                writer, 405, b'{"error":"use GET"}\n', method, {"Allow": "GET, HEAD"}
+            )
             return
         status, body, ctype = await self._route(path, headers)
         await self._respond(writer, status, body, method, {"Content-Type": ctype})
@@ -332,8 +339,10 @@ class Observability:
         if path == "/readyz":
             report = await self.readiness()
             return (200 if report.ready else 503), _json(report.to_dict()), JSON_TYPE
-        return 404, _json({"error": "not found", "paths": ["/metrics", "/healthz", "/readyz"]}), (
-            JSON_TYPE
+        return (
+            404,
+            _json({"error": "not found", "paths": ["/metrics", "/healthz", "/readyz"]}),
+            (JSON_TYPE),
         )
 
     async def _respond(
@@ -382,6 +391,22 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
             raise ValueError("malformed header line")
         headers[name.strip().lower()] = value.strip()
     return method.upper(), path, headers
+
+
+def database_check(pool: Any) -> Check:
+    """Readiness of PostgreSQL: one trivial query on ``pool`` (an asyncpg pool)."""
+    from scheduler.status import StatusStore
+
+    return StatusStore(pool).ping
+
+
+def amqp_check(connection: Any) -> Check:
+    """Readiness of RabbitMQ: the (robust) aio-pika connection is open right now."""
+
+    def check() -> bool:
+        return not connection.is_closed
+
+    return check
 
 
 async def start_observability(

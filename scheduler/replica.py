@@ -309,12 +309,13 @@ class Replica:
         failures = 0
         while True:
             task = asyncio.create_task(election.campaign(), name="election:campaign")
-            await asyncio.wait({task, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return None
+            try:
+                await asyncio.wait({task, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # stop requested, or this replica cancelled: the campaign ends too
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
             if task.cancelled():
                 return None
             exc = task.exception()

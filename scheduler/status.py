@@ -28,12 +28,14 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
 from scheduler.config import Settings
 from scheduler.log import scrub
 from scheduler.sql import load
 
 Q = load("status")
+Conn = asyncpg.Connection | PoolConnectionProxy
 
 DEAD_WINDOW_SECONDS = 3600.0
 STALE_RENEWALS = 3  # fence renewals a leader may miss before status calls it gone
@@ -161,8 +163,9 @@ class StatusStore:
             await conn.fetchval(Q["ping"])
 
     async def snapshot(self, *, dead_window: float = DEAD_WINDOW_SECONDS) -> DbSnapshot:
-        async with self._pool.acquire() as conn, conn.transaction(
-            isolation="repeatable_read", readonly=True
+        async with (
+            self._pool.acquire() as conn,
+            conn.transaction(isolation="repeatable_read", readonly=True),
         ):
             fence_row = await conn.fetchrow(Q["fence"])
             pending = await conn.fetch(Q["pending_by_queue"])
@@ -189,8 +192,9 @@ class StatusStore:
             schedules=schedules,
         )
 
-    async def _schedules(self, conn: asyncpg.Connection) -> ScheduleSummary:
+    async def _schedules(self, conn: Conn) -> ScheduleSummary:
         summary = await conn.fetchrow(Q["schedules_summary"])
+        assert summary is not None  # an aggregate always returns one row
         upcoming = await conn.fetch(Q["schedules_next"], UPCOMING_SCHEDULES)
         return ScheduleSummary(
             total=summary["total"],
@@ -234,7 +238,7 @@ async def read_election_key(settings: Settings, *, timeout: float | None = None)
             port=int(port),
             username=settings.etcd_username,
             password=settings.etcd_password,
-            timeout=timeout,  # type: ignore[arg-type]  # grpc takes float seconds
+            timeout=timeout,  # grpc takes float seconds
         )
         try:
             async with asyncio.timeout(timeout * 2):
@@ -352,6 +356,4 @@ async def collect_status(
             await etcd_task
         raise
     etcd = await etcd_task
-    return evaluate(
-        snapshot, etcd, lease_ttl=settings.lease_ttl, max_backlog_age=max_backlog_age
-    )
+    return evaluate(snapshot, etcd, lease_ttl=settings.lease_ttl, max_backlog_age=max_backlog_age)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
@@ -93,9 +93,12 @@ class Consumer:
         consumers, self._consumers = self._consumers, []
         for queue, tag in consumers:
             try:
-                await queue.cancel(tag, timeout=self._timeout)
+                # bounded as a whole: a robust channel may wait to be reconnected first
+                await asyncio.wait_for(queue.cancel(tag, timeout=self._timeout), self._timeout)
             except Exception as exc:  # channel already gone: nothing will arrive anyway
                 log.warning("consumer_cancel_failed", queue=queue.name, error=repr(exc))
+        if consumers:
+            log.info("consuming_stopped", queues=[q.name for q, _ in consumers])
 
     async def drain(self, grace: float) -> int:
         """Stop: nack waiting deliveries, give running ones ``grace`` seconds, cancel the
@@ -118,7 +121,7 @@ class Consumer:
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         if self.stopping:  # arrived between our cancel and the broker's CancelOk
-            await _settle(message, message.nack, requeue=True)
+            await _Settlement(message)("nack", requeue=True)
             return
         task = asyncio.create_task(self._handle(message), name=f"delivery:{message.message_id}")
         self._tasks.add(task)
@@ -129,16 +132,19 @@ class Consumer:
         task = asyncio.current_task()
         assert task is not None
         async with self._slots:
-            self._running.add(task)  # type: ignore[arg-type]
+            self._running.add(task)
             self.active += 1
             self.peak = max(self.peak, self.active)
             try:
                 yield
             finally:
                 self.active -= 1
-                self._running.discard(task)  # type: ignore[arg-type]
+                self._running.discard(task)
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
+        settle = _Settlement(message)
+        job: dict[str, Any] = {}  # job_id/attempt/task for log lines, once decoded
+        committed = False
         try:
             try:
                 msg = decode(message.body)
@@ -151,54 +157,74 @@ class Consumer:
                     redelivered=message.redelivered,
                     error=str(exc),
                 )
-                await _settle(message, message.reject, requeue=False)
+                await settle("reject", requeue=False)
                 return
+            job = {"job_id": msg.job_id, "attempt": msg.attempt, "task": msg.task}
             async with self._slot():
                 if self.stopping:
-                    await _settle(message, message.nack, requeue=True)
+                    await settle("nack", requeue=True)
                     return
                 await self._ledger.execute(msg)
+                committed = True
             self._db_failures = 0
-            await _settle(message, message.ack)
+            await settle("ack")
         except asyncio.CancelledError:
-            await _settle(message, message.nack, requeue=True)
+            # an outcome already committed is acked; anything else goes back to the queue
+            await (settle("ack") if committed else settle("nack", requeue=True))
             raise
         except DatabaseUnavailable as exc:
-            await self._requeue_later(message, exc)
+            await self._requeue_later(settle, exc, job)
         except Exception as exc:  # a bug: never crash the consumer, never lose the message
-            log.exception("delivery_failed", message_id=message.message_id)
-            await self._requeue_later(message, exc)
+            log.exception("delivery_failed", message_id=message.message_id, **job)
+            await self._requeue_later(settle, exc, job)
 
-    async def _requeue_later(self, message: AbstractIncomingMessage, exc: BaseException) -> None:
+    async def _requeue_later(
+        self, settle: _Settlement, exc: BaseException, job: dict[str, Any]
+    ) -> None:
         self._db_failures += 1
         self.requeued += 1
         delay = bounded_jitter(self._db_failures, base=DB_RETRY_BASE, cap=self._db_retry_cap)
         log.warning(
             "delivery_requeued",
-            message_id=message.message_id,
+            message_id=settle.message.message_id,
             reason=f"{type(exc).__name__}: {exc}",
             consecutive_failures=self._db_failures,
             requeue_in=round(delay, 3),
+            **job,
         )
         try:
             if not self.stopping:
                 await asyncio.sleep(delay)
         finally:  # cancelled by shutdown too: back to the queue either way
-            await _settle(message, message.nack, requeue=True)
+            await settle("nack", requeue=True)
 
 
-async def _settle(
-    message: AbstractIncomingMessage, action: Callable[..., Awaitable[Any]], **kwargs: Any
-) -> None:
-    """ack / nack / reject once, logging instead of raising when the channel is gone."""
-    if message.processed:
-        return
-    try:
-        await action(**kwargs)
-    except Exception as exc:
-        log.warning(
-            "settle_failed",
-            action=getattr(action, "__name__", "?"),
-            message_id=message.message_id,
-            error=repr(exc),
-        )
+class _Settlement:
+    """Settles one delivery (ack, nack or reject) exactly once.
+
+    Marked done *before* the frame is sent: a cancellation that lands while aio-pika
+    waits for the write to drain must not make us send a second, conflicting frame for
+    the same delivery tag (RabbitMQ closes the channel on that). A failure to send
+    (channel gone after a broker reconnect) is logged, not raised: the broker redelivers
+    and the ledger recognises the delivery as settled.
+    """
+
+    __slots__ = ("done", "message")
+
+    def __init__(self, message: AbstractIncomingMessage) -> None:
+        self.message = message
+        self.done = False
+
+    async def __call__(self, action: str, **kwargs: Any) -> None:
+        if self.done or self.message.processed:
+            return
+        self.done = True
+        try:
+            await getattr(self.message, action)(**kwargs)
+        except Exception as exc:
+            log.warning(
+                "settle_failed",
+                action=action,
+                message_id=self.message.message_id,
+                error=repr(exc),
+            )

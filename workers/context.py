@@ -14,9 +14,8 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
-import asyncpg
-
 from scheduler.log import get_logger
+from scheduler.store.execution import Conn
 
 
 class JobContext:
@@ -45,7 +44,7 @@ class JobContext:
         task: str,
         queue: str,
         idempotency_key: str,
-        db: asyncpg.Connection,
+        db: Conn,
         beat: Callable[[], Awaitable[bool]],
     ) -> None:
         self.job_id = job_id

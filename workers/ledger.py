@@ -40,7 +40,7 @@ import asyncpg
 from scheduler.log import get_logger
 from scheduler.messages import JobMessage
 from scheduler.metrics import FIRE_LAG, JOB_DURATION, JOBS_FINISHED
-from scheduler.store.execution import ExecutionStore, LockedJob
+from scheduler.store.execution import Conn, ExecutionStore, LockedJob
 from workers.context import JobContext
 from workers.heartbeat import Heartbeat
 from workers.registry import Registry, TaskSpec
@@ -112,7 +112,7 @@ class Ledger:
 
     # -- the transaction -------------------------------------------------------------
 
-    async def _attempt(self, conn: asyncpg.Connection, msg: JobMessage) -> Outcome | _Failure:
+    async def _attempt(self, conn: Conn, msg: JobMessage) -> Outcome | _Failure:
         tx = conn.transaction()
         await tx.start()
         try:
@@ -134,19 +134,29 @@ class Ledger:
                 error = self._registry.unknown_message(msg.task)
                 await self._store.mark_dead(conn, msg.job_id, msg.due_at, msg.attempt, error)
                 await tx.commit()
-                log.error("job_dead", job_id=msg.job_id, attempt=msg.attempt, task=msg.task,
-                          error=error)
+                log.error(
+                    "job_dead", job_id=msg.job_id, attempt=msg.attempt, task=msg.task, error=error
+                )
                 return Outcome.DEAD
             key = job.idempotency_key or msg.idempotency_key or f"job:{msg.job_id}"
             first = await self._store.insert_ledger(
-                conn, key=key, job_id=msg.job_id, attempt=msg.attempt, task=msg.task,
+                conn,
+                key=key,
+                job_id=msg.job_id,
+                attempt=msg.attempt,
+                task=msg.task,
                 worker=self._worker,
             )
             if not first:
                 await self._store.mark_succeeded(conn, msg.job_id, msg.due_at, msg.attempt)
                 await tx.commit()
-                log.info("delivery_duplicate", job_id=msg.job_id, attempt=msg.attempt,
-                         task=msg.task, idempotency_key=key)
+                log.info(
+                    "delivery_duplicate",
+                    job_id=msg.job_id,
+                    attempt=msg.attempt,
+                    task=msg.task,
+                    idempotency_key=key,
+                )
                 return Outcome.SKIPPED
             failure = await self._run_handler(conn, msg, job, spec, key)
             if failure is None:
@@ -156,15 +166,20 @@ class Ledger:
                     )
                     if not current:
                         await _abort(conn, tx)
-                        log.warning("attempt_superseded", job_id=msg.job_id,
-                                    attempt=msg.attempt, task=msg.task)
+                        log.warning(
+                            "attempt_superseded",
+                            job_id=msg.job_id,
+                            attempt=msg.attempt,
+                            task=msg.task,
+                        )
                         return Outcome.SKIPPED
                     await tx.commit()
                 except Exception as exc:  # e.g. the handler left the transaction aborted
                     failure = exc
                 else:
-                    log.debug("job_succeeded", job_id=msg.job_id, attempt=msg.attempt,
-                              task=msg.task)
+                    log.debug(
+                        "job_succeeded", job_id=msg.job_id, attempt=msg.attempt, task=msg.task
+                    )
                     return Outcome.SUCCEEDED
             await _abort(conn, tx)
             return _Failure(failure, job, spec)
@@ -174,15 +189,16 @@ class Ledger:
 
     async def _run_handler(
         self,
-        conn: asyncpg.Connection,
+        conn: Conn,
         msg: JobMessage,
         job: LockedJob,
         spec: TaskSpec,
         key: str,
     ) -> BaseException | None:
         """Run the handler under its timeout; return its exception, or None."""
-        beat_log = get_logger("duetime.worker", job_id=msg.job_id, attempt=msg.attempt,
-                              task=msg.task)
+        beat_log = get_logger(
+            "duetime.worker", job_id=msg.job_id, attempt=msg.attempt, task=msg.task
+        )
         heartbeat = Heartbeat(
             self._store,
             job_id=msg.job_id,
@@ -239,8 +255,12 @@ class Ledger:
             ):
                 if isinstance(decision, RetryLater):
                     run_at = await self._store.schedule_retry(
-                        conn, msg.job_id, msg.due_at, msg.attempt,
-                        delay=decision.delay, error=decision.error,
+                        conn,
+                        msg.job_id,
+                        msg.due_at,
+                        msg.attempt,
+                        delay=decision.delay,
+                        error=decision.error,
                     )
                     recorded = run_at is not None
                 else:
@@ -268,7 +288,7 @@ class Ledger:
         return Outcome.RETRIED
 
 
-async def _abort(conn: asyncpg.Connection, tx: Any) -> None:
+async def _abort(conn: Conn, tx: Any) -> None:
     """Roll back; if that is impossible (connection broken, a query still cancelling),
     drop the connection: the server then aborts the transaction itself."""
     try:

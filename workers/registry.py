@@ -187,6 +187,4 @@ def task(
     ``DuplicateTask`` at import time.
     """
     target = registry if registry is not None else default_registry  # empty is falsy
-    return target.task(
-        name, timeout=timeout, max_attempts=max_attempts, retry=retry
-    )
+    return target.task(name, timeout=timeout, max_attempts=max_attempts, retry=retry)

@@ -53,9 +53,7 @@ class Worker:
         self.queues = [validate_queue(q) for q in dict.fromkeys(queues)]
         self.registry = registry if registry is not None else default_registry
         self.concurrency = concurrency or settings.worker_concurrency
-        self.grace_period = (
-            settings.worker_grace_period if grace_period is None else grace_period
-        )
+        self.grace_period = settings.worker_grace_period if grace_period is None else grace_period
         self.pool: asyncpg.Pool | None = None
         self.connection: AbstractRobustConnection | None = None
         self.channel: AbstractChannel | None = None

@@ -131,7 +131,9 @@ def render(report: StatusReport) -> None:
     elif etcd.leader is None:
         print(f"etcd       {etcd.key} absent (no leader) via {etcd.endpoint}")
     else:
-        lease = f", lease {etcd.lease_remaining:g}s left" if etcd.lease_remaining is not None else ""
+        lease = (
+            f", lease {etcd.lease_remaining:g}s left" if etcd.lease_remaining is not None else ""
+        )
         print(
             f"etcd       {etcd.key} = {etcd.leader} (epoch {etcd.epoch}{lease}) via {etcd.endpoint}"
         )

@@ -95,9 +95,7 @@ def import_task_modules(modules: list[str]) -> None:
         except ModuleNotFoundError as exc:
             raise InvalidInput(f"--import {name}: {exc} (is it on PYTHONPATH?)") from None
         except Exception as exc:
-            raise InvalidInput(
-                f"--import {name} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise InvalidInput(f"--import {name} failed: {type(exc).__name__}: {exc}") from exc
 
 
 async def run(args: argparse.Namespace, settings: Settings) -> int:

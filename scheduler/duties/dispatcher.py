@@ -33,6 +33,7 @@ worth it: the commit is ~1-2 % of a batch's time (bench/dispatch_rate.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections import Counter
@@ -275,8 +276,9 @@ class Dispatcher(LoopDuty):
                 # again; workers skip these copies (row not dispatched) or the ledger
                 # absorbs them
                 ids = [job.id for job in result.confirmed]
-                self.log.error(
-                    "dispatch_commit_failed",
+                cancelled = isinstance(exc, asyncio.CancelledError)  # stop() mid-batch
+                (self.log.warning if cancelled else self.log.error)(
+                    "dispatch_interrupted" if cancelled else "dispatch_commit_failed",
                     error=f"{type(exc).__name__}: {exc}",
                     published=len(ids),
                     job_ids=ids[:MAX_IDS_LOGGED],

@@ -242,7 +242,9 @@ class Reconciler(LoopDuty):
                 count=len(done),
                 job_ids=[s.job.id for s in done][:MAX_IDS_LOGGED],
                 oldest_silence=round(max(s.silent_for for s in done), 3),
-                previous_epochs=sorted({s.dispatch_epoch for s in done if s.dispatch_epoch}),
+                previous_epochs=sorted(
+                    {s.dispatch_epoch for s in done if s.dispatch_epoch is not None}
+                ),
             )
             if repeats:
                 self.log.warning(

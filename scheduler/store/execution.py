@@ -10,10 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import asyncpg
 
 from scheduler.sql import load
+
+if TYPE_CHECKING:
+    from asyncpg.pool import PoolConnectionProxy
+
+#: A connection as the worker holds it: plain, or the pool's proxy.
+Conn: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
 
 Q = load("execution")
 
@@ -35,9 +42,7 @@ class ExecutionStore:
         self._pool = pool
         self._timeout = timeout
 
-    async def lock_job(
-        self, conn: asyncpg.Connection, job_id: int, due_at: datetime
-    ) -> LockedJob | None:
+    async def lock_job(self, conn: Conn, job_id: int, due_at: datetime) -> LockedJob | None:
         """Read the job FOR KEY SHARE (waits for an in-flight claim); None if missing."""
         record = await conn.fetchrow(Q["lock_job"], job_id, due_at)
         if record is None:
@@ -53,7 +58,7 @@ class ExecutionStore:
 
     async def insert_ledger(
         self,
-        conn: asyncpg.Connection,
+        conn: Conn,
         *,
         key: str,
         job_id: int,
@@ -64,15 +69,13 @@ class ExecutionStore:
         """True if this delivery claimed the key; False if it was already completed."""
         return await conn.fetchval(Q["insert_ledger"], key, job_id, attempt, task, worker) == 1
 
-    async def mark_succeeded(
-        self, conn: asyncpg.Connection, job_id: int, due_at: datetime, attempt: int
-    ) -> bool:
+    async def mark_succeeded(self, conn: Conn, job_id: int, due_at: datetime, attempt: int) -> bool:
         """dispatched → succeeded for this attempt; False if the row moved on meanwhile."""
         return await conn.fetchval(Q["mark_succeeded"], job_id, due_at, attempt) == 1
 
     async def schedule_retry(
         self,
-        conn: asyncpg.Connection,
+        conn: Conn,
         job_id: int,
         due_at: datetime,
         attempt: int,
@@ -88,10 +91,10 @@ class ExecutionStore:
         )
         if run_at is not None:
             await conn.execute(Q["notify"])
-        return run_at  # type: ignore[no-any-return]
+        return run_at  # type: ignore[no-any-return, unused-ignore]
 
     async def mark_dead(
-        self, conn: asyncpg.Connection, job_id: int, due_at: datetime, attempt: int, error: str
+        self, conn: Conn, job_id: int, due_at: datetime, attempt: int, error: str
     ) -> bool:
         """dispatched → dead with ``error``; False if the row moved on meanwhile."""
         return await conn.fetchval(Q["mark_dead"], job_id, due_at, attempt, error) == 1

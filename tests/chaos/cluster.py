@@ -62,6 +62,13 @@ class Node:
     name: str  # the node id
     proc: ChildProcess
     metrics_port: int
+    starts: int = 1
+
+    def campaigning(self) -> bool:
+        """Its latest start got as far as campaigning (standby or leader)."""
+        events = self.events("replica_started", "campaigning")
+        started = sum(1 for e in events if e["event"] == "replica_started")
+        return started == self.starts and events[-1]["event"] == "campaigning"
 
     def events(self, *names: str) -> list[dict[str, Any]]:
         """This process's JSON log lines (optionally only these events), in order."""
@@ -158,9 +165,21 @@ class SchedulerCluster:
     def restart(self, node: Node) -> None:
         """Start a stopped/killed replica again (same node id, output appended)."""
         node.proc.start()
+        node.starts += 1
 
     def alive(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.proc.running()]
+
+    async def wait_all_up(self, timeout: float) -> None:
+        """Every replica is running and has campaigned since its latest start."""
+
+        def up() -> bool:
+            return all(n.proc.running() and n.campaigning() for n in self.nodes.values())
+
+        try:
+            await wait_for(up, timeout=timeout, message="every replica campaigning")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.describe()}") from None
 
     # -- views ---------------------------------------------------------------------
 

@@ -87,11 +87,7 @@ async def test_three_replicas_exactly_one_leader_at_every_sample(
     nodes = spawn_three(cluster, unique)
     leader, epoch = await cluster.wait_leader(START_TIMEOUT)
 
-    async def all_serving() -> bool:
-        gauges = await asyncio.gather(*(cluster.is_leader_gauge(n) for n in nodes))
-        return None not in gauges and all(n.events("campaigning") for n in nodes)
-
-    await wait_for(all_serving, timeout=START_TIMEOUT, message="every replica up")
+    await cluster.wait_all_up(START_TIMEOUT)
     samples, renewals = 0, set()
     until = time.monotonic() + 10.5
     while time.monotonic() < until:
@@ -122,6 +118,7 @@ async def test_kill9_leader_replaced_within_ttl_plus_one_second(
     spawn_three(cluster, unique)
     key_times, lead_times = [], []
     for _ in range(ROUNDS):
+        await cluster.wait_all_up(START_TIMEOUT)  # standbys ready: measure failover only
         leader, epoch = await cluster.wait_leader(START_TIMEOUT)
         start = time.monotonic()
         leader.proc.kill9()
@@ -145,6 +142,7 @@ async def test_sigterm_leader_hands_over_within_one_second_and_exits_zero(
     spawn_three(cluster, unique)
     lead_times, exit_times = [], []
     for _ in range(ROUNDS):
+        await cluster.wait_all_up(START_TIMEOUT)  # standbys ready: measure failover only
         leader, epoch = await cluster.wait_leader(START_TIMEOUT)
         start = time.monotonic()
         leader.proc.sigterm()
@@ -173,8 +171,9 @@ async def test_paused_leader_is_fenced_and_becomes_a_standby(
     cluster: SchedulerCluster, unique: str
 ) -> None:
     spawn_three(cluster, unique)
-    takeover_times, stepdown_times, reasons = [], [], []
+    takeover_times, stepdown_times, resign_times, reasons = [], [], [], []
     for _ in range(ROUNDS):
+        await cluster.wait_all_up(START_TIMEOUT)  # standbys ready: measure failover only
         zombie, old_epoch = await cluster.wait_leader(START_TIMEOUT)
         app = f"duetime:{zombie.name}"
         start = time.monotonic()
@@ -186,16 +185,17 @@ async def test_paused_leader_is_fenced_and_becomes_a_standby(
             # the pause is the scenario: keep it frozen for 2 x TTL in all
             await asyncio.sleep(max(0.0, start + 2 * TTL - time.monotonic()))
         finally:
+            resumed = time.time()
             zombie.proc.sigcont()
-        resumed = time.monotonic()
 
         def stepped_down(zombie: Node = zombie, epoch: int = old_epoch) -> list[dict[str, object]]:
             return [e for e in zombie.events("resigned") if e["epoch"] == epoch]
 
-        await wait_for(stepped_down, timeout=TTL + 2, message="zombie resigned")
-        stepdown_times.append(time.monotonic() - resumed)
+        resigned = await wait_for(stepped_down, timeout=TTL + 2, message="zombie resigned")
         down = [e for e in zombie.events("stepping_down") if e["epoch"] == old_epoch]
         assert len(down) == 1
+        stepdown_times.append(parse_ts(str(down[0]["timestamp"])) - resumed)
+        resign_times.append(parse_ts(str(resigned[0]["timestamp"])) - resumed)
         reasons.append(f"{down[0]['reason']}({down[0]['detail']})")
         assert down[0]["reason"] in ("lease_lost", "fenced")
 
@@ -215,7 +215,8 @@ async def test_paused_leader_is_fenced_and_becomes_a_standby(
         assert late == [], late
         assert all(r["old_epoch"] == r["new_epoch"] == new_epoch for r in rows[fenced + 1 :])
     report("SIGSTOP leader -> new leader leading", takeover_times)
-    report("SIGCONT -> zombie resigned", stepdown_times)
+    report("SIGCONT -> zombie stepping_down (its log)", stepdown_times)
+    report("SIGCONT -> zombie resigned (its log)", resign_times)
     print(f"[failover] zombie step-down reasons: {reasons}")
 
 
@@ -241,6 +242,7 @@ async def test_etcd_unreachable_leader_stops_acting_then_one_leader_again(
             ) as cluster:
                 nodes = [cluster.spawn(f"{unique}-e{i}") for i in (1, 2)]
                 leader, old_epoch = await cluster.wait_leader(START_TIMEOUT)
+                await cluster.wait_all_up(START_TIMEOUT)
 
                 cut_at = time.time()
                 if fault == "partition":

@@ -129,9 +129,7 @@ async def test_jobs_arrive_once_not_before_due_with_the_contract(env: Env) -> No
         dispatcher.start(term(1))
         try:
             await c.wait(150, timeout=20)
-            await wait_for(
-                lambda: _all_dispatched(env.pool), timeout=5, message="all dispatched"
-            )
+            await wait_for(lambda: _all_dispatched(env.pool), timeout=5, message="all dispatched")
         finally:
             await dispatcher.stop()
         assert dispatcher.stopped_by_request
@@ -166,8 +164,7 @@ async def test_jobs_arrive_once_not_before_due_with_the_contract(env: Env) -> No
             lags.append(arrived - row["due_at"].timestamp())
         lags.sort()
         print(
-            f"\narrival lag: p50 {lags[len(lags) // 2] * 1000:.1f} ms, "
-            f"max {lags[-1] * 1000:.1f} ms"
+            f"\narrival lag: p50 {lags[len(lags) // 2] * 1000:.1f} ms, max {lags[-1] * 1000:.1f} ms"
         )
 
 
@@ -190,8 +187,7 @@ async def test_idle_fire_lag_is_milliseconds(env: Env) -> None:
         lags = [
             r["lag"]
             for r in await env.pool.fetch(
-                "SELECT extract(epoch FROM dispatched_at - due_at)::float8 AS lag "
-                "FROM duetime.jobs"
+                "SELECT extract(epoch FROM dispatched_at - due_at)::float8 AS lag FROM duetime.jobs"
             )
         ]
         arrivals = sorted(arrived for arrived, _ in c.got)
@@ -289,8 +285,9 @@ class GatedPublisher(Publisher):
 
 async def test_handover_race_never_publishes_a_job_twice(env: Env) -> None:
     """Old leader (epoch 1) is inside a claim transaction when the new leader fences
-    (epoch 2) and starts dispatching: the fence waits for the old claim, the new leader
-    never sees the old one's jobs, and the old one's next claim fails with Fenced."""
+    (epoch 2): the fence waits for the old claim to commit; then both dispatchers run
+    at once — the old one's claims fail with Fenced, the new one never re-publishes a
+    job the old one dispatched."""
     settings = dataclasses.replace(env.settings, claim_batch_size=50)
     await insert_jobs(env.pool, env.queue, 400)
     gated = GatedPublisher(
@@ -307,18 +304,23 @@ async def test_handover_race_never_publishes_a_job_twice(env: Env) -> None:
             advance = asyncio.create_task(env.fence.advance(2, "new-node"))
             await asyncio.sleep(0.3)
             assert not advance.done(), "the fence must wait for the old leader's claim"
-            new_task = new.start(term(2))  # races the old claim, blocked on the fence row
             gated.gate.set()
             report = await asyncio.wait_for(in_claim, 5)
             assert report.published == 50  # the old claim committed before the fence moved
             assert await asyncio.wait_for(advance, 5) is True
+
+            new_task = new.start(term(2))
+            old_task = old.start(term(1))  # the zombie keeps trying, concurrently
+            with pytest.raises(Fenced):
+                await asyncio.wait_for(old_task, 10)
             with pytest.raises(Fenced):
                 await old.dispatch_batch()
             await c.wait(400, timeout=20)
             assert not new_task.done()
         finally:
             await new.stop()
-            await old.teardown()
+            await old.stop()
+            await gated.close()
         ids = c.job_ids()
         by_epoch: dict[int, list[int]] = {1: [], 2: []}
         for _, message in c.got:
@@ -357,8 +359,10 @@ class CuttingPublisher(Publisher):
         super().__init__(*args, **kw)
         self.proxy, self.cut_after, self.confirms = proxy, cut_after, 0
 
-    async def _publish_one(self, job: ClaimedJob, epoch: int, deadline: float) -> None:
-        await super()._publish_one(job, epoch, deadline)
+    async def _publish_one(
+        self, channel: Any, job: ClaimedJob, epoch: int, deadline: float
+    ) -> None:
+        await super()._publish_one(channel, job, epoch, deadline)
         self.confirms += 1
         if self.confirms == self.cut_after:
             self.proxy.cut()
@@ -403,9 +407,7 @@ async def test_broker_cut_mid_batch_loses_nothing(
             assert failed_logs[0]["job_ids"]
             # after the reconnect the loop delivers the rest
             dispatcher.start(term(1))
-            await wait_for(
-                lambda: _all_dispatched(env.pool), timeout=30, message="all dispatched"
-            )
+            await wait_for(lambda: _all_dispatched(env.pool), timeout=30, message="all dispatched")
             await c.wait(3000, timeout=30)
         finally:
             await dispatcher.stop()
@@ -438,14 +440,11 @@ async def test_queue_deleted_under_the_dispatcher_keeps_jobs_and_recovers(
         assert logged["reason"] == "returned" and logged["queue"] == env.queue
         assert len(logged["job_ids"]) == 5 and "NO_ROUTE" in logged["detail"]
 
-        delay = await dispatcher.run_once()  # backs off a little, then re-declares
-        assert 0 < delay <= 1.0
-        async with Collector(
-            env.settings.amqp_url, env.queue, env.settings.delivery_limit
-        ) as c:
-            assert (await dispatcher.dispatch_batch()).published == 5
-            await c.wait(5, timeout=10)
+        # the next pass re-declares the queue and delivers the kept jobs
+        await dispatcher.run_once()
         assert await status_counts(env.pool) == {"dispatched": 7}
+        async with Collector(env.settings.amqp_url, env.queue, env.settings.delivery_limit) as c:
+            await c.wait(5, timeout=10)
     finally:
         await dispatcher.teardown()
 
@@ -481,3 +480,57 @@ async def test_broker_down_at_claim_time_claims_nothing(env: Env) -> None:
         finally:
             await dispatcher.teardown()
             await publisher.close()
+
+
+class KillingPublisher(Publisher):
+    """After its first batch is confirmed, kills the claim transaction's session, so the
+    commit fails with the messages already in the queue."""
+
+    def __init__(self, *args: Any, pool: asyncpg.Pool, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.pool, self.killed = pool, 0
+
+    async def publish(self, jobs: Any, epoch: int) -> PublishResult:
+        result = await super().publish(jobs, epoch)
+        if not self.killed:
+            self.killed = await self.pool.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND state = 'idle in transaction'"
+            )
+        return result
+
+
+async def test_commit_failure_after_confirms_loses_nothing(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Confirmed but not committed: the rows stay pending and the next claim publishes
+    them again under the same message_id (the worker's row check and ledger absorb it)."""
+    await insert_jobs(env.pool, env.queue, 20)
+    publisher = KillingPublisher(
+        env.settings.amqp_url, delivery_limit=env.settings.delivery_limit, pool=env.pool
+    )
+    dispatcher = Dispatcher(env.settings, env.pool, publisher=publisher)
+    await dispatcher.setup()
+    dispatcher.bind(term(1))
+    try:
+        async with Collector(env.settings.amqp_url, env.queue, env.settings.delivery_limit) as c:
+            with (
+                caplog.at_level(logging.ERROR),
+                pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, OSError)),
+            ):
+                await dispatcher.dispatch_batch()
+            assert publisher.killed == 1
+            [logged] = events(caplog, "dispatch_commit_failed")
+            assert logged["published"] == 20 and len(logged["job_ids"]) == 20
+            assert await status_counts(env.pool) == {"pending": 20}
+
+            assert (await dispatcher.dispatch_batch()).published == 20
+            assert await status_counts(env.pool) == {"dispatched": 20}
+            await c.wait(40, timeout=10)
+        ids = c.job_ids()
+        assert sorted(set(ids)) == sorted(ids[:20]) and len(ids) == 40
+        message_ids = [m.message_id for _, m in c.got]
+        assert all(message_ids.count(mid) == 2 for mid in message_ids)
+    finally:
+        await dispatcher.teardown()
+        await publisher.close()

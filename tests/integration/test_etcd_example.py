@@ -48,8 +48,10 @@ def localize(env: dict[str, str], ports: dict[int, dict[int, int]], data_dir: Pa
             urls.append(url)
         return ",".join(urls)
 
-    local = {key: swap(value) if "URL" in key or key == "ETCD_INITIAL_CLUSTER" else value
-             for key, value in env.items()}
+    local = {
+        key: swap(value) if "URL" in key or key == "ETCD_INITIAL_CLUSTER" else value
+        for key, value in env.items()
+    }
     local["ETCD_INITIAL_CLUSTER"] = ",".join(
         f"{part.split('=')[0]}={swap(part.split('=', 1)[1])}"
         for part in env["ETCD_INITIAL_CLUSTER"].split(",")

@@ -101,7 +101,9 @@ def recording_registry(name: str = "t.record", **options: Any) -> Registry:
     async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
         await ctx.db.execute(
             f"INSERT INTO {EFFECTS_TABLE} (job_id, attempt, tag) VALUES ($1, $2, $3)",
-            ctx.job_id, ctx.attempt, payload.get("tag"),
+            ctx.job_id,
+            ctx.attempt,
+            payload.get("tag"),
         )
         await asyncio.sleep(float(payload.get("sleep", 0)))
 
@@ -109,7 +111,10 @@ def recording_registry(name: str = "t.record", **options: Any) -> Registry:
 
 
 async def test_success_commits_effect_ledger_and_status_then_acks(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
     effects_table: str,
 ) -> None:
     registry = recording_registry()
@@ -129,7 +134,10 @@ async def test_success_commits_effect_ledger_and_status_then_acks(
 
 
 async def test_duplicate_delivery_applies_the_effect_once(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
     effects_table: str,
 ) -> None:
     registry = recording_registry()
@@ -157,7 +165,10 @@ async def _idle(worker: Worker, channel: AbstractChannel, queue: str) -> bool:
 
 
 async def test_failures_retry_with_growing_delays_then_dead(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
 ) -> None:
     registry = Registry()
 
@@ -184,14 +195,18 @@ async def test_failures_retry_with_growing_delays_then_dead(
         await wait_for(lambda: status_is(db_pool, job, "dead", 3), timeout=10)
     dead = await job_row(db_pool, job)
     assert dead["last_error"] == "ValueError: boom 3" and dead["finished_at"] is not None
-    assert await db_pool.fetchval(
-        "SELECT count(*) FROM duetime.job_ledger WHERE job_id = $1", job.id
-    ) == 0
+    assert (
+        await db_pool.fetchval("SELECT count(*) FROM duetime.job_ledger WHERE job_id = $1", job.id)
+        == 0
+    )
     assert await queue_depth(channel, queue) == (0, 0)
 
 
 async def test_retry_asks_for_a_delay_and_counts_an_attempt_and_fail_is_final(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
 ) -> None:
     registry = Registry()
 
@@ -220,7 +235,10 @@ async def test_retry_asks_for_a_delay_and_counts_an_attempt_and_fail_is_final(
 
 
 async def test_timeout_rolls_back_partial_writes_and_retries(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
     effects_table: str,
 ) -> None:
     registry = recording_registry("t.slow", timeout=0.3)
@@ -234,7 +252,10 @@ async def test_timeout_rolls_back_partial_writes_and_retries(
 
 
 async def test_unknown_task_is_dead_with_the_registered_names(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
 ) -> None:
     registry = recording_registry("t.b")
     registry.register("t.a", registry.get("t.b").handler)  # type: ignore[union-attr]
@@ -248,8 +269,12 @@ async def test_unknown_task_is_dead_with_the_registered_names(
 
 
 async def test_malformed_and_incomplete_messages_are_dead_lettered(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
-    unique: str, effects_table: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    unique: str,
+    effects_table: str,
 ) -> None:
     # A private queue bound to the fanout DLX sees every dead-lettered message without
     # taking anything from the shared duetime.dead-letter queue; we look for our ids.
@@ -262,10 +287,15 @@ async def test_malformed_and_incomplete_messages_are_dead_lettered(
     ok = await dispatched_job(db_pool, "t.record", queue=queue)
     async with running(settings, registry, queue):
         await publish(channel, queue, b"{not json", message_id=f"bad-json-{unique}")
-        await publish(channel, queue, b'{"job_id": 1, "task": "t.record"}',
-                      message_id=f"missing-{unique}")
-        await publish(channel, queue, ok.message(1).encode().replace(b'"attempt":1',
-                      b'"attempt":"1"'), message_id=f"wrong-type-{unique}")
+        await publish(
+            channel, queue, b'{"job_id": 1, "task": "t.record"}', message_id=f"missing-{unique}"
+        )
+        await publish(
+            channel,
+            queue,
+            ok.message(1).encode().replace(b'"attempt":1', b'"attempt":"1"'),
+            message_id=f"wrong-type-{unique}",
+        )
         seen: dict[str, AbstractIncomingMessage] = {}
 
         async def all_dead_lettered() -> bool:
@@ -287,14 +317,18 @@ async def test_malformed_and_incomplete_messages_are_dead_lettered(
 
 
 async def test_stale_deliveries_are_acked_and_change_nothing(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
     effects_table: str,
 ) -> None:
     registry = recording_registry()
     job = await dispatched_job(db_pool, "t.record", queue=queue)
     await db_pool.execute(
         "UPDATE duetime.jobs SET status = 'cancelled' WHERE id = $1 AND due_at = $2",
-        job.id, job.due_at,
+        job.id,
+        job.due_at,
     )
     other = await dispatched_job(db_pool, "t.record", queue=queue)
     async with running(settings, registry, queue) as worker:
@@ -315,7 +349,11 @@ async def _ready_is(channel: AbstractChannel, queue: str, count: int) -> bool:
 
 
 async def test_message_before_claim_commit_waits_for_the_claim(
-    settings: Settings, db_pool: asyncpg.Pool, dsn: str, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    dsn: str,
+    channel: AbstractChannel,
+    queue: str,
     effects_table: str,
 ) -> None:
     """The dispatcher publishes inside its claim transaction: the worker's FOR KEY SHARE
@@ -335,7 +373,8 @@ async def test_message_before_claim_commit_waits_for_the_claim(
                 await tx.start()
                 await claimer.execute(
                     "SELECT 1 FROM duetime.jobs WHERE id = $1 AND due_at = $2 FOR UPDATE",
-                    job.id, job.due_at,
+                    job.id,
+                    job.due_at,
                 )
                 await claimer.execute(
                     "UPDATE duetime.jobs SET status = 'dispatched' WHERE id = $1", job.id
@@ -353,15 +392,20 @@ async def test_message_before_claim_commit_waits_for_the_claim(
 
 
 async def _worker_waits_on_lock(pool: asyncpg.Pool, settings: Settings) -> bool:
-    return bool(await pool.fetchval(
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
-        "AND wait_event_type = 'Lock'",
-        f"duetime:{settings.node_id}"[:63],
-    ))
+    return bool(
+        await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+            "AND wait_event_type = 'Lock'",
+            f"duetime:{settings.node_id}"[:63],
+        )
+    )
 
 
 async def test_concurrency_is_bounded_in_handlers(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
 ) -> None:
     registry = Registry()
     now_running = 0
@@ -388,7 +432,10 @@ async def test_concurrency_is_bounded_in_handlers(
 
 
 async def test_long_handler_heartbeats(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
 ) -> None:
     registry = Registry()
     beats: list[bool] = []
@@ -417,7 +464,10 @@ async def test_long_handler_heartbeats(
 
 
 async def test_grace_period_expiry_rolls_back_and_requeues(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
     effects_table: str,
 ) -> None:
     registry = recording_registry()
@@ -426,8 +476,9 @@ async def test_grace_period_expiry_rolls_back_and_requeues(
     await worker.start()
     try:
         await publish(channel, queue, job.message(1))
-        await wait_for(lambda: worker.consumer is not None and worker.consumer.active == 1,
-                       timeout=10)
+        await wait_for(
+            lambda: worker.consumer is not None and worker.consumer.active == 1, timeout=10
+        )
     finally:
         await asyncio.wait_for(worker.stop(grace_period=0.3), 10)
     assert await queue_depth(channel, queue) == (1, 0)  # back in the queue, nobody consuming
@@ -437,7 +488,10 @@ async def test_grace_period_expiry_rolls_back_and_requeues(
 
 
 async def test_database_outage_requeues_until_the_database_is_back(
-    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
     effects_table: str,
 ) -> None:
     parts = urlsplit(settings.database_url)
@@ -461,6 +515,60 @@ async def test_database_outage_requeues_until_the_database_is_back(
             assert (await job_row(db_pool, job))["status"] == "dispatched"
             proxy.refuse(False)
             await wait_for(lambda: status_is(db_pool, job, "succeeded", 1), timeout=30)
+        assert await effects(db_pool, job, effects_table) == 1
+        assert await queue_depth(channel, queue) == (0, 0)
+    finally:
+        await proxy.stop()
+
+
+async def test_broker_connection_cut_mid_handler_effect_once(
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    effects_table: str,
+) -> None:
+    """The worker's AMQP connection drops while a handler runs: the broker requeues the
+    message, the handler still commits, its ack is lost; the redelivery after the
+    reconnect finds the job done and is acked. The effect lands once."""
+    parts = urlsplit(settings.amqp_url)
+    proxy = await FaultProxy(parts.hostname or "127.0.0.1", parts.port or 5672).start()
+    try:
+        netloc = f"{parts.username}:{parts.password}@{proxy.endpoint}"
+        via_proxy = urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+        registry = Registry()
+        started = asyncio.Event()
+        release = asyncio.Event()
+        calls = 0
+
+        @registry.task("t.held")
+        async def held(ctx: JobContext, payload: dict[str, Any]) -> None:
+            nonlocal calls
+            calls += 1
+            await ctx.db.execute(
+                f"INSERT INTO {EFFECTS_TABLE} (job_id, attempt) VALUES ($1, $2)",
+                ctx.job_id,
+                ctx.attempt,
+            )
+            started.set()
+            await release.wait()
+
+        job = await dispatched_job(db_pool, "t.held", queue=queue)
+        async with running(settings, registry, queue, amqp_url=via_proxy) as worker:
+            consumer = worker.consumer
+            assert consumer is not None
+            await publish(channel, queue, job.message(1))
+            await asyncio.wait_for(started.wait(), 10)
+            assert proxy.cut() >= 1
+            release.set()
+            await wait_for(lambda: status_is(db_pool, job, "succeeded", 1), timeout=10)
+
+            async def redelivered_and_settled() -> bool:
+                ready, consumers = await queue_depth(channel, queue)
+                return consumers == 1 and ready == 0 and consumer.in_flight == 0
+
+            await wait_for(redelivered_and_settled, timeout=30)
+        assert calls == 1  # the redelivery never reached the handler
         assert await effects(db_pool, job, effects_table) == 1
         assert await queue_depth(channel, queue) == (0, 0)
     finally:

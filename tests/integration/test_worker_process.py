@@ -7,6 +7,7 @@ handler is running with an uncommitted effect — then waits while a file exists
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import asyncpg
 import pytest
 from aio_pika.abc import AbstractChannel
 
+from scheduler.broker import queue_name
 from tests.fixtures_tasks.basic import EFFECTS_DDL, EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import (
     DispatchedJob,
@@ -50,11 +52,13 @@ async def channel(amqp_url: str) -> AsyncIterator[AbstractChannel]:
 
 
 @pytest.fixture
-async def queue(channel: AbstractChannel, db_pool: asyncpg.Pool, unique: str) -> str:
+async def queue(channel: AbstractChannel, db_pool: asyncpg.Pool, unique: str) -> AsyncIterator[str]:
     await db_pool.execute(EFFECTS_DDL)
     name = f"wp-{unique}"
     await declare(channel, name)
-    return name
+    yield name
+    with contextlib.suppress(Exception):
+        await channel.queue_delete(queue_name(name))
 
 
 def worker_argv(queue: str, *, concurrency: int, grace: float) -> list[str]:
@@ -81,8 +85,13 @@ async def running_handlers(pool: asyncpg.Pool, jobs: list[DispatchedJob]) -> lis
 
 
 async def test_kill9_mid_handler_redelivers_to_another_worker_effect_once(
-    procs: Processes, test_env: dict[str, str], db_pool: asyncpg.Pool,
-    channel: AbstractChannel, queue: str, unique: str, tmp_path: Path,
+    procs: Processes,
+    test_env: dict[str, str],
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    unique: str,
+    tmp_path: Path,
 ) -> None:
     hold = tmp_path / "hold"
     hold.touch()
@@ -115,8 +124,12 @@ async def test_kill9_mid_handler_redelivers_to_another_worker_effect_once(
 
 
 async def test_sigterm_lets_in_flight_handlers_finish_and_exits_zero(
-    procs: Processes, test_env: dict[str, str], db_pool: asyncpg.Pool,
-    channel: AbstractChannel, queue: str, unique: str,
+    procs: Processes,
+    test_env: dict[str, str],
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    unique: str,
 ) -> None:
     jobs = [
         await dispatched_job(
@@ -154,30 +167,45 @@ async def test_sigterm_lets_in_flight_handlers_finish_and_exits_zero(
 
 
 async def test_second_signal_exits_at_once_and_the_message_survives(
-    procs: Processes, test_env: dict[str, str], db_pool: asyncpg.Pool,
-    channel: AbstractChannel, queue: str, unique: str, tmp_path: Path,
+    procs: Processes,
+    test_env: dict[str, str],
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    unique: str,
+    tmp_path: Path,
 ) -> None:
     hold = tmp_path / "hold"
     hold.touch()
     job = await dispatched_job(
         db_pool, "fixtures.record", {"beat": True, "hold_while_exists": str(hold)}, queue=queue
     )
+    later = await dispatched_job(db_pool, "fixtures.record", {"beat": True}, queue=queue)
     worker = procs.spawn(
-        worker_argv(queue, concurrency=2, grace=60), name="worker",
+        worker_argv(queue, concurrency=2, grace=60),
+        name="worker",
         env=worker_env(test_env, f"w-{unique}"),
     )
     await wait_for(lambda: consumers_are(channel, queue, 1), timeout=20, message=worker.tail())
     await publish(channel, queue, job.message(1))
     await wait_for(lambda: running_handlers(db_pool, [job]), timeout=15)
     worker.sigterm()
-    await wait_for(lambda: consumers_are(channel, queue, 0), timeout=10)  # stopped consuming
+    # (a quorum queue keeps counting a cancelled consumer while it holds unacked messages,
+    # so the worker's own log line is the observable for "stopped consuming")
+    await wait_for(lambda: "consuming_stopped" in worker.output(), timeout=10)
+    await publish(channel, queue, later.message(1))  # must not be delivered any more
     assert worker.running()  # still inside its 60 s grace period
     worker.sigterm()
     assert await worker.wait(timeout=10) == 130
-    await wait_for(lambda: _ready(channel, queue, 1), timeout=10)  # requeued by the broker
-    row = await job_row(db_pool, job)
-    assert (row["status"], row["attempt"]) == ("dispatched", 1)
-    assert await effects(db_pool, job, EFFECTS_TABLE) == 0
+    await wait_for(lambda: _ready(channel, queue, 2), timeout=10)  # the held one requeued
+    for waiting in (job, later):
+        row = await job_row(db_pool, waiting)
+        assert (row["status"], row["attempt"], row["heartbeat_at"] is None) == (
+            "dispatched",
+            1,
+            waiting is later,
+        )
+        assert await effects(db_pool, waiting, EFFECTS_TABLE) == 0
 
 
 async def _ready(channel: AbstractChannel, queue: str, count: int) -> bool:
@@ -187,9 +215,11 @@ async def _ready(channel: AbstractChannel, queue: str, count: int) -> bool:
 def test_bad_import_is_one_clear_error(test_env: dict[str, str]) -> None:
     result = subprocess.run(
         duetime_argv("worker", "--import", "tests.fixtures_tasks.no_such_module"),
-        env=test_env, capture_output=True, text=True, timeout=60,
+        env=test_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "--import tests.fixtures_tasks.no_such_module" in result.stderr
     assert "Traceback" not in result.stderr
-

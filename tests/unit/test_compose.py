@@ -104,8 +104,7 @@ def test_build_context_and_dockerfile(compose: dict) -> None:
 def test_example_tasks_register() -> None:
     """The worker containers' --import module registers its tasks (fresh interpreter)."""
     code = (
-        "import example_tasks; from workers import default_registry as r; "
-        "print(sorted(r.names()))"
+        "import example_tasks; from workers import default_registry as r; print(sorted(r.names()))"
     )
     env = {**os.environ, "PYTHONPATH": f"{COMPOSE_DIR}{os.pathsep}{ROOT}"}
     out = subprocess.run(

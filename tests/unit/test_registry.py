@@ -24,8 +24,9 @@ async def other(ctx: Any, payload: dict[str, Any]) -> None:
 def test_decorator_registers_and_returns_the_function() -> None:
     registry = Registry()
 
-    @registry.task("send_email", timeout=timedelta(seconds=30), max_attempts=8,
-                   retry=RetryPolicy(base=1.0))
+    @registry.task(
+        "send_email", timeout=timedelta(seconds=30), max_attempts=8, retry=RetryPolicy(base=1.0)
+    )
     async def send(ctx: Any, payload: dict[str, Any]) -> None:
         return None
 
@@ -98,8 +99,17 @@ def test_task_max_attempts_replaces_the_row_budget_only_when_set() -> None:
 
 def test_public_api_is_exported_and_does_not_drift() -> None:
     assert sorted(workers.__all__) == [
-        "DuplicateTask", "Fail", "JobContext", "Registry", "Retry", "RetryPolicy", "TaskSpec",
-        "Worker", "default_registry", "run_worker", "task",
+        "DuplicateTask",
+        "Fail",
+        "JobContext",
+        "Registry",
+        "Retry",
+        "RetryPolicy",
+        "TaskSpec",
+        "Worker",
+        "default_registry",
+        "run_worker",
+        "task",
     ]
     for name in workers.__all__:
         assert getattr(workers, name) is not None
@@ -109,3 +119,28 @@ def test_fixture_task_module_registers_into_the_default_registry() -> None:
     importlib.import_module("tests.fixtures_tasks.basic")
     importlib.import_module("tests.fixtures_tasks.basic")  # a second import is a no-op
     assert {"fixtures.record", "fixtures.fail"} <= set(workers.default_registry.names())
+
+
+async def test_run_task_calls_the_handler_like_the_worker_does() -> None:
+    from workers.testing import run_task
+
+    registry = Registry()
+    seen: list[Any] = []
+
+    @registry.task("t.echo")
+    async def echo(ctx: Any, payload: dict[str, Any]) -> str:
+        seen.append((ctx.job_id, ctx.attempt, ctx.idempotency_key, ctx.db, await ctx.heartbeat()))
+        return payload["x"]
+
+    @registry.task("t.slow", timeout=0.05)
+    async def slow(ctx: Any, payload: dict[str, Any]) -> None:
+        import asyncio
+
+        await asyncio.sleep(5)
+
+    assert await run_task("t.echo", {"x": "y"}, db="conn", registry=registry, job_id=9) == "y"
+    assert seen == [(9, 1, "job:9", "conn", True)]
+    with pytest.raises(TimeoutError):
+        await run_task("t.slow", db=None, registry=registry)
+    with pytest.raises(LookupError, match="unknown task 'nope'"):
+        await run_task("nope", db=None, registry=registry)

@@ -69,11 +69,10 @@ def test_retry_uses_the_requested_delay_and_still_counts_an_attempt() -> None:
     assert decide(Retry(in_=7), attempt=1, max_attempts=5) == RetryLater(
         7.0, "Retry: retry requested in 7s"
     )
-    assert decide(Retry(in_=timedelta(minutes=2), reason="not ready"), attempt=2,
-                  max_attempts=5) == RetryLater(120.0, "Retry: not ready")
-    assert decide(Retry(in_=7), attempt=5, max_attempts=5) == GiveUp(
-        "Retry: retry requested in 7s"
-    )
+    assert decide(
+        Retry(in_=timedelta(minutes=2), reason="not ready"), attempt=2, max_attempts=5
+    ) == RetryLater(120.0, "Retry: not ready")
+    assert decide(Retry(in_=7), attempt=5, max_attempts=5) == GiveUp("Retry: retry requested in 7s")
 
 
 def test_fail_goes_dead_at_once() -> None:
@@ -94,6 +93,10 @@ def test_describe_truncates_and_handles_empty_messages() -> None:
 
 
 def test_timeout_is_an_ordinary_failure() -> None:
-    decision = decide(TimeoutError("handler exceeded its timeout of 2s"), attempt=1,
-                      max_attempts=2, policy=RetryPolicy(jitter=False))
+    decision = decide(
+        TimeoutError("handler exceeded its timeout of 2s"),
+        attempt=1,
+        max_attempts=2,
+        policy=RetryPolicy(jitter=False),
+    )
     assert decision == RetryLater(5.0, "TimeoutError: handler exceeded its timeout of 2s")

@@ -7,12 +7,14 @@ import os
 import signal
 import socket
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
 from scheduler import service as service_mod
+from scheduler.errors import ConfigError
 from scheduler.loopmon import LoopMonitor, wake_lag
 from scheduler.metrics import EVENT_LOOP_LAG
 from scheduler.service import Service, notify, watchdog_interval
@@ -128,3 +130,37 @@ async def test_loop_monitor_reports_a_blocked_loop(caplog: pytest.LogCaptureFixt
         if isinstance(r.msg, dict) and r.msg.get("event") == "event_loop_blocked"
     ]
     assert len(blocked) == 1 and blocked[0]["lag"] >= 0.3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_metrics_are_served_and_the_port_is_released() -> None:
+    port = _free_port()
+
+    def scrape() -> str:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return str(response.read().decode())
+
+    async with Service("test", metrics_port=port, environ={}):
+        text = await asyncio.to_thread(scrape)
+        assert "duetime_is_leader " in text
+        assert "duetime_event_loop_lag_seconds_bucket" in text
+    started = time.monotonic()
+    async with Service("again", metrics_port=port, environ={}):  # port free again
+        pass
+    assert time.monotonic() - started < 0.5  # no 500 ms shutdown poll
+
+
+async def test_a_busy_metrics_port_is_a_config_error() -> None:
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"port {port}"):
+            async with Service("test", metrics_port=port, environ={}):
+                pass

@@ -171,9 +171,7 @@ def test_env_example_documents_every_setting() -> None:
     assert not missing, f"duetime.env.example lacks {missing}"
     unknown = sorted(set(assigned) - {env_name(f) for f in FIELDS} - {"DUETIME_CONFIG"})
     assert not unknown, f"duetime.env.example names variables duetime refuses: {unknown}"
-    active = dict(
-        re.findall(r"^(DUETIME_[A-Z0-9_]+)=(.*)$", text, flags=re.MULTILINE)
-    )
+    active = dict(re.findall(r"^(DUETIME_[A-Z0-9_]+)=(.*)$", text, flags=re.MULTILINE))
     settings = load_settings(env=active)  # the uncommented lines are a valid config
     assert settings.etcd_endpoints and len(settings.etcd_endpoints) == 3
 

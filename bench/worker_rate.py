@@ -1,0 +1,240 @@
+"""Jobs per second through one ``duetime worker`` process (issue 5's note).
+
+For each handler (a no-op, and one INSERT through ``ctx.db``): create N jobs in a
+database of our own, mark them ``dispatched`` and publish their messages (playing the
+dispatcher, so only the worker is measured), then start one worker process and time
+the drain until every job is ``succeeded``. Prints JSON.
+
+The rate is taken between the first and the last ``finished_at`` (database clock), so
+process start-up and imports are not counted; ``wall_s`` includes them.
+
+    .venv/bin/python bench/worker_rate.py --jobs 20000 --concurrency 32
+
+This module is also the worker's ``--import`` (``bench.worker_rate``): importing it
+registers the two handlers and does nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from workers import JobContext, task
+
+REPO = Path(__file__).resolve().parents[1]
+EFFECTS_TABLE = "bench_worker_effects"
+
+
+@task("bench.noop")
+async def noop(ctx: JobContext, payload: dict[str, Any]) -> None:
+    return None
+
+
+@task("bench.insert")
+async def insert_one(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await ctx.db.execute(f"INSERT INTO {EFFECTS_TABLE} (job_id) VALUES ($1)", ctx.job_id)
+
+
+# -- the benchmark (not run on import) -------------------------------------------------
+
+
+def _with_db(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
+
+
+async def _prepare(dsn: str, amqp_url: str, queue: str, task_name: str, jobs: int) -> None:
+    import aio_pika
+
+    from scheduler import db
+    from scheduler.broker import declare_job_queue, queue_name
+    from scheduler.messages import CONTENT_TYPE, JobMessage
+
+    conn = await db.connect(dsn)
+    try:
+        await conn.execute(f"CREATE TABLE IF NOT EXISTS {EFFECTS_TABLE} (job_id bigint NOT NULL)")
+        await conn.copy_records_to_table(
+            "jobs",
+            schema_name="duetime",
+            columns=["task", "queue"],
+            records=[(task_name, queue)] * jobs,
+        )
+        rows = await conn.fetch(
+            "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+            "dispatch_epoch = 1 WHERE task = $1 AND status = 'pending' "
+            "RETURNING id, due_at",
+            task_name,
+        )
+    finally:
+        await conn.close()
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        await declare_job_queue(channel, queue, delivery_limit=20)
+        routing_key = queue_name(queue)
+        chunk = 1000
+        for start in range(0, len(rows), chunk):
+            publishes = []
+            for row in rows[start : start + chunk]:
+                msg = JobMessage(
+                    job_id=row["id"],
+                    due_at=row["due_at"],
+                    attempt=1,
+                    task=task_name,
+                    payload={},
+                    idempotency_key=f"job:{row['id']}",
+                    epoch=1,
+                )
+                publishes.append(
+                    channel.default_exchange.publish(
+                        aio_pika.Message(
+                            msg.encode(),
+                            message_id=msg.message_id,
+                            content_type=CONTENT_TYPE,
+                            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                        ),
+                        routing_key=routing_key,
+                        timeout=30,
+                    )
+                )
+            await asyncio.gather(*publishes)
+    finally:
+        await connection.close()
+
+
+async def _drain(
+    dsn: str, amqp_url: str, queue: str, task_name: str, jobs: int, concurrency: int
+) -> dict[str, Any]:
+    from scheduler import db
+
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("DUETIME_")},
+        "DUETIME_DATABASE_URL": dsn,
+        "DUETIME_AMQP_URL": amqp_url,
+        "DUETIME_LOG_LEVEL": "warning",
+        "DUETIME_NODE_ID": f"bench-{queue}",
+    }
+    argv = [
+        str(Path(sys.executable).parent / "duetime"), "worker", "--import", "bench.worker_rate",
+        "--queue", queue, "--concurrency", str(concurrency),
+    ]  # fmt: skip
+    conn = await db.connect(dsn)
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL
+    )
+    try:
+        while True:
+            done = await conn.fetchval(
+                "SELECT count(*) FROM duetime.jobs WHERE task = $1 AND status = 'succeeded'",
+                task_name,
+            )
+            if done >= jobs:
+                break
+            if proc.returncode is not None:
+                raise RuntimeError(f"worker exited with {proc.returncode}")
+            if time.monotonic() - started > 600:
+                raise RuntimeError(f"only {done}/{jobs} jobs done after 600 s")
+            await asyncio.sleep(0.2)
+        wall = time.monotonic() - started
+        span = await conn.fetchval(
+            "SELECT extract(epoch FROM max(finished_at) - min(finished_at))::float8 "
+            "FROM duetime.jobs WHERE task = $1",
+            task_name,
+        )
+        effects = await conn.fetchval(f"SELECT count(*) FROM {EFFECTS_TABLE}")
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        await conn.close()
+    return {
+        "jobs": jobs,
+        "concurrency": concurrency,
+        "jobs_per_s": round((jobs - 1) / span, 1) if span else None,
+        "drain_s": round(span, 3),
+        "wall_s": round(wall, 3),
+        "effects_rows": effects,
+        "worker_exit": proc.returncode,
+    }
+
+
+async def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=20_000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--server-url",
+        default=os.environ.get(
+            "DUETIME_BENCH_SERVER_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+        help="PostgreSQL server; the benchmark creates and drops a database of its own",
+    )
+    parser.add_argument(
+        "--amqp-url",
+        default=os.environ.get("DUETIME_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+    )
+    args = parser.parse_args(argv)
+
+    import asyncpg
+
+    from scheduler.migrate import migrate
+
+    name = f"duetime_bench_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(args.server_url, timeout=10)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    dsn = _with_db(args.server_url, name)
+    results: dict[str, Any] = {
+        "benchmark": "worker_rate",
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    try:
+        await migrate(dsn)
+        for label, task_name in (("noop", "bench.noop"), ("insert", "bench.insert")):
+            queue = f"bench-{label}-{uuid.uuid4().hex[:6]}"
+            await _prepare(dsn, args.amqp_url, queue, task_name, args.jobs)
+            try:
+                results[label] = await _drain(
+                    dsn, args.amqp_url, queue, task_name, args.jobs, args.concurrency
+                )
+            finally:
+                await _delete_queue(args.amqp_url, queue)
+    finally:
+        admin = await asyncpg.connect(args.server_url, timeout=10)
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+    return results
+
+
+async def _delete_queue(amqp_url: str, queue: str) -> None:
+    import aio_pika
+
+    from scheduler.broker import queue_name
+
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    try:
+        channel = await connection.channel()
+        await channel.queue_delete(queue_name(queue))
+    finally:
+        await connection.close()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    print(json.dumps(asyncio.run(main()), indent=2))

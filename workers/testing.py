@@ -1,0 +1,79 @@
+"""Test your handlers without a broker or a worker.
+
+``run_task`` calls a registered handler the way the worker would — same ``JobContext``,
+same timeout — on a connection you provide, typically inside a transaction your test
+rolls back::
+
+    async with pool.acquire() as conn:
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            await run_task("send_email", {"user_id": 7}, db=conn)
+            assert await conn.fetchval("SELECT emailed_at FROM users WHERE id = 7")
+        finally:
+            await tx.rollback()
+
+It does not exercise the ledger, retries or acks (the integration tests do); it lets a
+task's own logic be tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from workers.context import JobContext
+from workers.registry import Registry, default_registry
+
+
+async def _alive() -> bool:
+    return True
+
+
+def make_context(
+    *,
+    db: Any,
+    job_id: int = 1,
+    attempt: int = 1,
+    max_attempts: int = 5,
+    task: str = "test",
+    queue: str = "default",
+    due_at: datetime | None = None,
+    idempotency_key: str | None = None,
+    heartbeat: Callable[[], Awaitable[bool]] | None = None,
+) -> JobContext:
+    """A ``JobContext`` with test defaults; ``heartbeat()`` answers True unless given."""
+    return JobContext(
+        job_id=job_id,
+        attempt=attempt,
+        max_attempts=max_attempts,
+        due_at=due_at or datetime.now(UTC),
+        task=task,
+        queue=queue,
+        idempotency_key=idempotency_key or f"job:{job_id}",
+        db=db,
+        beat=heartbeat or _alive,
+    )
+
+
+async def run_task(
+    name: str,
+    payload: dict[str, Any] | None = None,
+    *,
+    db: Any,
+    registry: Registry | None = None,
+    **context: Any,
+) -> Any:
+    """Run registered task ``name`` once under its timeout; return what it returns.
+
+    Exceptions (``Retry``, ``Fail``, ``TimeoutError``, anything) propagate to the test.
+    """
+    source = registry if registry is not None else default_registry
+    spec = source.get(name)
+    if spec is None:
+        raise LookupError(source.unknown_message(name))
+    ctx = make_context(db=db, task=name, **context)
+    async with asyncio.timeout(spec.timeout):
+        return await spec.handler(ctx, {} if payload is None else payload)
