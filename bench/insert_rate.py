@@ -49,6 +49,7 @@ from scheduler.store import JobStore
 
 WEEK = 7 * 86_400
 INSERT = "INSERT INTO duetime.jobs (task, payload, due_at) VALUES ($1, $2, $3)"
+SHIPPED_TRIGGER = "jobs_notify_insert"
 
 # Alternatives to the shipped statement trigger, for --variants only.
 VARIANTS: dict[str, list[str]] = {
@@ -104,9 +105,9 @@ class Bench:
         except asyncpg.PostgresError:
             pass  # not a superuser: runs are a little noisier, nothing else changes
 
-    async def trigger(self, enabled: bool) -> None:
+    async def set_trigger(self, name: str, enabled: bool) -> None:
         action = "ENABLE" if enabled else "DISABLE"
-        await self.pool.execute(f"ALTER TABLE duetime.jobs {action} TRIGGER jobs_notify_insert")
+        await self.pool.execute(f"ALTER TABLE duetime.jobs {action} TRIGGER {name}")
 
     async def timed(self, run: Callable[[], Awaitable[Any]]) -> float:
         await self.reset()
@@ -114,18 +115,42 @@ class Bench:
         await run()
         return time.perf_counter() - started
 
-    async def single_loop(self, n: int) -> float:
+    async def _enqueue_many(self, conn: asyncpg.Connection, first: int, n: int) -> None:
         start = datetime.now(UTC)
+        for i in range(first, first + n):
+            await self.store.enqueue(
+                "bench",
+                {"i": i, "to": "user@example.com"},
+                due_at=start + timedelta(seconds=i % WEEK),
+                conn=conn,
+            )
+
+    async def single_loop(self, n: int, *, synchronous_commit: bool = True) -> float:
+        """One autocommit INSERT per job. With ``synchronous_commit`` off the WAL flush
+        leaves the loop, which isolates the CPU cost of the insert (and of a trigger)."""
 
         async def run() -> None:
             async with self.pool.acquire() as conn:
-                for i in range(n):
-                    await self.store.enqueue(
-                        "bench",
-                        {"i": i, "to": "user@example.com"},
-                        due_at=start + timedelta(seconds=i % WEEK),
-                        conn=conn,
-                    )
+                if not synchronous_commit:
+                    await conn.execute("SET synchronous_commit = off")
+                try:
+                    await self._enqueue_many(conn, 0, n)
+                finally:
+                    await conn.execute("RESET synchronous_commit")
+
+        return await self.timed(run)
+
+    async def concurrent_loop(self, n: int, producers: int) -> float:
+        """``producers`` connections inserting one job per transaction at once: every
+        commit that carries a NOTIFY takes PostgreSQL's global notify lock."""
+        share = n // producers
+
+        async def one(k: int) -> None:
+            async with self.pool.acquire() as conn:
+                await self._enqueue_many(conn, k * share, share)
+
+        async def run() -> None:
+            await asyncio.gather(*(one(k) for k in range(producers)))
 
         return await self.timed(run)
 
@@ -150,64 +175,67 @@ class Bench:
 
         return await self.timed(run)
 
-    async def with_and_without(
-        self, measure: Callable[[], Awaitable[float]], repeat: int, n: int
+    async def paired(
+        self, trigger: str, measure: Callable[[], Awaitable[float]], n: int, repeat: int
     ) -> dict[str, Any]:
-        """Interleave enabled/disabled runs so drift in machine load hits both alike."""
-        times: dict[bool, list[float]] = {True: [], False: []}
-        await measure()  # warm-up: connection, prepared statements, caches
-        for _ in range(repeat):
-            for enabled in (True, False):
-                await self.trigger(enabled)
-                times[enabled].append(await measure())
-        await self.trigger(True)
-        on, off = statistics.median(times[True]), statistics.median(times[False])
+        """Runs with and without ``trigger`` in adjacent pairs (order alternating), so
+        load from other processes on the machine hits both sides of each pair alike; the
+        cost is the median of the per-pair time ratios."""
+        await measure()  # warm-up: connections, prepared statements, caches
+        on: list[float] = []
+        off: list[float] = []
+        for rep in range(repeat):
+            for enabled in (True, False) if rep % 2 == 0 else (False, True):
+                await self.set_trigger(trigger, enabled)
+                (on if enabled else off).append(await measure())
+        await self.set_trigger(trigger, True)
+        ratios = [a / b for a, b in zip(on, off, strict=True)]
+        ratio = statistics.median(ratios)
         return {
             "jobs": n,
             "repeat": repeat,
-            "enabled_seconds": [round(t, 3) for t in times[True]],
-            "disabled_seconds": [round(t, 3) for t in times[False]],
-            "median_enabled_jobs_per_s": round(n / on),
-            "median_disabled_jobs_per_s": round(n / off),
-            "time_ratio_enabled_over_disabled": round(on / off, 3),
-            "cost_percent": round((on / off - 1) * 100, 1),
+            "enabled_seconds": [round(t, 3) for t in on],
+            "disabled_seconds": [round(t, 3) for t in off],
+            "median_enabled_jobs_per_s": round(n / statistics.median(on)),
+            "median_disabled_jobs_per_s": round(n / statistics.median(off)),
+            "pair_ratios": [round(r, 3) for r in ratios],
+            "median_time_ratio_enabled_over_disabled": round(ratio, 3),
+            "cost_percent": round((ratio - 1) * 100, 1),
         }
 
-    async def variant(self, name: str, copy_n: int, single_n: int, repeat: int) -> dict[str, Any]:
-        """A replacement trigger vs no trigger at all (the shipped one is disabled)."""
-        await self.trigger(False)
+    async def trigger_cost(self, trigger: str, args: argparse.Namespace) -> dict[str, Any]:
+        copy_n, single_n, repeat = args.trigger_copy, args.trigger_single, args.repeat
+        producers = args.producers
+        return {
+            "copy": await self.paired(trigger, lambda: self.copy(copy_n), copy_n, repeat),
+            "single_insert_loop": await self.paired(
+                trigger, lambda: self.single_loop(single_n), single_n, repeat
+            ),
+            "single_insert_loop_synchronous_commit_off": await self.paired(
+                trigger,
+                lambda: self.single_loop(single_n, synchronous_commit=False),
+                single_n,
+                repeat,
+            ),
+            f"concurrent_single_inserts_{producers}_producers": await self.paired(
+                trigger,
+                lambda: self.concurrent_loop(single_n, producers),
+                single_n,
+                repeat,
+            ),
+        }
+
+    async def variant(self, name: str, args: argparse.Namespace) -> dict[str, Any]:
+        """A replacement trigger vs no trigger at all (the shipped one stays disabled)."""
+        await self.set_trigger(SHIPPED_TRIGGER, False)
         for sql in VARIANTS[name]:
             await self.pool.execute(sql)
         try:
-
-            async def toggle(enabled: bool) -> None:
-                action = "ENABLE" if enabled else "DISABLE"
-                await self.pool.execute(f"ALTER TABLE duetime.jobs {action} TRIGGER bench_variant")
-
-            results: dict[str, Any] = {}
-            for label, measure, n in (
-                ("copy_due_spread_over_week", lambda: self.copy(copy_n), copy_n),
-                ("single_insert_loop", lambda: self.single_loop(single_n), single_n),
-            ):
-                times: dict[bool, list[float]] = {True: [], False: []}
-                await measure()  # warm-up
-                for _ in range(repeat):
-                    for enabled in (True, False):
-                        await toggle(enabled)
-                        times[enabled].append(await measure())
-                on, off = statistics.median(times[True]), statistics.median(times[False])
-                results[label] = {
-                    "jobs": n,
-                    "median_enabled_jobs_per_s": round(n / on),
-                    "median_disabled_jobs_per_s": round(n / off),
-                    "time_ratio_enabled_over_disabled": round(on / off, 3),
-                    "cost_percent": round((on / off - 1) * 100, 1),
-                }
-            return results
+            return await self.trigger_cost("bench_variant", args)
         finally:
             for sql in DROP_VARIANT:
                 await self.pool.execute(sql)
-            await self.trigger(True)
+            await self.set_trigger(SHIPPED_TRIGGER, True)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -230,26 +258,16 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     }
     try:
         await migrate(url)
-        pool = await db.create_pool(url, min_size=1, max_size=2, timeout=30)
+        pool = await db.create_pool(url, min_size=1, max_size=args.producers, timeout=30)
         try:
             bench = Bench(pool)
             await bench.single_loop(min(args.single, 500))  # warm-up
             result["single_insert_loop"] = _rate(args.single, await bench.single_loop(args.single))
             result["executemany"] = _rate(args.many, await bench.executemany(args.many))
             result["bulk_copy"] = [_rate(n, await bench.copy(n)) for n in args.bulk]
-            result["notify_trigger"] = {
-                "copy": await bench.with_and_without(
-                    lambda: bench.copy(args.trigger_copy), args.repeat, args.trigger_copy
-                ),
-                "single_insert_loop": await bench.with_and_without(
-                    lambda: bench.single_loop(args.trigger_single), args.repeat, args.trigger_single
-                ),
-            }
+            result["notify_trigger"] = await bench.trigger_cost(SHIPPED_TRIGGER, args)
             if args.variants:
-                result["trigger_variants"] = {
-                    v: await bench.variant(v, args.trigger_copy, args.trigger_single, args.repeat)
-                    for v in VARIANTS
-                }
+                result["trigger_variants"] = {v: await bench.variant(v, args) for v in VARIANTS}
         finally:
             await pool.close()
     finally:
@@ -278,8 +296,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated COPY sizes",
     )
     parser.add_argument("--trigger-copy", type=int, default=200_000)
-    parser.add_argument("--trigger-single", type=int, default=3000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--trigger-single", type=int, default=2000)
+    parser.add_argument("--producers", type=int, default=8, help="concurrent inserters")
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--variants", action="store_true", help="also measure alternatives")
     return parser.parse_args(argv)
 
