@@ -192,7 +192,10 @@ async def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import asyncpg
 
+    from scheduler.log import configure_logging
     from scheduler.migrate import migrate
+
+    configure_logging("warning", "console")  # stderr: stdout is the JSON result
 
     name = f"duetime_bench_{uuid.uuid4().hex[:8]}"
     admin = await asyncpg.connect(args.server_url, timeout=10)

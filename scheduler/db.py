@@ -8,12 +8,18 @@ connecting; ``command_timeout`` bounds each statement on the client side.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import asyncpg
 
 from scheduler.config import Settings, redact_url
 from scheduler.errors import ServiceUnavailable
+
+if TYPE_CHECKING:
+    from asyncpg.pool import PoolConnectionProxy
+
+#: A connection as callers hold it: plain, or the pool's proxy.
+Conn: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:

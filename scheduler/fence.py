@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 
 import asyncpg
 
+from scheduler.db import Conn
 from scheduler.errors import Fenced
 from scheduler.rows import FenceState
 from scheduler.sql import load
@@ -24,7 +25,7 @@ Q = load("fence")
 
 
 @asynccontextmanager
-async def fenced_transaction(conn: asyncpg.Connection, epoch: int) -> AsyncIterator[None]:
+async def fenced_transaction(conn: Conn, epoch: int) -> AsyncIterator[None]:
     """A transaction that commits only while ``epoch`` is the newest fenced epoch."""
     async with conn.transaction():
         current = await conn.fetchval(Q["lock"])

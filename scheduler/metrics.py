@@ -66,3 +66,7 @@ DUTY_FAILURES = Counter("duetime_duty_failures_total", "leader duty passes that 
 MALFORMED_MESSAGES = Counter(
     "duetime_malformed_messages_total", "messages dead-lettered as unparseable"
 )
+DELIVERIES_REQUEUED = Counter(
+    "duetime_deliveries_requeued_total",
+    "deliveries nacked back to the queue because no outcome could be recorded",
+)

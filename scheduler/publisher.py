@@ -158,6 +158,7 @@ class Publisher:
         self._channel: AbstractChannel | None = None
         self._declared: set[str] = set()
         self._pressure = 0.0  # EWMA of batch time / publish_timeout
+        self._pause_until = 0.0  # monotonic time before which the next batch should wait
 
     @classmethod
     def from_settings(cls, settings: Settings, *, name: str, **overrides: Any) -> Publisher:
@@ -247,12 +248,15 @@ class Publisher:
         return self._pressure
 
     def throttle_delay(self) -> float:
-        """Seconds to wait before publishing the next batch (0: go ahead)."""
+        """Seconds to wait before publishing the next batch (0: go ahead).
+
+        A slow batch buys a pause about as long as the batch took (so under pressure at
+        most half the time is spent publishing); the next batch after the pause measures
+        again. A blocked connection is re-checked every ``BLOCKED_RECHECK`` seconds.
+        """
         if self.blocked:
             return BLOCKED_RECHECK
-        if self._pressure > SLOW_BATCH_FRACTION:
-            return min(MAX_THROTTLE, self._pressure * self.publish_timeout)
-        return 0.0
+        return max(0.0, self._pause_until - time.monotonic())
 
     def should_throttle(self) -> bool:
         return self.throttle_delay() > 0
@@ -262,6 +266,9 @@ class Publisher:
             self._pressure = 1.0
         else:
             self._pressure = 0.5 * self._pressure + 0.5 * seconds / self.publish_timeout
+        if self._pressure > SLOW_BATCH_FRACTION:
+            pause = min(MAX_THROTTLE, self._pressure * self.publish_timeout)
+            self._pause_until = time.monotonic() + pause
 
     # -- topology --------------------------------------------------------------------
 

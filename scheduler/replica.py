@@ -64,6 +64,7 @@ __all__ = [
     "ReplicaContext",
     "Transition",
     "recampaign_delay",
+    "session_settings",
     "term_end_reason",
 ]
 
@@ -143,6 +144,17 @@ def term_end_reason(
     raise ValueError("no term task has finished")
 
 
+def session_settings(settings: Settings) -> dict[str, str]:
+    """PostgreSQL settings of every scheduler session.
+
+    A paused (SIGSTOPped) leader's open transaction holds the fence row FOR SHARE;
+    PostgreSQL ends such a session after about one TTL, so it cannot block the next
+    leader's fence update for longer than that.
+    """
+    idle_ms = max(1000, int(settings.lease_ttl * 1000))
+    return {"idle_in_transaction_session_timeout": f"{idle_ms}ms"}
+
+
 def recampaign_delay(short_terms: int, ttl: float) -> float:
     """Pause before campaigning again after ``short_terms`` consecutive terms that
     lasted less than one TTL (0 after a healthy term)."""
@@ -220,14 +232,8 @@ class Replica:
 
     async def _open(self) -> None:
         settings = self.settings
-        # A paused (SIGSTOPped) leader's open transaction holds the fence row FOR SHARE;
-        # PostgreSQL ends such a session after about one TTL, so it cannot block the
-        # next leader's fence update for longer than that.
-        idle_ms = max(1000, int(settings.lease_ttl * 1000))
         self._pool = await db.pool_from_settings(
-            settings,
-            max_size=self._pool_size,
-            server_settings={"idle_in_transaction_session_timeout": f"{idle_ms}ms"},
+            settings, max_size=self._pool_size, server_settings=session_settings(settings)
         )
         try:
             self._fence = FenceStore(self._pool)

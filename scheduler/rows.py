@@ -42,7 +42,7 @@ class Job:
 
     @classmethod
     def from_record(cls, record: Any) -> Job:
-        return cls(**{name: record[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+        return cls(**{name: record[name] for name in cls.__slots__})
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

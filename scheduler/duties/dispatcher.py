@@ -163,6 +163,7 @@ class Dispatcher(LoopDuty):
         self._in_backlog = False
         self._broker_failures = 0
         self._failed_passes = 0
+        self._throttled = False
 
     @classmethod
     def from_context(cls, ctx: ReplicaContext) -> Dispatcher:
@@ -200,13 +201,18 @@ class Dispatcher(LoopDuty):
         await self._sample_backlog()
         throttle = self.publisher.throttle_delay()
         if throttle > 0:
-            self.log.info(
-                "dispatch_throttled",
-                blocked=self.publisher.blocked,
-                pressure=round(self.publisher.pressure, 3),
-                delay=throttle,
-            )
+            if not self._throttled:  # log transitions, not every pause
+                self.log.warning(
+                    "dispatch_throttled",
+                    blocked=self.publisher.blocked,
+                    pressure=round(self.publisher.pressure, 3),
+                    delay=round(throttle, 3),
+                )
+            self._throttled = True
             return throttle
+        if self._throttled:
+            self._throttled = False
+            self.log.info("dispatch_unthrottled", pressure=round(self.publisher.pressure, 3))
         if not await self.publisher.wait_ready(self.config.ready_timeout):
             self._broker_failures += 1
             delay = bounded_jitter(self._broker_failures, base=0.1, cap=5.0)

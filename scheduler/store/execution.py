@@ -10,17 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeAlias
 
 import asyncpg
 
+from scheduler.db import Conn
 from scheduler.sql import load
-
-if TYPE_CHECKING:
-    from asyncpg.pool import PoolConnectionProxy
-
-#: A connection as the worker holds it: plain, or the pool's proxy.
-Conn: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
 
 Q = load("execution")
 

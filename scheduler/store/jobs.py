@@ -15,6 +15,7 @@ from typing import Any
 
 import asyncpg
 
+from scheduler.db import Conn
 from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound
 from scheduler.jobspec import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec, resolve_due
 from scheduler.rows import JOB_STATUSES, Job
@@ -31,7 +32,7 @@ class JobStore:
         self._pool = pool
 
     @asynccontextmanager
-    async def _conn(self, conn: asyncpg.Connection | None) -> AsyncIterator[asyncpg.Connection]:
+    async def _conn(self, conn: Conn | None) -> AsyncIterator[Conn]:
         if conn is not None:
             yield conn
         else:
@@ -48,7 +49,7 @@ class JobStore:
         queue: str = DEFAULT_QUEUE,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         idempotency_key: str | None = None,
-        conn: asyncpg.Connection | None = None,
+        conn: Conn | None = None,
     ) -> Job:
         """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now."""
         when = resolve_due(due_at=due_at, delay=delay, now=datetime.now(UTC))
@@ -73,7 +74,7 @@ class JobStore:
         return Job.from_record(record)
 
     async def bulk_enqueue(
-        self, specs: Iterable[JobSpec], *, conn: asyncpg.Connection | None = None
+        self, specs: Iterable[JobSpec], *, conn: Conn | None = None
     ) -> int:
         """COPY many jobs in one statement (hundreds of thousands per second).
 
@@ -117,7 +118,7 @@ class JobStore:
         # asyncpg returns the command tag, e.g. "COPY 1000"
         return int(str(result).split()[-1])
 
-    async def get(self, job_id: int, *, conn: asyncpg.Connection | None = None) -> Job:
+    async def get(self, job_id: int, *, conn: Conn | None = None) -> Job:
         async with self._conn(conn) as c:
             record = await c.fetchrow(Q["get"], job_id)
         if record is None:
@@ -134,7 +135,7 @@ class JobStore:
         due_to: datetime | None = None,
         after_id: int | None = None,
         limit: int = 100,
-        conn: asyncpg.Connection | None = None,
+        conn: Conn | None = None,
     ) -> list[Job]:
         """One page ordered by id; pass the last id as ``after_id`` for the next page."""
         if status is not None and status not in JOB_STATUSES:
@@ -158,7 +159,7 @@ class JobStore:
                 return
             after = page[-1].id
 
-    async def cancel(self, job_id: int, *, conn: asyncpg.Connection | None = None) -> Job:
+    async def cancel(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """pending → cancelled. Other states are refused with the reason."""
         async with self._conn(conn) as c:
             record = await c.fetchrow(Q["cancel"], job_id)
@@ -169,7 +170,7 @@ class JobStore:
             f"job {job_id} is {current.status}; only pending jobs can be cancelled"
         )
 
-    async def retry(self, job_id: int, *, conn: asyncpg.Connection | None = None) -> Job:
+    async def retry(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """dead → pending, runnable now, with attempts reset to 1 (a fresh budget)."""
         async with self._conn(conn) as c, c.transaction():
             record = await c.fetchrow(Q["retry"], job_id)

@@ -534,3 +534,26 @@ async def test_commit_failure_after_confirms_loses_nothing(
     finally:
         await dispatcher.teardown()
         await publisher.close()
+
+
+async def test_blocked_broker_pauses_claiming(env: Env) -> None:
+    """While RabbitMQ blocks the connection (resource alarm) nothing is claimed: rows
+    stay pending and unlocked instead of piling up in timed-out batches. (The alarm
+    itself would starve the shared broker, so the aiormq event it drives is flipped.)"""
+    dispatcher = Dispatcher(env.settings, env.pool)
+    await dispatcher.setup()
+    dispatcher.bind(term(1))
+    try:
+        await insert_jobs(env.pool, env.queue, 3)
+        transport = dispatcher.publisher._connection.transport  # type: ignore[union-attr]
+        unblocked = transport.connection._Connection__connection_unblocked  # type: ignore[union-attr]
+        unblocked.clear()
+        try:
+            assert 0 < await dispatcher.run_once() <= 1.0
+            assert await status_counts(env.pool) == {"pending": 3}
+        finally:
+            unblocked.set()
+        await dispatcher.run_once()
+        assert await status_counts(env.pool) == {"dispatched": 3}
+    finally:
+        await dispatcher.teardown()

@@ -9,7 +9,6 @@ and its own etcd key prefix.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -25,7 +24,7 @@ from scheduler.duty import LeaderTerm, LoopDuty
 from scheduler.errors import Fenced
 from scheduler.fence import FenceStore, fenced_transaction
 from scheduler.metrics import DUTY_FAILURES, LEADER_TRANSITIONS
-from scheduler.replica import Replica, ReplicaContext
+from scheduler.replica import Replica, ReplicaContext, session_settings
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -245,14 +244,30 @@ async def test_replica_sessions_end_idle_transactions_after_about_one_ttl(
     epoch = replica.term.epoch
     async with replica._pool.acquire() as conn:
         assert await conn.fetchval("SHOW idle_in_transaction_session_timeout") == "2s"
-        # the "zombie": holds the fence row FOR SHARE and goes quiet
-        tx = conn.transaction()
+
+    # the "zombie": a session configured like the replica's, holding the fence row
+    # FOR SHARE in an open transaction, then going quiet
+    zombie = await db.connect(
+        base_settings.database_url, server_settings=session_settings(base_settings)
+    )
+    zombie_pid = zombie.get_server_pid()
+    try:
+        tx = zombie.transaction()
         await tx.start()
-        await conn.fetchval("SELECT epoch FROM duetime.leader_fence WHERE shard = 0 FOR SHARE")
+        await zombie.fetchval("SELECT epoch FROM duetime.leader_fence WHERE shard = 0 FOR SHARE")
         loop = asyncio.get_running_loop()
         started = loop.time()
         assert await FenceStore(fence_pool).advance(epoch + 1, "next-leader", lock_timeout=10)
         waited = loop.time() - started
-        with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
-            await tx.rollback()
+        # PostgreSQL ended the zombie's session (its backend is gone)
+        async def backend_gone() -> bool:
+            return bool(
+                await fence_pool.fetchval(
+                    "SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = $1", zombie_pid
+                )
+            )
+
+        await wait_for(backend_gone, timeout=2, message="zombie session ended by PostgreSQL")
+    finally:
+        zombie.terminate()
     assert 1.0 <= waited <= TTL + 1.5, f"fence update waited {waited:.2f}s"

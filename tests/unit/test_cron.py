@@ -33,7 +33,7 @@ KOLKATA = "Asia/Kolkata"
 
 
 def utc(*args: int) -> datetime:
-    return datetime(*args, tzinfo=UTC)  # type: ignore[misc]
+    return datetime(*args, tzinfo=UTC)  # type: ignore[arg-type,misc]
 
 
 def local_day(expr: str, tz: str, year: int, month: int, day: int) -> list[datetime]:

@@ -155,7 +155,7 @@ def matcher(spec: CronSpec) -> Callable[[datetime], bool]:
 def oracle(spec: CronSpec, after: datetime, until: datetime) -> list[datetime]:
     zone, matches = spec.zone, matcher(spec)
     step = timedelta(seconds=1 if spec.has_seconds else 60)
-    margin = timedelta(minutes=65)  # > any shift in these zones
+    margin = timedelta(minutes=62)  # > any shift in these zones (1 h at most)
     start = after - margin
     start -= (start - SPAN_START) % step
     instants: list[datetime] = []
@@ -172,17 +172,16 @@ def oracle(spec: CronSpec, after: datetime, until: datetime) -> list[datetime]:
         for t, w in zip(instants, walls, strict=True):
             first_at.setdefault(w, t)
         fires = []
+        past = 0  # first index whose wall clock is past ``wall``; only moves forward
         wall, last_wall = min(walls), max(walls)
         while wall <= last_wall:
+            while past < len(walls) and walls[past] <= wall:
+                past += 1
             if matches(wall):
                 if wall in first_at:
                     fires.append(first_at[wall])
-                else:  # a gap: the first instant whose wall clock is past it
-                    later = next(
-                        (t for t, w in zip(instants, walls, strict=True) if w > wall), None
-                    )
-                    if later is not None:
-                        fires.append(later)
+                elif past < len(walls):  # a gap: the first instant whose wall clock is past it
+                    fires.append(instants[past])
             wall += step
     return sorted({t for t in fires if after < t <= until})
 
@@ -213,14 +212,14 @@ def test_five_field_fire_times_match_the_oracle(tz: str, data: st.DataObject) ->
     assert fire_times_between(spec, after, until, 10_000) == expected
 
 
-@settings(deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, max_examples=75, suppress_health_check=[HealthCheck.too_slow])
 @given(tz=st.sampled_from(ZONES), data=st.data())
 def test_six_field_fire_times_match_the_oracle(tz: str, data: st.DataObject) -> None:
     center = window_center(tz, data)
     spec = valid(data.draw(six_fields(ZoneInfo(tz), center), label="expr"), tz)
     assume(spec is not None)
     assert spec is not None and spec.has_seconds
-    after, until = center - timedelta(minutes=60), center + timedelta(minutes=60)
+    after, until = center - timedelta(minutes=40), center + timedelta(minutes=40)
     expected = oracle(spec, after, until)
     event("fires in window", "none" if not expected else "some")
     event("rule", "real instants" if spec.hour_wildcard else "nominal wall times")

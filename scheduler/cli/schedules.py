@@ -1,0 +1,339 @@
+"""``duetime schedules add|list|show|pause|resume|remove|trigger``.
+
+Every value is checked before the database is touched (a bad cron expression, time
+zone, interval or policy exits 2 with one ``duetime: error:`` line naming it), so these
+options are parsed here rather than by argparse types, whose errors look different.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import UTC, datetime
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from scheduler import db
+from scheduler.cli._util import parse_duration, parse_payload, parse_when, print_json, print_table
+from scheduler.config import Settings
+from scheduler.cron import ScheduleSpecError
+from scheduler.errors import InvalidInput
+from scheduler.rows import Job
+from scheduler.schedules import (
+    DEFAULT_MISFIRE_CAP,
+    Schedule,
+    ScheduleSpec,
+    upcoming_fire_times,
+)
+from scheduler.store.schedules import ScheduleStore
+
+LIST_COLUMNS = (
+    "id", "name", "task", "every", "timezone", "next_fire_at", "paused", "fired_count",
+    "missed_count", "skipped_count", "last_error",
+)  # fmt: skip
+RUN_COLUMNS = ("id", "status", "attempt", "due_at", "dispatched_at", "finished_at", "last_error")
+UPCOMING = 5
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    schedules = sub.add_parser("schedules", help="recurring schedules (cron or interval)")
+    ssub = schedules.add_subparsers(dest="schedules_command", metavar="ACTION", required=True)
+
+    add = ssub.add_parser(
+        "add",
+        parents=[common],
+        help="create a schedule",
+        description="Create a schedule firing TASK on a cron expression (5 fields, or 6 "
+        "with seconds first, or @hourly-style aliases) in a time zone, or every DURATION.",
+    )
+    add.add_argument("name", help="unique schedule name")
+    add.add_argument("task", help="registered task name")
+    add.add_argument("--cron", metavar="EXPR", help="e.g. '30 2 * * *' or '*/15 * * * * *'")
+    add.add_argument("--every", metavar="DURATION", help="fixed period, e.g. 30s, 5m, 1h30m")
+    add.add_argument("--tz", default="UTC", help="IANA time zone for --cron (default UTC)")
+    add.add_argument("--payload", help="JSON object passed to the handler")
+    add.add_argument("--queue", default="default")
+    add.add_argument("--max-attempts", default="5", metavar="N")
+    add.add_argument(
+        "--misfire", default="skip", help="skip (default) | fire_once | fire_all: missed fire times"
+    )
+    add.add_argument(
+        "--misfire-cap",
+        default=str(DEFAULT_MISFIRE_CAP),
+        metavar="N",
+        help=f"fire_all: catch up at most N (default {DEFAULT_MISFIRE_CAP})",
+    )
+    add.add_argument(
+        "--overlap",
+        default="allow",
+        help="allow (default) | skip: not while the previous run is unfinished | buffer_one",
+    )
+    add.add_argument(
+        "--jitter", default="0", metavar="SECONDS", help="spread each fire over 0..SECONDS"
+    )
+    add.add_argument("--start-at", help="first possible fire time, ISO 8601 (no offset = UTC)")
+    add.add_argument("--end-at", help="last possible fire time, ISO 8601 (no offset = UTC)")
+    add.add_argument("--paused", action="store_true", help="create it paused")
+    add.add_argument("--json", action="store_true")
+    add.set_defaults(func=run_add)
+
+    lst = ssub.add_parser("list", parents=[common], help="list schedules")
+    state = lst.add_mutually_exclusive_group()
+    state.add_argument("--paused", dest="paused", action="store_const", const=True)
+    state.add_argument("--active", dest="paused", action="store_const", const=False)
+    lst.add_argument("--after", default=None, metavar="ID", help="schedules with a larger id")
+    lst.add_argument("--limit", default="100", metavar="N")
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(func=run_list)
+
+    show = ssub.add_parser(
+        "show", parents=[common], help="one schedule, its next fire times and recent runs"
+    )
+    show.add_argument("schedule", help="name or id")
+    show.add_argument("--runs", default="10", metavar="N", help="recent runs shown (default 10)")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=run_show)
+
+    for name, helptext, func in (
+        ("pause", "stop planning (jobs planned ahead are cancelled)", run_pause),
+        ("resume", "plan again from now", run_resume),
+        ("remove", "delete (jobs planned ahead are cancelled)", run_remove),
+        ("trigger", "fire once now, outside the schedule", run_trigger),
+    ):
+        p = ssub.add_parser(name, parents=[common], help=helptext)
+        p.add_argument("schedule", help="name or id")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=func)
+
+
+# -- parsing (before any connection) ----------------------------------------------------
+
+
+def _int(text: str, flag: str, *, minimum: int = 1) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise InvalidInput(f"{flag} must be an integer, not {text!r}") from None
+    if value < minimum:
+        raise InvalidInput(f"{flag} must be >= {minimum}, not {text!r}")
+    return value
+
+
+def _seconds(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return parse_duration(text).total_seconds()
+    except InvalidInput:
+        raise InvalidInput(f"{flag} must be seconds or a duration like 30s, not {text!r}") from None
+
+
+def spec_from_args(args: argparse.Namespace) -> ScheduleSpec:
+    """The schedule ``add`` asks for, validated (raises ``InvalidInput``)."""
+    if (args.cron is None) == (args.every is None):
+        raise InvalidInput("give exactly one of --cron EXPR and --every DURATION")
+    return ScheduleSpec(
+        name=args.name,
+        task=args.task,
+        cron=args.cron,
+        interval=args.every,
+        timezone=args.tz,
+        payload=parse_payload(args.payload),
+        queue=args.queue,
+        max_attempts=_int(args.max_attempts, "--max-attempts"),
+        start_at=parse_when(args.start_at) if args.start_at else None,
+        end_at=parse_when(args.end_at) if args.end_at else None,
+        paused=args.paused,
+        misfire_policy=args.misfire,
+        misfire_cap=_int(args.misfire_cap, "--misfire-cap"),
+        overlap_policy=args.overlap,
+        jitter=_seconds(args.jitter, "--jitter"),
+    )
+
+
+# -- commands ----------------------------------------------------------------------------
+
+
+async def _with_store(settings: Settings) -> tuple[Any, ScheduleStore]:
+    pool = await db.pool_from_settings(settings, max_size=2)
+    return pool, ScheduleStore(pool)
+
+
+async def run_add(args: argparse.Namespace, settings: Settings) -> int:
+    spec = spec_from_args(args)
+    pool, store = await _with_store(settings)
+    try:
+        schedule = await store.add(spec)
+    finally:
+        await pool.close()
+    if args.json:
+        print_json(schedule.to_dict())
+        return 0
+    upcoming = upcoming_fire_times(schedule, datetime.now(UTC), 1)
+    first = f"; first fire {_utc(upcoming[0])}" if upcoming else ""
+    state = " (paused)" if schedule.paused else ""
+    print(f"created schedule {schedule.id} {schedule.name!r}: {_describe(schedule)}{state}{first}")
+    return 0
+
+
+async def run_list(args: argparse.Namespace, settings: Settings) -> int:
+    after = _int(args.after, "--after", minimum=0) if args.after is not None else None
+    limit = _int(args.limit, "--limit")
+    pool, store = await _with_store(settings)
+    try:
+        schedules = await store.list(paused=args.paused, after_id=after, limit=limit)
+    finally:
+        await pool.close()
+    if args.json:
+        print_json([s.to_dict() for s in schedules])
+        return 0
+    rows = []
+    for s in schedules:
+        row = {c: getattr(s, c) for c in LIST_COLUMNS}
+        if s.last_error and len(s.last_error) > 40:
+            row["last_error"] = s.last_error[:37] + "..."
+        rows.append(row)
+    print_table(rows, LIST_COLUMNS)
+    if len(schedules) == limit:
+        print(f"... more: duetime schedules list --after {schedules[-1].id}")
+    return 0
+
+
+async def run_show(args: argparse.Namespace, settings: Settings) -> int:
+    runs_limit = _int(args.runs, "--runs", minimum=0)
+    pool, store = await _with_store(settings)
+    try:
+        schedule = await store.get(args.schedule)
+        runs = await store.recent_runs(schedule.id, runs_limit) if runs_limit else []
+    finally:
+        await pool.close()
+    now = datetime.now(UTC)
+    try:
+        upcoming = upcoming_fire_times(schedule, now, UPCOMING)
+        zone: ZoneInfo | None = ZoneInfo(schedule.timezone)
+        problem = None
+    except ScheduleSpecError as exc:
+        upcoming, zone, problem = [], None, str(exc)
+    if args.json:
+        print_json(
+            {
+                "schedule": schedule.to_dict(),
+                "upcoming": [
+                    {"utc": _iso_utc(t), "local": t.astimezone(zone).isoformat()}
+                    for t in upcoming
+                    if zone is not None
+                ],
+                "upcoming_error": problem,
+                "recent_runs": [job.to_dict() for job in runs],
+            }
+        )
+        return 0
+    _print_schedule(schedule)
+    print()
+    note = " (paused: none will fire until resumed)" if schedule.paused else ""
+    print(f"next {UPCOMING} fire times ({schedule.timezone} / UTC){note}:")
+    if problem:
+        print(f"  unavailable: {problem}")
+    elif not upcoming:
+        print("  none (the schedule has ended)")
+    for t in upcoming:
+        assert zone is not None
+        print(f"  {_local(t, zone):32}  {_utc(t)}")
+    print()
+    print(f"recent runs ({len(runs)}):")
+    if runs:
+        print_table([_run_row(job) for job in runs], RUN_COLUMNS)
+    else:
+        print("  none yet")
+    return 0
+
+
+async def run_pause(args: argparse.Namespace, settings: Settings) -> int:
+    pool, store = await _with_store(settings)
+    try:
+        schedule, cancelled = await store.pause(args.schedule)
+    finally:
+        await pool.close()
+    if args.json:
+        print_json({"schedule": schedule.to_dict(), "cancelled_jobs": cancelled})
+    else:
+        print(
+            f"paused schedule {schedule.id} {schedule.name!r}; {cancelled} planned job(s) cancelled"
+        )
+    return 0
+
+
+async def run_resume(args: argparse.Namespace, settings: Settings) -> int:
+    pool, store = await _with_store(settings)
+    try:
+        schedule = await store.resume(args.schedule)
+    finally:
+        await pool.close()
+    if args.json:
+        print_json(schedule.to_dict())
+    else:
+        print(f"resumed schedule {schedule.id} {schedule.name!r}; it fires again from now")
+    return 0
+
+
+async def run_remove(args: argparse.Namespace, settings: Settings) -> int:
+    pool, store = await _with_store(settings)
+    try:
+        schedule, cancelled = await store.remove(args.schedule)
+    finally:
+        await pool.close()
+    if args.json:
+        print_json({"schedule": schedule.to_dict(), "cancelled_jobs": cancelled})
+    else:
+        print(f"removed schedule {schedule.id} {schedule.name!r}; cancelled {cancelled} job(s)")
+    return 0
+
+
+async def run_trigger(args: argparse.Namespace, settings: Settings) -> int:
+    pool, store = await _with_store(settings)
+    try:
+        job = await store.trigger(args.schedule)
+    finally:
+        await pool.close()
+    if args.json:
+        print_json(job.to_dict())
+    else:
+        print(f"triggered: job {job.id} ({job.task}) due now, key {job.idempotency_key}")
+    return 0
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def _describe(s: Schedule) -> str:
+    if s.cron is not None:
+        return f"cron {s.cron!r} in {s.timezone}"
+    return s.every
+
+
+def _iso_utc(t: datetime) -> str:
+    return t.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _utc(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _local(t: datetime, zone: ZoneInfo) -> str:
+    local = t.astimezone(zone)
+    return local.strftime("%Y-%m-%d %H:%M:%S %Z (%z)")
+
+
+def _print_schedule(s: Schedule) -> None:
+    for key, value in s.to_dict().items():
+        shown = json.dumps(value) if isinstance(value, dict) else value
+        print(f"{key:16} {'-' if value is None else shown}")
+
+
+def _run_row(job: Job) -> dict[str, Any]:
+    row = {c: getattr(job, c) for c in RUN_COLUMNS}
+    if job.last_error and len(job.last_error) > 40:
+        row["last_error"] = job.last_error[:37] + "..."
+    return row

@@ -1,0 +1,415 @@
+"""The planner: turns recurring schedules into jobs, a short horizon ahead (DESIGN §5b).
+
+One pass = batches of one fenced transaction each, until nothing is due:
+
+1. lock the fence row and check the epoch (``fenced_transaction``), then claim up to
+   ``batch_size`` schedules whose ``plan_at`` has come, ``FOR UPDATE SKIP LOCKED``;
+2. decide each one with the pure :func:`scheduler.schedules.plan_schedule` (fire times
+   up to now + horizon, misfire / overlap policies, deterministic jitter, new
+   ``next_fire_at``), in a worker thread when the batch is large so the event loop —
+   and the lease renewal that shares it — keeps running;
+3. write the whole batch in ONE statement (``apply_plan``: arrays, ``unnest``): fire
+   times into ``schedule_fires`` ``ON CONFLICT DO NOTHING``, jobs for the new ones only,
+   the schedules' new state; commit.
+
+So a batch costs five round trips (BEGIN, fence, claim, apply, COMMIT) whatever its
+size. A fire time becomes a job at most once: the dedupe row and the advanced
+``next_fire_at`` commit together, under the fence, so a newer leader either sees both or
+neither, and a zombie's batch cannot commit at all.
+
+Robustness: a schedule whose cron, zone or interval is invalid (written by plain SQL) is
+paused with ``last_error`` and logged; one whose jobs the database refuses is found by
+applying the batch again one schedule at a time (savepoints) and paused likewise; a bug
+in planning one schedule pauses that schedule. None of them stops the others.
+
+Wake-ups: the loop sleeps until the earliest ``plan_at`` (a prepared probe on an index),
+capped by ``poll_interval``; a dedicated connection LISTENs on ``duetime_schedules``
+(insert/update trigger) and wakes it when a user changes schedules (notifications sent
+by the planner's own connections are ignored). While that connection is down the cap is
+``probe_interval`` and it is re-established with back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+import asyncpg
+
+from scheduler.backoff import bounded_jitter
+from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.config import Settings
+from scheduler.duty import LoopDuty
+from scheduler.errors import LeadershipLost, ServiceUnavailable
+from scheduler.fence import fenced_transaction
+from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
+from scheduler.schedules import PlanConfig, PlanDecision, invalid_decision, plan_schedule
+from scheduler.store.schedules import ClaimedSchedule, Conn, SchedulesListener, ScheduleStore
+
+if TYPE_CHECKING:
+    from scheduler.replica import ReplicaContext
+
+#: Errors after which a batch is simply tried again.
+RETRYABLE = (
+    asyncpg.exceptions.SerializationError,
+    asyncpg.exceptions.DeadlockDetectedError,
+    asyncpg.exceptions.LockNotAvailableError,
+)
+#: The database refused a row (a CHECK, a bad value): find it, pause its schedule.
+ROW_ERRORS = (asyncpg.exceptions.DataError, asyncpg.exceptions.IntegrityConstraintViolationError)
+#: Batches planned inline; larger ones go to a worker thread.
+INLINE_BATCH = 32
+#: At most this many schedules are named in one log line (the totals are always there).
+MAX_LOGGED = 50
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """How the planner paces itself; ``from_settings`` fills it from ``Settings``."""
+
+    horizon: float = 10.0
+    """Seconds ahead that fire times of ``allow`` schedules become jobs."""
+    lead: float | None = None
+    """Revisit a schedule when its next fire time is this close (default horizon / 2)."""
+    misfire_grace: float = 1.0
+    """A fire time at most this late still fires normally (not a misfire)."""
+    batch_size: int = 1000
+    """Schedules claimed (and written in one statement) per transaction."""
+    max_batches_per_pass: int = 100
+    """Batches in one ``run_once`` before the loop yields (and comes straight back)."""
+    poll_interval: float = 1.0
+    """Longest sleep while the LISTEN connection is healthy (backstop)."""
+    probe_interval: float = 0.25
+    """Longest sleep while it is not."""
+    buffer_poll: float = 1.0
+    """``buffer_one``: how often a waiting fire time checks the running job."""
+    listen_check_interval: float = 10.0
+    """How often the LISTEN connection is pinged (a half-open socket is silent)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_batches_per_pass < 1:
+            raise ValueError("batch_size and max_batches_per_pass must be >= 1")
+        for name in ("poll_interval", "probe_interval", "buffer_poll", "listen_check_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        self.plan_config()  # validates horizon, lead, grace
+
+    def plan_config(self) -> PlanConfig:
+        return PlanConfig(
+            horizon=timedelta(seconds=self.horizon),
+            lead=None if self.lead is None else timedelta(seconds=self.lead),
+            misfire_grace=timedelta(seconds=self.misfire_grace),
+            buffer_poll=timedelta(seconds=self.buffer_poll),
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: object) -> PlannerConfig:
+        values: dict[str, object] = {
+            "horizon": settings.planner_horizon,
+            "poll_interval": settings.poll_interval,
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class PlanReport:
+    """What one batch (or, summed, one pass) did."""
+
+    claimed: int = 0
+    fired: int = 0
+    duplicates: int = 0  # fire times already materialized (dedupe hits)
+    missed: int = 0
+    skipped: int = 0
+    invalid: int = 0
+    revisit: bool = False  # some schedule must be looked at again at once
+    batches: int = 0
+    missed_by_policy: Counter[str] = field(default_factory=Counter)
+
+    def add(self, other: PlanReport) -> None:
+        self.claimed += other.claimed
+        self.fired += other.fired
+        self.duplicates += other.duplicates
+        self.missed += other.missed
+        self.skipped += other.skipped
+        self.invalid += other.invalid
+        self.revisit = other.revisit
+        self.batches += other.batches
+        self.missed_by_policy.update(other.missed_by_policy)
+
+
+class Planner(LoopDuty):
+    name = "planner"
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: asyncpg.Pool,
+        *,
+        config: PlannerConfig | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        is_leader: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__(clock=clock)
+        self.settings = settings
+        self.pool = pool
+        self.store = ScheduleStore(pool)
+        self.config = config or PlannerConfig.from_settings(settings)
+        self._plan_config = self.config.plan_config()
+        self._is_leader = is_leader
+        self._own_pids: set[int] = set()  # backends whose NOTIFYs are our own writes
+        self._listener: SchedulesListener | None = None
+        self._listener_retry_at = 0.0
+        self._listener_failures = 0
+        self._listener_checked_at = 0.0
+        self.invalid_total = 0  # schedules paused for an error, since start
+
+    @classmethod
+    def from_context(cls, ctx: ReplicaContext) -> Planner:
+        """The planner a replica runs: its pool, clock and lease check."""
+        return cls(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader)
+
+    def _check_leader(self) -> None:
+        if self._is_leader is not None and not self._is_leader():
+            raise LeadershipLost("lease not provably alive before a fenced planner batch")
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        await self._ensure_listener()
+
+    async def teardown(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            await listener.close()
+
+    @property
+    def listening(self) -> bool:
+        return self._listener is not None and self._listener.alive
+
+    # -- one pass --------------------------------------------------------------------
+
+    async def run_once(self) -> float:
+        await self._ensure_listener()
+        nxt = await self.store.next_plan_at()
+        if nxt is not None and nxt > self.clock.now().timestamp():
+            return self._delay_until(nxt)
+        try:
+            report = await self.plan_pass()
+        except RETRYABLE as exc:
+            self.log.warning("plan_retry", error=f"{type(exc).__name__}: {exc}")
+            return bounded_jitter(1, base=0.05)
+        if report.revisit:  # max_batches_per_pass reached with work left
+            return 0.0
+        return self._delay_until(await self.store.next_plan_at())
+
+    def _delay_until(self, epoch: float | None) -> float:
+        cap = self.config.poll_interval if self.listening else self.config.probe_interval
+        if epoch is None:
+            return cap
+        delay = epoch - self.clock.now().timestamp()
+        if delay <= 0:
+            # due, yet nothing could be claimed: the rows are locked by a user's
+            # pause/remove, which takes milliseconds — look again soon
+            return min(self.config.probe_interval, cap)
+        return min(delay, cap)
+
+    async def plan_pass(self) -> PlanReport:
+        """Batches until nothing is due (or ``max_batches_per_pass``); tests call this."""
+        total = PlanReport()
+        for _ in range(self.config.max_batches_per_pass):
+            report = await self.plan_batch()
+            total.add(report)
+            if report.claimed < self.config.batch_size and not report.revisit:
+                total.revisit = False
+                return total
+        total.revisit = True  # stopped with work left: the loop comes straight back
+        return total
+
+    async def plan_batch(self, now: datetime | None = None) -> PlanReport:
+        """One fenced transaction: claim, decide, apply, commit."""
+        epoch = self.term.epoch
+        self._check_leader()
+        now = now or self.clock.now()
+        started = time.perf_counter()
+        async with (
+            self.pool.acquire(timeout=self.settings.db_timeout) as conn,
+            fenced_transaction(conn, epoch),
+        ):
+            self._own_pids.add(conn.get_server_pid())
+            claimed = await self.store.claim_due(conn, now, self.config.batch_size)
+            if not claimed:
+                return PlanReport()
+            claimed_at = time.perf_counter()
+            if len(claimed) > INLINE_BATCH:
+                decisions = await asyncio.to_thread(self._decide, claimed, now)
+            else:
+                decisions = self._decide(claimed, now)
+            decided_at = time.perf_counter()
+            fired = await self._apply(conn, claimed, decisions)
+        committed_at = time.perf_counter()
+        report = self._account(claimed, decisions, fired, now)
+        self.log.debug(
+            "plan_batch",
+            claimed=report.claimed,
+            fired=report.fired,
+            missed=report.missed,
+            skipped=report.skipped,
+            claim_ms=round((claimed_at - started) * 1000, 2),
+            decide_ms=round((decided_at - claimed_at) * 1000, 2),
+            apply_ms=round((committed_at - decided_at) * 1000, 2),
+        )
+        return report
+
+    def _decide(self, claimed: Sequence[ClaimedSchedule], now: datetime) -> list[PlanDecision]:
+        decisions = []
+        for item in claimed:
+            try:
+                decision = plan_schedule(
+                    item.schedule, now, self._plan_config, previous_active=item.previous_active
+                )
+            except Exception as exc:  # a bug must not stall every other schedule
+                self.log.exception("plan_schedule_failed", schedule_id=item.schedule.id)
+                decision = invalid_decision(
+                    item.schedule, f"planning failed: {type(exc).__name__}: {exc}"
+                )
+            decisions.append(decision)
+        return decisions
+
+    async def _apply(
+        self,
+        conn: Conn,
+        claimed: Sequence[ClaimedSchedule],
+        decisions: list[PlanDecision],
+    ) -> dict[int, int]:
+        try:
+            async with conn.transaction():  # a savepoint
+                return await self.store.apply_plan(conn, decisions)
+        except ROW_ERRORS as exc:
+            self.log.warning(
+                "plan_batch_refused", error=f"{type(exc).__name__}: {exc}", isolating=len(decisions)
+            )
+        # Find the schedule(s) whose rows the database refuses: one savepoint each.
+        fired: dict[int, int] = {}
+        for index, (item, decision) in enumerate(zip(claimed, decisions, strict=True)):
+            try:
+                async with conn.transaction():
+                    fired.update(await self.store.apply_plan(conn, [decision]))
+            except ROW_ERRORS as exc:
+                bad = invalid_decision(
+                    item.schedule, f"the database refused its jobs: {type(exc).__name__}: {exc}"
+                )
+                decisions[index] = bad
+                fired.update(await self.store.apply_plan(conn, [bad]))
+        return fired
+
+    def _account(
+        self,
+        claimed: Sequence[ClaimedSchedule],
+        decisions: Sequence[PlanDecision],
+        fired: dict[int, int],
+        now: datetime,
+    ) -> PlanReport:
+        report = PlanReport(claimed=len(claimed), batches=1)
+        missed_log: list[dict[str, object]] = []
+        overlap_log: list[dict[str, object]] = []
+        for item, d in zip(claimed, decisions, strict=True):
+            s = item.schedule
+            created = fired.get(d.schedule_id, 0)
+            report.fired += created
+            report.duplicates += len(d.fires) - created
+            report.skipped += d.skipped
+            if d.plan_at is not None and d.plan_at <= now:
+                report.revisit = True
+            if d.invalid:
+                report.invalid += 1
+                self.invalid_total += 1
+                self.log.error(
+                    "schedule_invalid",
+                    schedule_id=s.id,
+                    schedule=s.name,
+                    error=d.error,
+                    outcome="paused",
+                )
+                continue
+            if d.missed:
+                report.missed += d.missed
+                report.missed_by_policy[s.misfire_policy] += d.missed
+                if len(missed_log) < MAX_LOGGED:
+                    missed_log.append(
+                        {
+                            "id": s.id,
+                            "name": s.name,
+                            "missed": d.missed,
+                            "skipped": d.skipped_misfire,
+                            "first": d.first_missed.isoformat() if d.first_missed else None,
+                            "last": d.last_missed.isoformat() if d.last_missed else None,
+                        }
+                    )
+            if d.skipped_overlap and len(overlap_log) < MAX_LOGGED:
+                overlap_log.append({"id": s.id, "name": s.name, "skipped": d.skipped_overlap})
+        SCHEDULE_FIRES.inc(report.fired)
+        for policy, count in report.missed_by_policy.items():
+            SCHEDULE_MISFIRES.labels(policy).inc(count)
+        if report.missed:
+            self.log.warning(
+                "schedules_misfired",
+                missed=report.missed,
+                by_policy=dict(report.missed_by_policy),
+                schedules=missed_log,
+            )
+        if overlap_log:
+            self.log.info(
+                "schedules_overlap_skipped",
+                skipped=sum(d.skipped_overlap for d in decisions),
+                schedules=overlap_log,
+            )
+        if report.duplicates:
+            self.log.warning("schedule_fires_deduplicated", duplicates=report.duplicates)
+        return report
+
+    # -- wake-ups --------------------------------------------------------------------
+
+    async def _ensure_listener(self) -> None:
+        """Keep a LISTEN connection; on failure run on probes and retry with back-off."""
+        now = time.monotonic()
+        listener = self._listener
+        if listener is not None and listener.alive:
+            if now - self._listener_checked_at < self.config.listen_check_interval:
+                return
+            self._listener_checked_at = now
+            if await listener.check(timeout=min(2.0, self.settings.db_timeout)):
+                return
+        if listener is not None:
+            self._listener = None
+            await listener.close()
+            self.log.warning("schedules_listener_lost", fallback_poll=self.config.probe_interval)
+        if now < self._listener_retry_at:
+            return
+        fresh = SchedulesListener(
+            self.settings.database_url,
+            self.wake,
+            on_lost=self.wake,
+            ignore_pids=self._own_pids,
+            timeout=self.settings.db_timeout,
+            application_name=f"duetime:{self.settings.node_id}:planner-listen",
+        )
+        try:
+            await fresh.open()
+        except (ServiceUnavailable, asyncpg.PostgresError, OSError) as exc:
+            self._listener_failures += 1
+            delay = bounded_jitter(self._listener_failures, base=0.5, cap=10.0)
+            self._listener_retry_at = now + delay
+            self.log.warning(
+                "schedules_listener_connect_failed", error=str(exc), retry_in=round(delay, 2)
+            )
+            return
+        if self._listener_failures:
+            self.log.info("schedules_listener_restored", after_failures=self._listener_failures)
+        self._listener, self._listener_failures = fresh, 0
+        self._listener_checked_at = now

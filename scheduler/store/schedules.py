@@ -1,0 +1,304 @@
+"""ScheduleStore: schedules for users (add, list, get, pause, resume, remove, trigger) and
+for the planner (claim, apply a batch of decisions, wake-up probe), plus the LISTEN
+connection that wakes the planner. Statements live in ``sql/schedules.sql``.
+
+Methods the planner runs inside its fenced transaction take ``conn``; the others use
+the pool (or ``conn=`` to join a caller's transaction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeAlias
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+from scheduler import db
+from scheduler.errors import InvalidInput
+from scheduler.log import get_logger
+from scheduler.rows import Job
+from scheduler.schedules import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
+from scheduler.sql import load
+
+__all__ = ["NOTIFY_CHANNEL", "ClaimedSchedule", "ScheduleStore", "SchedulesListener"]
+
+Q = load("schedules")
+log = get_logger(__name__)
+
+Conn: TypeAlias = asyncpg.Connection | PoolConnectionProxy
+
+#: Channel of the schedules insert/update trigger (migration 0002).
+NOTIFY_CHANNEL = "duetime_schedules"
+MAX_PAGE = 10_000
+_BIGINT_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedSchedule:
+    """A schedule locked by the planner, with what the overlap policies need to know."""
+
+    schedule: Schedule
+    previous_active: bool
+
+
+class ScheduleStore:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @asynccontextmanager
+    async def _conn(self, conn: Conn | None) -> AsyncIterator[Conn]:
+        if conn is not None:
+            yield conn
+        else:
+            async with self._pool.acquire() as acquired:
+                yield acquired
+
+    # -- users -------------------------------------------------------------------------
+
+    async def add(self, spec: ScheduleSpec, *, conn: Conn | None = None) -> Schedule:
+        """Create a schedule; the planner (woken by the insert trigger) plans it."""
+        async with self._conn(conn) as c:
+            try:
+                record = await c.fetchrow(
+                    Q["insert"],
+                    spec.name,
+                    spec.task,
+                    spec.payload,
+                    spec.queue,
+                    spec.max_attempts,
+                    spec.cron,
+                    spec.interval,
+                    spec.timezone,
+                    spec.start_at,
+                    spec.end_at,
+                    spec.paused,
+                    spec.misfire_policy,
+                    spec.misfire_cap,
+                    spec.overlap_policy,
+                    spec.jitter,
+                )
+            except asyncpg.UniqueViolationError:
+                raise InvalidInput(f"a schedule named {spec.name!r} already exists") from None
+            except asyncpg.CheckViolationError as exc:
+                raise InvalidInput(
+                    f"the database refused the schedule ({exc.constraint_name}): {exc}"
+                ) from None
+        return Schedule.from_record(record)
+
+    async def get(self, ref: str | int, *, conn: Conn | None = None) -> Schedule:
+        """A schedule by name, or by id (a name wins when both match)."""
+        async with self._conn(conn) as c:
+            record = await self._resolve(c, ref)
+        return Schedule.from_record(record)
+
+    async def _resolve(self, conn: Conn, ref: str | int) -> asyncpg.Record:
+        text = str(ref).strip()
+        number = int(text) if text.isdigit() and int(text) <= _BIGINT_MAX else None
+        record = await conn.fetchrow(Q["resolve"], text, number)
+        if record is None:
+            raise ScheduleNotFound(ref)
+        return record
+
+    async def list(
+        self,
+        *,
+        paused: bool | None = None,
+        after_id: int | None = None,
+        limit: int = 100,
+        conn: Conn | None = None,
+    ) -> builtins.list[Schedule]:
+        """One page ordered by id; pass the last id as ``after_id`` for the next one."""
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidInput(f"limit must be between 1 and {MAX_PAGE}")
+        async with self._conn(conn) as c:
+            records = await c.fetch(Q["list"], paused, after_id, limit)
+        return [Schedule.from_record(r) for r in records]
+
+    async def pause(self, ref: str | int) -> tuple[Schedule, int]:
+        """Stop planning; jobs planned ahead and not due yet are cancelled.
+        Returns the schedule and how many jobs were cancelled."""
+        async with self._pool.acquire() as c, c.transaction():
+            schedule_id = (await self._resolve(c, ref))["id"]
+            await c.fetchval(Q["lock"], schedule_id)
+            record = await c.fetchrow(Q["pause"], schedule_id)
+            cancelled = await c.fetchval(Q["cancel_planned"], schedule_id)
+        return Schedule.from_record(record), int(cancelled)
+
+    async def resume(self, ref: str | int) -> Schedule:
+        """Plan again from now (fire times inside the pause are not caught up)."""
+        async with self._pool.acquire() as c, c.transaction():
+            schedule_id = (await self._resolve(c, ref))["id"]
+            record = await c.fetchrow(Q["resume"], schedule_id)
+        return Schedule.from_record(record)
+
+    async def remove(self, ref: str | int) -> tuple[Schedule, int]:
+        """Delete the schedule and cancel its jobs that are not due yet (its finished
+        jobs stay, with ``schedule_id`` pointing at nothing)."""
+        async with self._pool.acquire() as c, c.transaction():
+            schedule_id = (await self._resolve(c, ref))["id"]
+            await c.fetchval(Q["lock"], schedule_id)
+            cancelled = await c.fetchval(Q["cancel_planned"], schedule_id)
+            record = await c.fetchrow(Q["delete"], schedule_id)
+        return Schedule.from_record(record), int(cancelled)
+
+    async def trigger(self, ref: str | int) -> Job:
+        """Fire once now, outside the timing (paused or not; no overlap check)."""
+        async with self._pool.acquire() as c:
+            schedule_id = (await self._resolve(c, ref))["id"]
+            record = await c.fetchrow(Q["trigger"], schedule_id)
+        if record is None:  # removed in between
+            raise ScheduleNotFound(ref)
+        return Job.from_record(record)
+
+    async def recent_runs(self, schedule_id: int, limit: int = 10) -> builtins.list[Job]:
+        async with self._pool.acquire() as c:
+            records = await c.fetch(Q["recent_runs"], schedule_id, limit)
+        return [Job.from_record(r) for r in records]
+
+    # -- planner (inside its fenced transaction) ------------------------------------------
+
+    async def claim_due(
+        self, conn: Conn, now: datetime, limit: int
+    ) -> builtins.list[ClaimedSchedule]:
+        """Lock up to ``limit`` schedules whose ``plan_at`` has come, oldest first."""
+        records = await conn.fetch(Q["claim_due"], now, limit)
+        return [
+            ClaimedSchedule(Schedule.from_record(r), bool(r["previous_active"])) for r in records
+        ]
+
+    async def apply_plan(self, conn: Conn, decisions: Sequence[PlanDecision]) -> dict[int, int]:
+        """Write a batch of decisions in one statement; returns {schedule id: jobs created}.
+
+        A fire time already in ``schedule_fires`` creates no job (it was materialized
+        before, by this leader or another)."""
+        if not decisions:
+            return {}
+        f_ids: builtins.list[int] = []
+        f_times: builtins.list[datetime] = []
+        f_dues: builtins.list[datetime] = []
+        f_keys: builtins.list[str] = []
+        for d in decisions:
+            for fire in d.fires:
+                f_ids.append(d.schedule_id)
+                f_times.append(fire.fire_time)
+                f_dues.append(fire.due_at)
+                f_keys.append(fire.key)
+        records = await conn.fetch(
+            Q["apply_plan"],
+            f_ids,
+            f_times,
+            f_dues,
+            f_keys,
+            [d.schedule_id for d in decisions],
+            [d.next_fire_at for d in decisions],
+            [d.plan_at for d in decisions],
+            [d.buffered_fire_at for d in decisions],
+            [d.skipped for d in decisions],
+            [d.missed for d in decisions],
+            [d.error for d in decisions],
+        )
+        return {r["id"]: r["fired"] for r in records}
+
+    # -- planner (pool) --------------------------------------------------------------
+
+    async def next_plan_at(self) -> float | None:
+        """Epoch seconds of the earliest ``plan_at`` of an active schedule (-inf: now;
+        None or inf: nothing to plan)."""
+        async with self._pool.acquire() as conn:
+            value = await conn.fetchval(Q["next_plan_at"])
+        return None if value is None else float(value)
+
+    async def prune_fires(self, older_than: datetime) -> int:
+        """Forget dedupe rows of fire times before ``older_than`` (for the maintainer)."""
+        async with self._pool.acquire() as conn:
+            status = await conn.execute(Q["prune_fires"], older_than)
+        return int(status.split()[-1])
+
+
+class SchedulesListener:
+    """A dedicated connection LISTENing on ``duetime_schedules``.
+
+    ``on_notify`` is called for every notification except those sent by a backend in
+    ``ignore_pids`` (the planner's own writes, which need no wake-up). ``alive`` turns
+    false as soon as the connection ends, and ``on_lost`` is called; ``check()`` finds a
+    half-open connection by a round trip under a timeout.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        on_notify: Callable[[], None],
+        *,
+        on_lost: Callable[[], None] | None = None,
+        ignore_pids: Collection[int] = (),
+        timeout: float = 10.0,
+        application_name: str = "duetime:planner-listen",
+    ) -> None:
+        self._dsn = dsn
+        self._on_notify = on_notify
+        self._on_lost = on_lost
+        self._ignore = ignore_pids
+        self._timeout = timeout
+        self._application_name = application_name
+        self._conn: asyncpg.Connection | None = None
+        self._lost = False
+
+    @property
+    def alive(self) -> bool:
+        return self._conn is not None and not self._lost and not self._conn.is_closed()
+
+    async def open(self) -> SchedulesListener:
+        conn = await db.connect(
+            self._dsn, timeout=self._timeout, application_name=self._application_name
+        )
+        try:
+            conn.add_termination_listener(self._terminated)
+            await conn.add_listener(NOTIFY_CHANNEL, self._notified)
+        except BaseException:
+            conn.terminate()
+            raise
+        self._conn, self._lost = conn, False
+        return self
+
+    async def check(self, timeout: float) -> bool:
+        conn = self._conn
+        if conn is None or not self.alive:
+            return False
+        try:
+            await conn.fetchval(Q["ping"], timeout=timeout)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+            log.warning("schedules_listener_check_failed", error=repr(exc))
+            self._terminated(conn)
+            return False
+        return True
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None or conn.is_closed():
+            return
+        conn.remove_termination_listener(self._terminated)
+        try:
+            await asyncio.wait_for(conn.close(), min(self._timeout, 5.0))
+        except Exception:
+            with contextlib.suppress(Exception):
+                conn.terminate()
+
+    def _notified(self, _conn: Any, pid: int, _channel: str, _payload: object) -> None:
+        if pid not in self._ignore:
+            self._on_notify()
+
+    def _terminated(self, conn: Any) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        if not conn.is_closed():
+            conn.terminate()
+        if self._on_lost is not None:
+            self._on_lost()
