@@ -50,9 +50,22 @@ from scheduler.store import JobStore
 WEEK = 7 * 86_400
 INSERT = "INSERT INTO duetime.jobs (task, payload, due_at) VALUES ($1, $2, $3)"
 SHIPPED_TRIGGER = "jobs_notify_insert"
+WORKLOADS = (
+    "copy",
+    "single_insert_loop",
+    "single_insert_loop_synchronous_commit_off",
+    "concurrent_single_inserts",
+)
 
 # Alternatives to the shipped statement trigger, for --variants only.
 VARIANTS: dict[str, list[str]] = {
+    # A/A: a trigger that never fires on INSERT. Its "cost" is the machine's noise floor.
+    "noise_floor_update_trigger": [
+        "CREATE FUNCTION duetime.bench_noop() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RETURN NULL; END $$",
+        "CREATE TRIGGER bench_variant AFTER UPDATE ON duetime.jobs FOR EACH STATEMENT "
+        "EXECUTE FUNCTION duetime.bench_noop()",
+    ],
     "row_when_due_within_5s": [
         "CREATE FUNCTION duetime.bench_notify_row() RETURNS trigger LANGUAGE plpgsql AS "
         "$$ BEGIN PERFORM pg_notify('duetime_jobs', ''); RETURN NULL; END $$",
@@ -73,6 +86,7 @@ DROP_VARIANT = [
     "DROP TRIGGER IF EXISTS bench_variant ON duetime.jobs",
     "DROP FUNCTION IF EXISTS duetime.bench_notify_row()",
     "DROP FUNCTION IF EXISTS duetime.bench_notify_stmt()",
+    "DROP FUNCTION IF EXISTS duetime.bench_noop()",
 ]
 
 
@@ -115,13 +129,15 @@ class Bench:
         await run()
         return time.perf_counter() - started
 
-    async def _enqueue_many(self, conn: asyncpg.Connection, first: int, n: int) -> None:
+    async def _enqueue_many(
+        self, conn: asyncpg.Connection, first: int, n: int, *, due_now: bool = False
+    ) -> None:
         start = datetime.now(UTC)
         for i in range(first, first + n):
             await self.store.enqueue(
                 "bench",
                 {"i": i, "to": "user@example.com"},
-                due_at=start + timedelta(seconds=i % WEEK),
+                due_at=None if due_now else start + timedelta(seconds=i % WEEK),
                 conn=conn,
             )
 
@@ -141,13 +157,14 @@ class Bench:
         return await self.timed(run)
 
     async def concurrent_loop(self, n: int, producers: int) -> float:
-        """``producers`` connections inserting one job per transaction at once: every
-        commit that carries a NOTIFY takes PostgreSQL's global notify lock."""
+        """``producers`` connections inserting one job per transaction at once, due now
+        (fire-and-forget producers): every commit that carries a NOTIFY takes
+        PostgreSQL's global notify lock, held through the commit's WAL flush."""
         share = n // producers
 
         async def one(k: int) -> None:
             async with self.pool.acquire() as conn:
-                await self._enqueue_many(conn, k * share, share)
+                await self._enqueue_many(conn, k * share, share, due_now=True)
 
         async def run() -> None:
             await asyncio.gather(*(one(k) for k in range(producers)))
@@ -204,26 +221,27 @@ class Bench:
         }
 
     async def trigger_cost(self, trigger: str, args: argparse.Namespace) -> dict[str, Any]:
-        copy_n, single_n, repeat = args.trigger_copy, args.trigger_single, args.repeat
-        producers = args.producers
-        return {
-            "copy": await self.paired(trigger, lambda: self.copy(copy_n), copy_n, repeat),
-            "single_insert_loop": await self.paired(
-                trigger, lambda: self.single_loop(single_n), single_n, repeat
-            ),
-            "single_insert_loop_synchronous_commit_off": await self.paired(
-                trigger,
+        copy_n, single_n, producers = args.trigger_copy, args.trigger_single, args.producers
+        runs: dict[str, tuple[Callable[[], Awaitable[float]], int]] = {
+            "copy": (lambda: self.copy(copy_n), copy_n),
+            "single_insert_loop": (lambda: self.single_loop(single_n), single_n),
+            "single_insert_loop_synchronous_commit_off": (
                 lambda: self.single_loop(single_n, synchronous_commit=False),
                 single_n,
-                repeat,
             ),
-            f"concurrent_single_inserts_{producers}_producers": await self.paired(
-                trigger,
+            "concurrent_single_inserts": (
                 lambda: self.concurrent_loop(single_n, producers),
                 single_n,
-                repeat,
             ),
         }
+        out: dict[str, Any] = {}
+        for name in WORKLOADS:
+            if name in args.workloads:
+                measure, n = runs[name]
+                out[name] = await self.paired(trigger, measure, n, args.repeat)
+                if name == "concurrent_single_inserts":
+                    out[name]["producers"] = producers
+        return out
 
     async def variant(self, name: str, args: argparse.Namespace) -> dict[str, Any]:
         """A replacement trigger vs no trigger at all (the shipped one stays disabled)."""
@@ -261,11 +279,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         pool = await db.create_pool(url, min_size=1, max_size=args.producers, timeout=30)
         try:
             bench = Bench(pool)
-            await bench.single_loop(min(args.single, 500))  # warm-up
-            result["single_insert_loop"] = _rate(args.single, await bench.single_loop(args.single))
-            result["executemany"] = _rate(args.many, await bench.executemany(args.many))
-            result["bulk_copy"] = [_rate(n, await bench.copy(n)) for n in args.bulk]
-            result["notify_trigger"] = await bench.trigger_cost(SHIPPED_TRIGGER, args)
+            if "throughput" in args.only:
+                await bench.single_loop(min(args.single, 500))  # warm-up
+                result["single_insert_loop"] = _rate(
+                    args.single, await bench.single_loop(args.single)
+                )
+                result["executemany"] = _rate(args.many, await bench.executemany(args.many))
+                result["bulk_copy"] = [_rate(n, await bench.copy(n)) for n in args.bulk]
+            if "trigger" in args.only:
+                result["notify_trigger"] = await bench.trigger_cost(SHIPPED_TRIGGER, args)
             if args.variants:
                 result["trigger_variants"] = {v: await bench.variant(v, args) for v in VARIANTS}
         finally:
@@ -299,7 +321,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trigger-single", type=int, default=2000)
     parser.add_argument("--producers", type=int, default=8, help="concurrent inserters")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--variants", action="store_true", help="also measure alternatives")
+    parser.add_argument(
+        "--variants", action="store_true", help="also measure alternatives and the noise floor"
+    )
+    parser.add_argument(
+        "--only",
+        type=lambda v: set(v.split(",")),
+        default={"throughput", "trigger"},
+        help="sections to run: throughput,trigger (default both)",
+    )
+    parser.add_argument(
+        "--workloads",
+        type=lambda v: set(v.split(",")),
+        default=set(WORKLOADS),
+        help=f"trigger-cost workloads (default all): {','.join(WORKLOADS)}",
+    )
     return parser.parse_args(argv)
 
 

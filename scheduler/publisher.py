@@ -300,6 +300,7 @@ class Publisher:
             )
         except (aiormq.exceptions.AMQPError, TimeoutError, ConnectionError, RuntimeError) as exc:
             log.warning("queue_depth_unknown", queue=queue, error=repr(exc))
+            await self.wait_ready(self.connect_timeout)  # a refused declare closed the channel
             return None
         count = getattr(ok, "message_count", None)
         return int(count) if count is not None else None

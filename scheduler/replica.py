@@ -206,6 +206,18 @@ class Replica:
     def election(self) -> Election | None:
         return self._election
 
+    @property
+    def pool(self) -> asyncpg.Pool | None:
+        """The replica's PostgreSQL pool while it runs (None before and after)."""
+        return self._pool
+
+    async def etcd_check(self) -> bool:
+        """Readiness: one bounded read of the election key (raises when etcd is away)."""
+        if self._election is None:
+            return False
+        await self._election.current_leader()
+        return True
+
     async def run_until_stopped(
         self, stop: asyncio.Event, *, on_ready: Callable[[], None] | None = None
     ) -> None:

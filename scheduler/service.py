@@ -1,7 +1,9 @@
 """Process scaffolding shared by long-running commands (``duetime scheduler``, later
-``duetime worker``): signals, the event-loop monitor, ``/metrics``, and systemd notify.
+``duetime worker``): signals, the event-loop monitor, the HTTP endpoints, and systemd notify.
 
-Why one place: every service must behave the same way under systemd. SIGTERM or SIGINT
+Why one place: every service must behave the same way under systemd and to operators.
+``/metrics``, ``/healthz`` and ``/readyz`` come from ``scheduler.observability`` (served
+on ``metrics_port``; readiness turns 503 as soon as shutdown begins). SIGTERM or SIGINT
 asks for a graceful stop (the ``stop`` event the command's main loop watches); a second
 signal means "now": it is logged and the process exits at once with status 130, without
 running any more cleanup (an operator pressing Ctrl-C twice, or a stuck shutdown). The
@@ -24,16 +26,12 @@ import contextlib
 import os
 import signal
 import socket
-import threading
 from collections.abc import Mapping
-from socketserver import ThreadingMixIn
 from types import TracebackType
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from scheduler.errors import ConfigError
 from scheduler.log import get_logger
 from scheduler.loopmon import DEFAULT_THRESHOLD, LoopMonitor
+from scheduler.observability import Check, Observability
 
 log = get_logger(__name__)
 
@@ -94,24 +92,25 @@ class Service:
         name: str,
         *,
         metrics_port: int | None = None,
+        checks: Mapping[str, Check] | None = None,
         loop_lag_threshold: float = DEFAULT_THRESHOLD,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
-        self.metrics_port = metrics_port
         self.environ = os.environ if environ is None else environ
         self.stop_event = asyncio.Event()
         self.signals_received = 0
         self.monitor = LoopMonitor(threshold=loop_lag_threshold)
+        # /metrics, /healthz, /readyz on metrics_port (inert when None); add readiness
+        # checks with ``service.observability.add_check`` once connections exist.
+        self.observability = Observability(port=metrics_port, checks=checks)
         self._watchdog: asyncio.Task[None] | None = None
-        self._metrics_server: _MetricsServer | None = None
         self._installed: list[signal.Signals] = []
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def __aenter__(self) -> Service:
-        if self.metrics_port is not None:  # first: the only step that can fail
-            self._start_metrics(self.metrics_port)
+        await self.observability.start()  # first: the only step that can fail (busy port)
         loop = asyncio.get_running_loop()
         for sig in HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -135,9 +134,7 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
         await self.monitor.stop()
-        if self._metrics_server is not None:
-            server, self._metrics_server = self._metrics_server, None
-            await asyncio.to_thread(server.stop)
+        await self.observability.close()
         loop = asyncio.get_running_loop()
         for sig in self._installed:
             loop.remove_signal_handler(sig)
@@ -158,6 +155,7 @@ class Service:
         self.signals_received += 1
         if self.signals_received == 1:
             log.info("shutdown_requested", service=self.name, signal=sig.name)
+            self.observability.set_draining()
             self.stop_event.set()
             return
         log.warning(
@@ -169,42 +167,3 @@ class Service:
         while True:
             notify("WATCHDOG=1", environ=self.environ)
             await asyncio.sleep(interval)
-
-    def _start_metrics(self, port: int) -> None:
-        try:
-            self._metrics_server = _MetricsServer.start(port)
-        except OSError as exc:
-            raise ConfigError(f"cannot serve /metrics on port {port}: {exc}") from None
-        log.info("metrics_serving", port=port, path="/metrics")
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes every few seconds are not news."""
-
-
-class _MetricsServer(ThreadingMixIn, WSGIServer):
-    """Prometheus ``/metrics`` in a daemon thread (answers even while the event loop is
-    blocked, which is when an operator most wants to look). Unlike
-    ``prometheus_client.start_http_server`` it polls for shutdown every 50 ms rather
-    than 500 ms, so a stopping service does not wait on its metrics thread."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-
-    @classmethod
-    def start(cls, port: int) -> _MetricsServer:
-        from prometheus_client import make_wsgi_app
-
-        server = make_server("", port, make_wsgi_app(), cls, handler_class=_QuietHandler)
-        assert isinstance(server, _MetricsServer)
-        thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.05},
-            name="metrics-http", daemon=True,
-        )  # fmt: skip
-        thread.start()
-        return server
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()

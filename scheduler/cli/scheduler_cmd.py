@@ -14,6 +14,7 @@ from typing import Any
 from scheduler.config import Settings
 from scheduler.duties import default_duties
 from scheduler.log import get_logger
+from scheduler.observability import database_check
 from scheduler.replica import Replica
 from scheduler.service import Service
 
@@ -34,6 +35,14 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     log.info("scheduler_starting", config=settings.redacted())
     async with Service("scheduler", metrics_port=settings.metrics_port) as service:
         replica = Replica(settings, default_duties)
-        await replica.run_until_stopped(service.stop_event, on_ready=service.ready)
+
+        def ready() -> None:
+            # /readyz: a standby is ready when it can reach PostgreSQL and etcd
+            if replica.pool is not None:
+                service.observability.add_check("db", database_check(replica.pool))
+            service.observability.add_check("etcd", replica.etcd_check)
+            service.ready()
+
+        await replica.run_until_stopped(service.stop_event, on_ready=ready)
     log.info("scheduler_exited")
     return 0

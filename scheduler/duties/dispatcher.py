@@ -222,7 +222,8 @@ class Dispatcher(LoopDuty):
             return delay
         self._broker_failures = 0
 
-        if not self._in_backlog:
+        probed = not self._in_backlog
+        if probed:
             wait = await self.store.next_run_in()
             if wait is None or wait > 0:
                 return self._idle_delay(wait)
@@ -244,7 +245,7 @@ class Dispatcher(LoopDuty):
         self._in_backlog = full
         if full:
             return 0.0
-        if report.claimed == 0:
+        if report.claimed == 0 and probed:
             # the probe said a job is due, yet nothing could be locked: every due row is
             # held by another transaction (a cancel, a worker's read) — look again soon
             return self.config.probe_interval

@@ -11,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeAlias
+from typing import Any
 
 import asyncpg
-from asyncpg.pool import PoolConnectionProxy
 
 from scheduler import db
+from scheduler.db import Conn
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
 from scheduler.rows import Job
@@ -31,8 +31,6 @@ __all__ = ["NOTIFY_CHANNEL", "ClaimedSchedule", "ScheduleStore", "SchedulesListe
 
 Q = load("schedules")
 log = get_logger(__name__)
-
-Conn: TypeAlias = asyncpg.Connection | PoolConnectionProxy
 
 #: Channel of the schedules insert/update trigger (migration 0002).
 NOTIFY_CHANNEL = "duetime_schedules"
@@ -225,10 +223,11 @@ class ScheduleStore:
 class SchedulesListener:
     """A dedicated connection LISTENing on ``duetime_schedules``.
 
-    ``on_notify`` is called for every notification except those sent by a backend in
-    ``ignore_pids`` (the planner's own writes, which need no wake-up). ``alive`` turns
-    false as soon as the connection ends, and ``on_lost`` is called; ``check()`` finds a
-    half-open connection by a round trip under a timeout.
+    ``on_notify`` is called for every notification (the planner's own batches notify too:
+    filtering them by backend pid would also drop a user's change made through a pool
+    the planner shares, and the cost of not filtering is one probe query per pass).
+    ``alive`` turns false as soon as the connection ends, and ``on_lost`` is called;
+    ``check()`` finds a half-open connection by a round trip under a timeout.
     """
 
     def __init__(
@@ -237,14 +236,12 @@ class SchedulesListener:
         on_notify: Callable[[], None],
         *,
         on_lost: Callable[[], None] | None = None,
-        ignore_pids: Collection[int] = (),
         timeout: float = 10.0,
         application_name: str = "duetime:planner-listen",
     ) -> None:
         self._dsn = dsn
         self._on_notify = on_notify
         self._on_lost = on_lost
-        self._ignore = ignore_pids
         self._timeout = timeout
         self._application_name = application_name
         self._conn: asyncpg.Connection | None = None
@@ -290,9 +287,8 @@ class SchedulesListener:
             with contextlib.suppress(Exception):
                 conn.terminate()
 
-    def _notified(self, _conn: Any, pid: int, _channel: str, _payload: object) -> None:
-        if pid not in self._ignore:
-            self._on_notify()
+    def _notified(self, *_: Any) -> None:
+        self._on_notify()
 
     def _terminated(self, conn: Any) -> None:
         if self._lost:

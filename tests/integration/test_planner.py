@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -250,7 +251,7 @@ async def test_hour_wildcard_fires_on_every_real_hour(
     await simulate(planner, clock, end, step=2 * 3600)
     due = [t for t in await world.due_times(sid) if start <= t < end]
     assert len(due) == fires
-    assert all(b - a == timedelta(hours=1) for a, b in zip(due, due[1:], strict=False))
+    assert all(b - a == timedelta(hours=1) for a, b in itertools.pairwise(due))
 
 
 async def test_lord_howe_half_hour_gap(world: World) -> None:
@@ -303,7 +304,9 @@ async def test_downtime_misfire_policies(world: World) -> None:
     clock = ManualClock(t0)
     planner = world.planner(clock, horizon=2, lead=1, misfire_grace=1)
     await planner.plan_pass()  # t0 .. t0+2 planned for each
-    metric = {p: SCHEDULE_MISFIRES.labels(p)._value.get() for p in ("skip", "fire_once", "fire_all")}
+    metric = {
+        p: SCHEDULE_MISFIRES.labels(p)._value.get() for p in ("skip", "fire_once", "fire_all")
+    }
     clock.advance(12)  # down: nothing ran from t0+2 to t0+12
     report = await planner.plan_pass()
 
@@ -423,9 +426,7 @@ async def test_jitter_spreads_a_minute_boundary_herd_deterministically(world: Wo
 
     async def snapshot() -> dict[tuple[int, str], datetime]:
         async with world.pool.acquire() as conn:
-            rows = await conn.fetch(
-                "SELECT schedule_id, idempotency_key, due_at FROM duetime.jobs"
-            )
+            rows = await conn.fetch("SELECT schedule_id, idempotency_key, due_at FROM duetime.jobs")
         return {(r["schedule_id"], r["idempotency_key"]): r["due_at"] for r in rows}
 
     first = await snapshot()

@@ -146,14 +146,18 @@ async def test_metrics_are_served_and_the_port_is_released() -> None:
         with urllib.request.urlopen(url, timeout=2) as response:
             return str(response.read().decode())
 
-    async with Service("test", metrics_port=port, environ={}):
+    async with Service("test", metrics_port=port, environ={}) as svc:
         text = await asyncio.to_thread(scrape)
         assert "duetime_is_leader " in text
         assert "duetime_event_loop_lag_seconds_bucket" in text
+        assert (await svc.observability.readiness()).ready
+        svc._on_signal(signal.SIGTERM)  # shutdown begins: readiness turns 503 at once
+        assert svc.stop_event.is_set()
+        assert not (await svc.observability.readiness()).ready
     started = time.monotonic()
     async with Service("again", metrics_port=port, environ={}):  # port free again
         pass
-    assert time.monotonic() - started < 0.5  # no 500 ms shutdown poll
+    assert time.monotonic() - started < 0.5  # stopping does not wait on the server
 
 
 async def test_a_busy_metrics_port_is_a_config_error() -> None:
@@ -161,6 +165,6 @@ async def test_a_busy_metrics_port_is_a_config_error() -> None:
         busy.bind(("0.0.0.0", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ConfigError, match=f"port {port}"):
+        with pytest.raises(ConfigError, match=str(port)):
             async with Service("test", metrics_port=port, environ={}):
                 pass

@@ -129,7 +129,7 @@ CREATE TRIGGER schedules_before_update BEFORE UPDATE ON duetime.schedules
     FOR EACH ROW EXECUTE FUNCTION duetime.schedules_before_update();
 
 -- Wake-up signal for the planner: one NOTIFY per statement that inserts or updates
--- schedules (the planner ignores the ones its own connections send).
+-- schedules (the planner's own batches included: each costs it one probe query).
 CREATE FUNCTION duetime.notify_schedules_changed() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
