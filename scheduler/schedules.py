@@ -423,12 +423,17 @@ def plan_schedule(
     config: PlanConfig = PlanConfig(),
     *,
     previous_active: bool = False,
+    memo: dict[tuple[Any, ...], _Scan] | None = None,
 ) -> PlanDecision:
     """Decide one planner pass for ``schedule`` at ``now``.
 
     ``previous_active``: the schedule's last materialized job is not terminal yet (only
     read for ``overlap_policy`` ``skip`` / ``buffer_one``). A bad cron, zone or interval
     yields a decision with ``error`` set (the store pauses the schedule), never raises.
+
+    ``memo``: pass one dict for a whole batch. Schedules with the same timing and the same
+    next fire time (common: thousands of ``0 * * * *``) share one enumeration of their fire
+    times, which is most of the cost of a decision.
 
     Long outages: the missed fire times are enumerated ``max_catchup_scan`` at a time.
     While at least ``keep`` more (1, or the cap for ``fire_all``) follow a chunk, none
@@ -437,13 +442,56 @@ def plan_schedule(
     """
     try:
         timing = schedule.timing()
-        return _plan(schedule, timing, now, config, previous_active)
+        return _plan(schedule, timing, now, config, previous_active, memo)
     except ScheduleSpecError as exc:
         return invalid_decision(schedule, str(exc))
 
 
+@dataclass(frozen=True, slots=True)
+class _Scan:
+    """The fire times of one pass, classified (shared by schedules with the same key)."""
+
+    missed: tuple[datetime, ...]  # earlier than now - misfire_grace
+    on_time: tuple[datetime, ...]
+    following: datetime | None  # first fire time not handled in this pass
+    revisit: bool  # stopped at max_fires_per_pass: look again at once
+    chunked: bool  # stopped at max_catchup_scan + keep missed times
+
+
+def _scan(
+    timing: Timing,
+    cursor: datetime,
+    until: datetime,
+    late_before: datetime,
+    end_at: datetime | None,
+    stop_missed: int,
+    max_on_time: int,
+) -> _Scan:
+    missed: list[datetime] = []
+    on_time: list[datetime] = []
+    for instant in timing.iter_from(cursor):
+        if end_at is not None and instant > end_at:
+            break
+        if instant > until:
+            return _Scan(tuple(missed), tuple(on_time), instant, False, False)
+        if instant < late_before:
+            missed.append(instant)
+            if len(missed) >= stop_missed:
+                return _Scan(tuple(missed), (), None, False, True)
+            continue
+        if len(on_time) >= max_on_time:
+            return _Scan(tuple(missed), tuple(on_time), instant, True, False)
+        on_time.append(instant)
+    return _Scan(tuple(missed), tuple(on_time), None, False, False)
+
+
 def _plan(
-    s: Schedule, timing: Timing, now: datetime, config: PlanConfig, previous_active: bool
+    s: Schedule,
+    timing: Timing,
+    now: datetime,
+    config: PlanConfig,
+    previous_active: bool,
+    memo: dict[tuple[Any, ...], _Scan] | None,
 ) -> PlanDecision:
     ahead = s.overlap_policy == "allow"
     until = now + config.horizon if ahead else now
@@ -455,25 +503,19 @@ def _plan(
     if s.start_at is not None and cursor < s.start_at:
         cursor = s.start_at
     keep = s.misfire_cap if s.misfire_policy == "fire_all" else 1
-    missed: list[datetime] = []
-    on_time: list[datetime] = []
-    following: datetime | None = None  # first fire time not handled in this pass
-    revisit = False
-    for instant in timing.iter_from(cursor):
-        if s.end_at is not None and instant > s.end_at:
-            break
-        if instant > until:
-            following = instant
-            break
-        if instant < late_before:
-            missed.append(instant)
-            if len(missed) >= config.max_catchup_scan + keep:
-                return _catchup_chunk(s, missed, config.max_catchup_scan, now)
-            continue
-        if len(on_time) >= config.max_fires_per_pass:
-            following, revisit = instant, True
-            break
-        on_time.append(instant)
+    key = (
+        timing, cursor, until, late_before, s.end_at, config.max_catchup_scan + keep,
+        config.max_fires_per_pass,
+    )  # fmt: skip
+    scan = memo.get(key) if memo is not None else None
+    if scan is None:
+        scan = _scan(*key)
+        if memo is not None:
+            memo[key] = scan
+    if scan.chunked:
+        return _catchup_chunk(s, list(scan.missed), config.max_catchup_scan, now)
+    missed, on_time = list(scan.missed), list(scan.on_time)
+    following, revisit = scan.following, scan.revisit
 
     plan = misfire_plan(s.misfire_policy, missed, s.misfire_cap)
     candidates = [*plan.fire, *on_time]

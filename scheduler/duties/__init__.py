@@ -8,17 +8,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.fence_heartbeat import FenceHeartbeat
+from scheduler.duties.reconciler import Reconciler
 from scheduler.duty import LoopDuty
 
 if TYPE_CHECKING:
     from scheduler.replica import ReplicaContext
 
-__all__ = ["FenceHeartbeat", "default_duties"]
+__all__ = ["Dispatcher", "FenceHeartbeat", "Reconciler", "default_duties"]
 
 
 def default_duties(ctx: ReplicaContext) -> list[LoopDuty]:
     """Every duty of a leader, built once per replica from its shared context."""
     return [
         FenceHeartbeat.from_context(ctx),
+        Dispatcher.from_context(ctx),
+        Reconciler.from_context(ctx),
     ]

@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
@@ -90,11 +90,26 @@ class PlannerConfig:
     """``buffer_one``: how often a waiting fire time checks the running job."""
     listen_check_interval: float = 10.0
     """How often the LISTEN connection is pinged (a half-open socket is silent)."""
+    decide_budget: float = 0.5
+    """Seconds of planning per batch, while its transaction waits idle: far below the
+    replica's ``idle_in_transaction_session_timeout`` (≈ lease TTL), whatever the batch
+    holds (a long catch-up can cost tens of ms per schedule). The rest waits for the
+    next batch."""
+    max_fires_per_batch: int = 20_000
+    """Fire times written by one statement, at most (plus one schedule's worth)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.max_batches_per_pass < 1:
             raise ValueError("batch_size and max_batches_per_pass must be >= 1")
-        for name in ("poll_interval", "probe_interval", "buffer_poll", "listen_check_interval"):
+        if self.max_fires_per_batch < 1:
+            raise ValueError("max_fires_per_batch must be >= 1")
+        for name in (
+            "poll_interval",
+            "probe_interval",
+            "buffer_poll",
+            "listen_check_interval",
+            "decide_budget",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
         self.plan_config()  # validates horizon, lead, grace
@@ -172,6 +187,7 @@ class Planner(LoopDuty):
         self._listener_retry_at = 0.0
         self._listener_failures = 0
         self._listener_checked_at = 0.0
+        self._isolate = False  # the last batch was refused: apply the next one row by row
         self.invalid_total = 0  # schedules paused for an error, since start
 
     @classmethod
@@ -225,39 +241,65 @@ class Planner(LoopDuty):
         return min(delay, cap)
 
     async def plan_pass(self) -> PlanReport:
-        """Batches until nothing is due (or ``max_batches_per_pass``); tests call this."""
+        """Batches until nothing is due (or ``max_batches_per_pass``); tests call this.
+
+        One pooled connection serves the whole pass (a release costs a round trip)."""
         total = PlanReport()
-        for _ in range(self.config.max_batches_per_pass):
-            report = await self.plan_batch()
-            total.add(report)
-            if report.claimed < self.config.batch_size and not report.revisit:
-                total.revisit = False
-                return total
+        async with self.pool.acquire(timeout=self.settings.db_timeout) as conn:
+            for _ in range(self.config.max_batches_per_pass):
+                report = await self.plan_batch(conn)
+                total.add(report)
+                if report.claimed < self.config.batch_size and not report.revisit:
+                    total.revisit = False
+                    return total
         total.revisit = True  # stopped with work left: the loop comes straight back
         return total
 
-    async def plan_batch(self, now: datetime | None = None) -> PlanReport:
-        """One fenced transaction: claim, decide, apply, commit."""
+    async def plan_batch(self, conn: Conn, now: datetime | None = None) -> PlanReport:
+        """One fenced transaction: claim, decide, apply, commit.
+
+        The database refusing a row (``ROW_ERRORS``) rolls the batch back; the next one
+        (the same schedules: they are still the oldest due) then applies each schedule
+        under its own savepoint and pauses the ones refused. The normal path has no
+        savepoints: five round trips per batch.
+        """
         epoch = self.term.epoch
         self._check_leader()
         now = now or self.clock.now()
+        isolate = self._isolate
         started = time.perf_counter()
-        async with (
-            self.pool.acquire(timeout=self.settings.db_timeout) as conn,
-            fenced_transaction(conn, epoch),
-        ):
-            claimed = await self.store.claim_due(conn, now, self.config.batch_size)
-            if not claimed:
-                return PlanReport()
-            claimed_at = time.perf_counter()
-            if len(claimed) > INLINE_BATCH:
-                decisions = await asyncio.to_thread(self._decide, claimed, now)
-            else:
-                decisions = self._decide(claimed, now)
-            decided_at = time.perf_counter()
-            fired = await self._apply(conn, claimed, decisions)
+        try:
+            async with fenced_transaction(conn, epoch):
+                claimed = await self.store.claim_due(conn, now, self.config.batch_size)
+                if not claimed:
+                    return PlanReport()
+                claimed_at = time.perf_counter()
+                if len(claimed) > INLINE_BATCH:
+                    decisions = await asyncio.to_thread(self._decide, claimed, now)
+                else:
+                    decisions = self._decide(claimed, now)
+                decided_at = time.perf_counter()
+                # schedules left undecided (budget spent) stay as they are and due
+                deferred = len(claimed) - len(decisions)
+                claimed = claimed[: len(decisions)]
+                if isolate:
+                    fired = await self._apply_isolated(conn, claimed, decisions)
+                else:
+                    fired = await self.store.apply_plan(conn, decisions)
+        except ROW_ERRORS as exc:
+            if isolate:  # not a row's fault after all: let the duty back off and retry
+                raise
+            self._isolate = True
+            self.log.warning(
+                "plan_batch_refused",
+                error=f"{type(exc).__name__}: {exc}",
+                next_step="apply the batch one schedule at a time",
+            )
+            return PlanReport(revisit=True)
+        self._isolate = False
         committed_at = time.perf_counter()
         report = self._account(claimed, decisions, fired, now)
+        report.revisit = report.revisit or deferred > 0
         report.claim_seconds = claimed_at - started
         report.decide_seconds = decided_at - claimed_at
         report.write_seconds = committed_at - decided_at
@@ -274,11 +316,24 @@ class Planner(LoopDuty):
         return report
 
     def _decide(self, claimed: Sequence[ClaimedSchedule], now: datetime) -> list[PlanDecision]:
-        decisions = []
+        """Decisions for a prefix of ``claimed``: the batch stops early once it has spent
+        ``decide_budget`` seconds or produced ``max_fires_per_batch`` fire times."""
+        decisions: list[PlanDecision] = []
+        memo: dict[tuple[Any, ...], Any] = {}  # schedules with the same timing share work
+        deadline = time.perf_counter() + self.config.decide_budget
+        fires = 0
         for item in claimed:
+            if decisions and (
+                fires >= self.config.max_fires_per_batch or time.perf_counter() > deadline
+            ):
+                break
             try:
                 decision = plan_schedule(
-                    item.schedule, now, self._plan_config, previous_active=item.previous_active
+                    item.schedule,
+                    now,
+                    self._plan_config,
+                    previous_active=item.previous_active,
+                    memo=memo,
                 )
             except Exception as exc:  # a bug must not stall every other schedule
                 self.log.exception("plan_schedule_failed", schedule_id=item.schedule.id)
@@ -286,26 +341,20 @@ class Planner(LoopDuty):
                     item.schedule, f"planning failed: {type(exc).__name__}: {exc}"
                 )
             decisions.append(decision)
+            fires += len(decision.fires)
         return decisions
 
-    async def _apply(
+    async def _apply_isolated(
         self,
         conn: Conn,
         claimed: Sequence[ClaimedSchedule],
         decisions: list[PlanDecision],
     ) -> dict[int, int]:
-        try:
-            async with conn.transaction():  # a savepoint
-                return await self.store.apply_plan(conn, decisions)
-        except ROW_ERRORS as exc:
-            self.log.warning(
-                "plan_batch_refused", error=f"{type(exc).__name__}: {exc}", isolating=len(decisions)
-            )
-        # Find the schedule(s) whose rows the database refuses: one savepoint each.
+        """Apply one schedule per savepoint; pause the ones the database refuses."""
         fired: dict[int, int] = {}
         for index, (item, decision) in enumerate(zip(claimed, decisions, strict=True)):
             try:
-                async with conn.transaction():
+                async with conn.transaction():  # a savepoint
                     fired.update(await self.store.apply_plan(conn, [decision]))
             except ROW_ERRORS as exc:
                 bad = invalid_decision(

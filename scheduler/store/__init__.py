@@ -1,6 +1,7 @@
 """Typed stores: the only code that runs SQL (statements live in ``scheduler/sql``)."""
 
+from scheduler.store.dispatch import DispatchStore, JobsListener, StalledJob
 from scheduler.store.execution import ExecutionStore, LockedJob
 from scheduler.store.jobs import JobStore
 
-__all__ = ["ExecutionStore", "JobStore", "LockedJob"]
+__all__ = ["DispatchStore", "ExecutionStore", "JobStore", "JobsListener", "LockedJob", "StalledJob"]

@@ -564,3 +564,54 @@ async def test_notify_wakes_the_loop_and_listener_is_reestablished(world: World)
         assert not task.done()
     finally:
         await planner.stop()
+
+
+# --- bounds, wake-up delay, retention ------------------------------------------------------
+
+
+async def test_end_at_finishes_and_the_loop_sleeps_until_the_next_plan_at(world: World) -> None:
+    t0 = utc(2026, 12, 1, 8, 0, 0)
+    ends = await world.add("ends", cron="* * * * * *", end_at=t0 + 3 * SEC)
+    daily = await world.add("daily", cron="0 9 * * *")
+    clock = ManualClock(t0)
+    planner = world.planner(clock, poll_interval=30 * 3600.0)
+    try:
+        delay = await planner.run_once()  # plans both, then sleeps until daily's plan_at
+        assert delay == pytest.approx(3600 - 5)  # 09:00 - lead (5 s) - now (08:00)
+        assert await world.due_times(ends) == [t0 + i * SEC for i in range(4)]
+        finished = await world.store.get(ends)
+        assert finished.finished and finished.next_fire_at is None
+        assert (await world.store.get(daily)).next_fire_at == utc(2026, 12, 1, 9)
+        clock.advance(3600)
+        assert await planner.run_once() == pytest.approx(86400 - 5)
+        assert len(await world.due_times(daily)) == 1
+    finally:
+        await planner.teardown()
+
+
+async def test_prune_fires_keeps_what_deduplication_still_needs(world: World) -> None:
+    sid = await world.add("pruned", cron="* * * * * *")
+    clock = ManualClock(utc(2026, 12, 1, 8, 0, 0))
+    await world.planner(clock).plan_pass()  # fires 08:00:00 .. 08:00:10 recorded
+    assert await world.store.prune_fires(utc(2026, 12, 1, 8, 0, 5)) == 5
+    # a cut-off in the future stops at each schedule's next_fire_at (08:00:11 here)
+    await world.execute(
+        "INSERT INTO duetime.schedule_fires VALUES ($1, $2, 0, $2)", sid, utc(2026, 12, 1, 9)
+    )
+    assert await world.store.prune_fires(utc(2030, 1, 1)) == 6
+    await world.execute("DELETE FROM duetime.schedule_fires WHERE job_id = 0")
+    async with world.pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM duetime.schedule_fires") == 0
+    assert len(await world.jobs(sid)) == 11
+
+
+async def test_batch_work_is_bounded_and_the_rest_waits_for_the_next_batch(world: World) -> None:
+    """A batch stops deciding once it produced max_fires_per_batch fire times (or spent
+    decide_budget): its transaction stays short; the other claimed schedules are left
+    untouched and due, and the same pass plans them in the following batches."""
+    ids = [await world.add(f"b{i}", cron="* * * * * *") for i in range(3)]
+    clock = ManualClock(utc(2026, 12, 1, 8, 0, 0))
+    report = await world.planner(clock, max_fires_per_batch=5).plan_pass()
+    assert (report.batches, report.claimed, report.fired) == (3, 3, 33)
+    for sid in ids:
+        assert len(await world.jobs(sid)) == 11

@@ -335,3 +335,17 @@ def test_schedule_to_dict_is_json_ready() -> None:
     out = row(cron=None, interval=timedelta(hours=1, seconds=30)).to_dict()
     assert out["interval"] == "1h30s"
     assert out["created_at"].endswith("+00:00")
+
+
+def test_schedules_with_the_same_timing_share_one_enumeration() -> None:
+    memo: dict = {}
+    a = plan_schedule(row(id=1), T0, CONFIG, memo=memo)
+    b = plan_schedule(row(id=2, jitter=5.0), T0, CONFIG, memo=memo)
+    late = row(id=3, misfire_policy="fire_all", next_fire_at=T0 - 5 * SEC)
+    c = plan_schedule(late, T0, CONFIG, memo=memo)
+    assert len(memo) == 2  # a and b shared one scan
+    assert times(a) == times(b)
+    assert b.fires[0].key == "schedule:2:2026-06-01T12:00:00Z"
+    assert any(f.due_at != f.fire_time for f in b.fires)  # b's own jitter
+    assert c == plan_schedule(late, T0, CONFIG)  # sharing changes nothing
+    assert plan_schedule(row(id=1), T0, CONFIG, memo=memo) == a
