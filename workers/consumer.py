@@ -36,7 +36,7 @@ from scheduler.backoff import bounded_jitter
 from scheduler.broker import declare_job_queue
 from scheduler.log import get_logger
 from scheduler.messages import MalformedMessage, decode
-from scheduler.metrics import MALFORMED_MESSAGES
+from scheduler.metrics import DELIVERIES_REQUEUED, MALFORMED_MESSAGES
 from workers.ledger import DatabaseUnavailable, Ledger
 
 log = get_logger("duetime.worker")
@@ -183,6 +183,7 @@ class Consumer:
     ) -> None:
         self._db_failures += 1
         self.requeued += 1
+        DELIVERIES_REQUEUED.inc()
         delay = bounded_jitter(self._db_failures, base=DB_RETRY_BASE, cap=self._db_retry_cap)
         log.warning(
             "delivery_requeued",
