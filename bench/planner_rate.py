@@ -151,6 +151,20 @@ async def run_size(
     return out
 
 
+async def throughput(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    counter = StatementCounter()
+    pool = await db.create_pool(url, min_size=1, max_size=2, timeout=60, setup=counter.setup)
+    try:
+        assert await FenceStore(pool).advance(EPOCH, "bench")
+        return [
+            await run_size(pool, counter, url, kind, n, args)
+            for kind in args.kinds
+            for n in args.sizes
+        ]
+    finally:
+        await pool.close()
+
+
 # -- end to end: recurring schedules delivered by a worker ------------------------------
 
 
@@ -205,11 +219,15 @@ async def recurring(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "DUETIME_NODE_ID": f"bench-worker-{tag}",
         "PYTHONPATH": str(REPO),
     }
-    worker = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).parent / "duetime"), "worker", "--import", "bench.worker_rate",
-        "--queue", queue, "--concurrency", str(args.concurrency),
-        env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
+    workers = [
+        await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "duetime"), "worker", "--import",
+            "bench.worker_rate", "--queue", queue, "--concurrency", str(args.concurrency),
+            env={**env, "DUETIME_NODE_ID": f"bench-worker-{tag}-{i}"}, cwd=REPO,
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        for i in range(args.workers)
+    ]  # fmt: skip
     stop = asyncio.Event()
     replica = asyncio.create_task(Replica(settings, duties_with_planner).run_until_stopped(stop))
     probe = await asyncpg.connect(url, timeout=10)
@@ -218,7 +236,8 @@ async def recurring(url: str, args: argparse.Namespace) -> dict[str, Any]:
         while not await probe.fetchval(
             "SELECT count(*) FROM duetime.jobs WHERE status = 'succeeded'"
         ):
-            if time.monotonic() > deadline or replica.done() or worker.returncode is not None:
+            crashed = any(w.returncode is not None for w in workers)
+            if time.monotonic() > deadline or replica.done() or crashed:
                 raise RuntimeError("no scheduled job ran within 60 s (replica or worker down?)")
             await asyncio.sleep(0.2)
         start = datetime.fromtimestamp(math.ceil(time.time()) + 2, UTC)
@@ -235,13 +254,15 @@ async def recurring(url: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stop.set()
         await asyncio.wait_for(replica, 30)
-        if worker.returncode is None:
-            worker.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(worker.wait(), 30)
-        except TimeoutError:
-            worker.kill()
-            await worker.wait()
+        for worker in workers:
+            if worker.returncode is None:
+                worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            try:
+                await asyncio.wait_for(worker.wait(), 30)
+            except TimeoutError:
+                worker.kill()
+                await worker.wait()
         await probe.close()
         await _delete_queue(args.amqp_url, queue)
     wanted = args.recurring * args.seconds
@@ -258,6 +279,7 @@ async def recurring(url: str, args: argparse.Namespace) -> dict[str, Any]:
             [r["dispatch_lag"] for r in rows if r["dispatch_lag"] is not None]
         ),
         "lag_to_finished_s": _percentiles([r["finish_lag"] for r in succeeded]),
+        "workers": args.workers,
         "worker_concurrency": args.concurrency,
     }
 
@@ -299,18 +321,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         await migrate(url)
         if args.recurring:
             result["recurring"] = await recurring(url, args)
-            return result
-        counter = StatementCounter()
-        pool = await db.create_pool(url, min_size=1, max_size=2, timeout=60, setup=counter.setup)
-        try:
-            assert await FenceStore(pool).advance(EPOCH, "bench")
-            result["runs"] = [
-                await run_size(pool, counter, url, kind, n, args)
-                for kind in args.kinds
-                for n in args.sizes
-            ]
-        finally:
-            await pool.close()
+        else:
+            result["runs"] = await throughput(url, args)
     finally:
         admin = await asyncpg.connect(args.dsn, timeout=10)
         try:
@@ -351,7 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seconds", type=int, default=20, help="--recurring: window length")
     parser.add_argument("--settle", type=float, default=5.0, help="--recurring: drain time")
-    parser.add_argument("--concurrency", type=int, default=64, help="--recurring: worker")
+    parser.add_argument("--workers", type=int, default=1, help="--recurring: processes")
+    parser.add_argument("--concurrency", type=int, default=64, help="--recurring: per worker")
     parser.add_argument("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672/")
     parser.add_argument("--etcd", default="127.0.0.1:2379", help="--recurring: etcd endpoint")
     return parser.parse_args(argv)

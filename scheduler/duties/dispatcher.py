@@ -20,15 +20,18 @@ deadline (``publish_timeout``, a few seconds); the replica's connections carry
 and a newer leader's ``advance`` waits for an in-flight claim before fencing.
 
 Wake-ups instead of polling: a dedicated connection LISTENs on ``duetime_jobs`` (the
-insert trigger sends one NOTIFY per statement; the retry paths too) and wakes the
-loop; otherwise the loop sleeps until the earliest pending run time, read by a
-prepared probe on the database clock, capped by ``poll_interval`` as a backstop. While
-the LISTEN connection is down the cap is ``probe_interval`` (tens of ms), so jobs still
-fire on time, and the connection is re-established. When the timer set from the probe
-fires, the pass claims at once without probing again; under a backlog, full batches run
-back to back without probing. A re-probe every ``probe_interval`` while LISTEN works
-would only cover rows that appear without a NOTIFY (nothing in duetime inserts them
-that way), so it is not done.
+client API and CLI NOTIFY for jobs due within a second; retries by an operator too)
+and wakes the loop at once. Otherwise the loop sleeps until the earliest pending run
+time, read by a prepared probe on the database clock (0.2 ms), at most
+``probe_interval`` (tens of ms): that short re-probe is what finds rows inserted by
+plain SQL — there is deliberately no insert trigger, because a NOTIFY in every
+producer's commit serialises concurrent producers on PostgreSQL's notify lock
+(measured 1.4-3.4x slower with 8 producers; migrations/0004_wakeups.sql). Jobs
+inserted ahead of their due time are therefore seen ahead and fire on the timer, within
+milliseconds; a job inserted by plain SQL already due waits at most ``probe_interval``.
+When the timer set from the probe fires, the pass claims at once without probing again;
+under a backlog, full batches run back to back without probing. If the LISTEN
+connection dies it is re-established; nothing else changes.
 
 Pipelining (claiming the next batch while the previous commits) was measured as not
 worth it: the commit is ~1-2 % of a batch's time (bench/dispatch_rate.py).
@@ -87,10 +90,9 @@ class DispatcherConfig:
 
     batch_size: int = 500
     """Jobs claimed (and published with confirms in flight) per transaction."""
-    poll_interval: float = 1.0
-    """Longest sleep while the LISTEN connection is healthy (backstop)."""
     probe_interval: float = 0.05
-    """Longest sleep while it is not, and the pause when due rows are all locked."""
+    """Longest idle sleep between probes of the earliest run time (finds rows inserted by
+    plain SQL), and the pause when due rows are all locked."""
     publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT
     """Deadline for one batch's confirms; bounds how long the claim transaction lasts."""
     ready_timeout: float = 1.0
@@ -104,7 +106,6 @@ class DispatcherConfig:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (got {self.batch_size})")
         for name in (
-            "poll_interval",
             "probe_interval",
             "publish_timeout",
             "ready_timeout",
@@ -118,7 +119,6 @@ class DispatcherConfig:
     def from_settings(cls, settings: Settings, **overrides: object) -> DispatcherConfig:
         values: dict[str, object] = {
             "batch_size": settings.claim_batch_size,
-            "poll_interval": settings.poll_interval,
             "probe_interval": settings.probe_interval,
             "publish_timeout": publish_timeout_for(settings),
         }
@@ -259,7 +259,7 @@ class Dispatcher(LoopDuty):
 
     def _idle_delay(self, wait: float | None) -> float:
         """Sleep until the next run time ``wait`` seconds away, at most the cap."""
-        cap = self.config.poll_interval if self.listening else self.config.probe_interval
+        cap = self.config.probe_interval
         self._due_timer = None
         if wait is None:
             return cap

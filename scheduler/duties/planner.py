@@ -7,25 +7,34 @@ One pass = batches of one fenced transaction each, until nothing is due:
 2. decide each one with the pure :func:`scheduler.schedules.plan_schedule` (fire times
    up to now + horizon, misfire / overlap policies, deterministic jitter, new
    ``next_fire_at``), in a worker thread when the batch is large so the event loop —
-   and the lease renewal that shares it — keeps running;
+   and the lease renewal that shares it — keeps running. Schedules with the same
+   timing share one enumeration; a batch stops deciding after ``decide_budget``
+   seconds or ``max_fires_per_batch`` fire times (the rest stays due for the next
+   batch), so its transaction never idles long enough for PostgreSQL to end it;
 3. write the whole batch in ONE statement (``apply_plan``: arrays, ``unnest``): fire
    times into ``schedule_fires`` ``ON CONFLICT DO NOTHING``, jobs for the new ones only,
    the schedules' new state; commit.
 
 So a batch costs five round trips (BEGIN, fence, claim, apply, COMMIT) whatever its
-size. A fire time becomes a job at most once: the dedupe row and the advanced
-``next_fire_at`` commit together, under the fence, so a newer leader either sees both or
-neither, and a zombie's batch cannot commit at all.
+size (bench/planner_rate.py counts them). A fire time becomes a job at most once: the
+dedupe row and the advanced ``next_fire_at`` commit together, under the fence, so a
+newer leader either sees both or neither, and a zombie's batch cannot commit at all.
+
+``allow`` schedules are planned ``horizon`` ahead and revisited ``lead`` before their
+next fire time, so their jobs exist before they are due (the dispatcher's own wake-ups
+fire them on time, told by the jobs insert NOTIFY) and a failover shorter than ``lead``
+misses nothing; ``skip`` / ``buffer_one`` schedules are planned at their fire time, when
+whether the previous run finished can be known.
 
 Robustness: a schedule whose cron, zone or interval is invalid (written by plain SQL) is
-paused with ``last_error`` and logged; one whose jobs the database refuses is found by
-applying the batch again one schedule at a time (savepoints) and paused likewise; a bug
-in planning one schedule pauses that schedule. None of them stops the others.
+paused with ``last_error`` and logged; when the database refuses a batch's rows, the
+next batch applies each schedule under its own savepoint and pauses the refused ones; a
+bug in planning one schedule pauses that schedule. None of them stops the others.
 
 Wake-ups: the loop sleeps until the earliest ``plan_at`` (a prepared probe on an index),
 capped by ``poll_interval``; a dedicated connection LISTENs on ``duetime_schedules``
-(insert/update trigger) and wakes it when schedules change. While that connection is down the cap is
-``probe_interval`` and it is re-established with back-off.
+(insert/update trigger) and wakes it when schedules change. While that connection is
+down the cap is ``probe_interval`` and it is re-established with back-off.
 """
 
 from __future__ import annotations

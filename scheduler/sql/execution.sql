@@ -49,10 +49,6 @@ UPDATE duetime.jobs
  WHERE id = $1 AND due_at = $2 AND status = 'dispatched' AND attempt = $3
 RETURNING 1;
 
--- name: notify
--- Wakes the dispatcher for a retry that may be due before its next planned wake-up.
-SELECT pg_notify('duetime_jobs', '');
-
 -- name: heartbeat
 -- Autocommit, on its own connection: a sign of life for the reconciler. Takes FOR NO KEY
 -- UPDATE on the row, which does not conflict with the executing transaction's FOR KEY

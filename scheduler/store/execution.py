@@ -77,14 +77,15 @@ class ExecutionStore:
         delay: float,
         error: str,
     ) -> datetime | None:
-        """dispatched → pending with attempt + 1, runnable after ``delay`` seconds, and a
-        NOTIFY (sent at commit) so the dispatcher wakes for it. Returns the new run time,
-        or None if the row is no longer this attempt's."""
+        """dispatched → pending with attempt + 1, runnable after ``delay`` seconds.
+        Returns the new run time, or None if the row is no longer this attempt's.
+
+        No NOTIFY: the dispatcher's probe finds the new run time ahead of it, and a
+        NOTIFY here would serialise worker commits on PostgreSQL's notify lock exactly
+        when a failure storm retries thousands of jobs (migrations/0004_wakeups.sql)."""
         run_at = await conn.fetchval(
             Q["schedule_retry"], job_id, due_at, attempt, float(delay), error
         )
-        if run_at is not None:
-            await conn.execute(Q["notify"])
         return run_at  # type: ignore[no-any-return, unused-ignore]
 
     async def mark_dead(

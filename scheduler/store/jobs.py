@@ -23,6 +23,10 @@ from scheduler.sql import load
 
 Q = load("jobs")
 
+#: Jobs due within this many seconds of now get a NOTIFY so the dispatcher wakes at
+#: once; later ones are found ahead of time by its probe (migrations/0004_wakeups.sql).
+NOTIFY_HORIZON = timedelta(seconds=1)
+
 BULK_COLUMNS = ("task", "payload", "due_at", "queue", "max_attempts", "idempotency_key")
 MAX_PAGE = 10_000
 
@@ -71,15 +75,18 @@ class JobStore:
                 spec.max_attempts,
                 spec.idempotency_key,
             )
-        return Job.from_record(record)
+            job = Job.from_record(record)
+            if job.due_at <= datetime.now(UTC) + NOTIFY_HORIZON:
+                await c.execute(Q["notify"])
+        return job
 
     async def bulk_enqueue(
         self, specs: Iterable[JobSpec], *, conn: Conn | None = None
     ) -> int:
         """COPY many jobs in one statement (hundreds of thousands per second).
 
-        Jobs without ``due_at`` are due now. Returns the number of rows inserted. The
-        insert trigger sends one NOTIFY for the whole COPY.
+        Jobs without ``due_at`` are due now. Returns the number of rows inserted. One
+        NOTIFY follows the COPY when any job is due within ``NOTIFY_HORIZON``.
 
         Why text COPY built here rather than ``copy_records_to_table``: asyncpg's binary
         COPY needs a binary codec for every column, and jsonb is registered with a text
@@ -88,8 +95,11 @@ class JobStore:
         is not JSON-serialisable is refused with ``InvalidInput`` and nothing is written.
         """
         now = datetime.now(UTC)
+        soon = now + NOTIFY_HORIZON
+        due_soon = False
         lines: list[str] = []
         for index, s in enumerate(specs):
+            due_soon = due_soon or s.due_at is None or s.due_at <= soon
             try:
                 payload = json.dumps(
                     s.payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")
@@ -115,6 +125,8 @@ class JobStore:
                 source=_chunks(lines),
                 format="text",
             )
+            if due_soon:
+                await c.execute(Q["notify"])
         # asyncpg returns the command tag, e.g. "COPY 1000"
         return int(str(result).split()[-1])
 

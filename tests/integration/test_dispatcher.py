@@ -29,6 +29,7 @@ from scheduler.errors import Fenced
 from scheduler.fence import FenceStore
 from scheduler.publisher import Publisher, PublishResult
 from scheduler.rows import ClaimedJob
+from scheduler.store.jobs import JobStore
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
 
@@ -205,19 +206,38 @@ async def test_idle_fire_lag_is_milliseconds(env: Env) -> None:
 
 
 async def test_notify_wakes_the_dispatcher_for_a_job_due_now(env: Env) -> None:
-    """A job inserted due now while the dispatcher sleeps its backstop (poll 30 s) is
-    published at once: the insert trigger's NOTIFY wakes it."""
-    settings = dataclasses.replace(env.settings, poll_interval=30.0)
+    """A job enqueued due now through the client API is published at once: its NOTIFY
+    wakes the dispatcher (a plain-SQL insert is found by the next probe instead)."""
+    settings = dataclasses.replace(env.settings, probe_interval=30.0)
     dispatcher = Dispatcher(settings, env.pool)
     async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
         dispatcher.start(term(1))
         try:
             await wait_for(lambda: dispatcher.listening, timeout=5, message="listening")
-            await asyncio.sleep(0.2)  # let it fall asleep on the 30 s backstop
+            await asyncio.sleep(0.2)  # let it fall asleep on the 30 s probe interval
+            started = time.time()
+            await JobStore(env.pool).enqueue("demo.task", {}, queue=env.queue)
+            await c.wait(1, timeout=5)
+            print(f"\nenqueue → arrival: {(c.got[0][0] - started) * 1000:.1f} ms")
+            assert c.got[0][0] - started < 1.0
+        finally:
+            await dispatcher.stop()
+
+
+async def test_plain_sql_insert_is_found_by_the_probe(env: Env) -> None:
+    """No trigger NOTIFYs plain-SQL inserts (it would serialise producers' commits); the
+    dispatcher's probe every probe_interval finds them."""
+    settings = dataclasses.replace(env.settings, probe_interval=0.05)
+    dispatcher = Dispatcher(settings, env.pool)
+    async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
+        dispatcher.start(term(1))
+        try:
+            await wait_for(lambda: dispatcher.listening, timeout=5, message="listening")
+            await asyncio.sleep(0.2)
             started = time.time()
             await insert_jobs(env.pool, env.queue, 1)
             await c.wait(1, timeout=5)
-            print(f"\ninsert → arrival: {(c.got[0][0] - started) * 1000:.1f} ms")
+            print(f"\nSQL insert → arrival: {(c.got[0][0] - started) * 1000:.1f} ms")
             assert c.got[0][0] - started < 1.0
         finally:
             await dispatcher.stop()

@@ -1,0 +1,185 @@
+"""The runner behind ``duetime bench SCENARIO [--quick]`` (scheduler/cli/bench.py).
+
+``all`` runs ``baseline`` first and hands it to every other scenario, so each ratio is
+taken against limits measured minutes earlier on the same machine; a scenario run alone
+uses the latest recorded baseline of the same size class (``quick`` or not) and names
+it (``baseline_ref``). Exit status: 0 when every scenario was complete (100 % of its
+jobs ran, no duplicate effect), 1 otherwise. Speed targets are reported, never enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.report import DEFAULT_RESULTS_DIR, emit, latest, load_average, machine, plot_bars
+
+SCENARIOS = ("baseline", "storm", "steady", "recurring", "scale")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", choices=(*SCENARIOS, "all"), help="what to run")
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI: completeness only)")
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=DEFAULT_RESULTS_DIR,
+        help="where <scenario>.jsonl and the plots go (default bench/results)",
+    )
+    parser.add_argument(
+        "--server-url",
+        default=None,
+        help="PostgreSQL server for the scratch databases (default: the "
+        "'postgres' database of --database-url's server)",
+    )
+    g = parser.add_argument_group("sizes (defaults: the issue's; --quick: small)")
+    g.add_argument("--jobs", type=int, help="storm N / baseline jobs")
+    g.add_argument("--window", type=float, help="storm W seconds")
+    g.add_argument("--start-in", type=float, help="storm S seconds ahead")
+    g.add_argument("--rate", type=float, help="steady R jobs/s")
+    g.add_argument("--duration", type=float, help="steady / recurring D seconds")
+    g.add_argument("--schedules", type=int, help="recurring M schedules")
+    g.add_argument(
+        "--sizes",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        help="scale: comma-separated stored-job counts",
+    )
+    g.add_argument("--max-load-seconds", type=float, help="scale: skip sizes slower to load")
+    g.add_argument("--concurrency", type=int, help="worker concurrency")
+    g.add_argument("--workers", type=int, help="storm: worker processes")
+
+
+def _params(cls: Any, args: argparse.Namespace, mapping: dict[str, str]) -> Any:
+    base = cls.quick() if args.quick else cls()
+    changes = {
+        field: getattr(args, flag)
+        for flag, field in mapping.items()
+        if getattr(args, flag, None) is not None and hasattr(base, field)
+    }
+    return type(base)(**{**vars(base), **changes})
+
+
+def _decorate(result: dict[str, Any], args: argparse.Namespace, ref: str | None) -> dict[str, Any]:
+    result = {
+        "scenario": result["scenario"],
+        "quick": args.quick,
+        "machine": machine(),
+        **{k: v for k, v in result.items() if k != "scenario"},
+    }
+    if ref is not None and result["scenario"] != "baseline":
+        result["baseline_ref"] = ref
+    return result
+
+
+async def run(args: argparse.Namespace, settings: Any) -> int:
+    # imported here: ``duetime --help`` and every other command build this parser
+    from bench import baseline, recurring, scale, steady, storm
+    from bench.harness import Services
+    from scheduler.log import configure_logging
+
+    if args.log_level is None:  # stdout is for results: only warnings on stderr
+        configure_logging("warning", settings.log_format)
+    services = Services.from_settings(settings, args.server_url)
+    out_dir: Path = args.results_dir
+    chosen = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    suffix = "-quick" if args.quick else ""
+    ok = True
+    base: dict[str, Any] | None = None
+    ref: str | None = None
+    if "baseline" not in chosen:
+        base = latest(out_dir, "baseline", quick=args.quick)
+        ref = f"recorded {base['started_at']}" if base else "none recorded"
+
+    def record(result: dict[str, Any]) -> None:
+        nonlocal ok
+        emit(_decorate(result, args, ref), out_dir)
+        if "skipped" not in result and not result.get("targets", {}).get("complete", False):
+            ok = False
+
+    runners: dict[str, Callable[[], Any]] = {
+        "storm": lambda: storm.run(
+            services,
+            _params(
+                storm.StormParams,
+                args,
+                {
+                    "jobs": "jobs",
+                    "window": "window",
+                    "start_in": "start_in",
+                    "concurrency": "concurrency",
+                    "workers": "workers",
+                },
+            ),
+            out_dir / f"storm{suffix}.png",
+            base,
+        ),
+        "steady": lambda: steady.run(
+            services,
+            _params(
+                steady.SteadyParams,
+                args,
+                {"rate": "rate", "duration": "duration", "concurrency": "concurrency"},
+            ),
+            out_dir / f"steady{suffix}.png",
+            base,
+        ),
+        "recurring": lambda: recurring.run(
+            services,
+            _params(
+                recurring.RecurringParams,
+                args,
+                {"schedules": "schedules", "duration": "duration", "concurrency": "concurrency"},
+            ),
+            out_dir / f"recurring{suffix}.png",
+            base,
+        ),
+    }
+    for name in chosen:
+        if name == "baseline":
+            base = await baseline.run(
+                services, _params(baseline.BaselineParams, args, {"jobs": "jobs"})
+            )
+            ref = f"same run {base['started_at']}"
+            record(base)
+            plot_bars(
+                out_dir / f"baseline{suffix}.png",
+                f"baseline (load {base['load_avg_start'][0]}): rates, /s",
+                {
+                    "claim-only rows": base["claim_only"]["rows_per_s"],
+                    "publish-only msgs": base["publish_only"]["msgs_per_s"],
+                    "dispatch (claim+publish+mark)": base["dispatch"]["jobs_per_s"],
+                    "pipeline claim→publish→consume": base["pipeline"]["jobs_per_s"],
+                },
+            )
+        elif name == "scale":
+            params = _params(
+                scale.ScaleParams, args, {"sizes": "sizes", "max_load_seconds": "max_load_seconds"}
+            )
+            results = await scale.run(services, params, base, record)
+            done = [r for r in results if "skipped" not in r]
+            if done:
+                plot_bars(
+                    out_dir / f"scale{suffix}.png",
+                    f"scale: claim p50 (µs) and dispatch jobs/s by stored jobs (load "
+                    f"{load_average()[0]})",
+                    {
+                        **{
+                            f"claim p50 µs @ {r['stored_jobs']:,}": (
+                                r["claim_latency"]["claim"]["p50_ms"] or 0
+                            )
+                            * 1000
+                            for r in done
+                        },
+                        **{
+                            f"dispatch jobs/s @ {r['stored_jobs']:,}": r["dispatch"]["jobs_per_s"]
+                            for r in done
+                        },
+                    },
+                )
+        elif name == "recurring" and (why := recurring.available()) is not None:
+            emit({"scenario": "recurring", "quick": args.quick, "skipped": why}, out_dir)
+        else:
+            record(await runners[name]())
+    return 0 if ok else 1

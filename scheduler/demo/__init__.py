@@ -1,0 +1,20 @@
+"""``duetime demo``: the whole system on one machine, watched live.
+
+The demo is an ordinary duetime user: it publishes jobs with ``JobStore.bulk_enqueue``
+and schedules with ``ScheduleStore``, runs ``duetime scheduler`` and ``duetime worker``
+as child processes, and judges the outcome only from what the handlers wrote through
+``ctx.db`` (the effects table), so its "0 lost, 0 duplicates" is the guarantee of
+DESIGN §1 checked end to end, not a counter the system reports about itself.
+
+Modules:
+
+- ``tasks``    — the handlers the demo's workers run (``--import scheduler.demo.tasks``);
+- ``store``    — the demo database: create/drop, the effects table, progress and
+  summary reads (statements in ``demo.sql``);
+- ``children`` — child processes with log files, always reaped;
+- ``view``     — the live view (rich on a terminal, plain lines otherwise) and summary;
+- ``runner``   — the run itself: services check, start, publish, kill the leader,
+  drain, judge, stop.
+
+This package is imported by workers (for ``tasks``), so it imports nothing here.
+"""

@@ -1,0 +1,206 @@
+"""The demo database: create it afresh, and read what the run did.
+
+Statements live in ``demo.sql`` beside this module (same ``-- name:`` format as
+``scheduler/sql``), because they belong to the demo, not to the product schema.
+``DemoStore`` is the only code that runs them; ``recreate_database`` drops and creates
+the demo database on the configured server, which is why its name must say "demo".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from importlib import resources
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from scheduler import db
+from scheduler.errors import InvalidInput
+
+_HEADER = re.compile(r"^--\s*name:\s*(?P<name>[a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_DATABASE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def _load(filename: str) -> dict[str, str]:
+    text = resources.files(__package__).joinpath(filename).read_text("utf-8")
+    matches = list(_HEADER.finditer(text))
+    queries: dict[str, str] = {}
+    for i, match in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
+        queries[match.group("name")] = text[match.end() : end].strip()
+    return queries
+
+
+Q = _load("demo.sql")
+
+
+def validate_database_name(name: str) -> str:
+    """The demo drops this database at start: refuse anything that is not clearly a
+    demo database, so a slip of the flag cannot drop real data."""
+    if not _DATABASE_NAME.match(name):
+        raise InvalidInput(
+            f"--database-name {name!r}: use lower-case letters, digits and '_' (max 63)"
+        )
+    if "demo" not in name:
+        raise InvalidInput(
+            f"--database-name {name!r}: the demo drops and re-creates this database, so "
+            "its name must contain 'demo' (e.g. duetime_demo)"
+        )
+    return name
+
+
+def with_database(url: str, name: str) -> str:
+    """``url`` pointing at database ``name`` on the same server."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
+
+
+async def recreate_database(server_url: str, name: str, *, timeout: float) -> str:
+    """Drop ``name`` (closing its connections) and create it empty; return its URL.
+
+    The DDL runs on the server's ``postgres`` maintenance database.
+    """
+    validate_database_name(name)
+    conn = await db.connect(
+        with_database(server_url, "postgres"), timeout=timeout, application_name="duetime-demo"
+    )
+    try:
+        await conn.execute(Q["drop_database"].format(database=name))
+        await conn.execute(Q["create_database"].format(database=name))
+    finally:
+        await conn.close()
+    return with_database(server_url, name)
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    epoch: int
+    leader_node: str | None
+    elected_at: datetime | None
+    renewed_age: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobCounts:
+    total: int = 0
+    pending: int = 0
+    dispatched: int = 0
+    succeeded: int = 0
+    dead: int = 0
+    cancelled: int = 0
+    fired: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.succeeded + self.dead + self.cancelled
+
+
+@dataclass(frozen=True, slots=True)
+class Lag:
+    """Seconds from due_at to handler start."""
+
+    p50: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobEffects:
+    effects: int = 0
+    distinct_jobs: int = 0
+    lag: Lag = Lag()
+
+    @property
+    def duplicates(self) -> int:
+        return self.effects - self.distinct_jobs
+
+
+@dataclass(frozen=True, slots=True)
+class CronEffects:
+    schedule: str
+    effects: int
+    distinct_fires: int
+    lag: Lag
+
+    @property
+    def duplicates(self) -> int:
+        return self.effects - self.distinct_fires
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One consistent reading of the run (one REPEATABLE READ transaction)."""
+
+    fence: Fence
+    jobs: JobCounts
+    effects: JobEffects
+    by_worker: dict[str, int]
+    cron: tuple[CronEffects, ...]
+
+
+class DemoStore:
+    def __init__(self, pool: asyncpg.Pool, *, queue: str, job_task: str) -> None:
+        self._pool = pool
+        self._queue = queue
+        self._task = job_task
+
+    async def create_effects_table(self) -> None:
+        async with self._pool.acquire() as conn:
+            await conn.execute(Q["create_effects"])
+
+    async def now(self) -> datetime:
+        async with self._pool.acquire() as conn:
+            value: datetime = await conn.fetchval(Q["now"])
+        return value
+
+    async def fence(self) -> Fence:
+        async with self._pool.acquire() as conn:
+            return _fence(await conn.fetchrow(Q["fence"]))
+
+    async def progress(self) -> Progress:
+        async with (
+            self._pool.acquire() as conn,
+            conn.transaction(isolation="repeatable_read", readonly=True),
+        ):
+            fence = _fence(await conn.fetchrow(Q["fence"]))
+            counts = await conn.fetchrow(Q["job_counts"], self._queue, self._task)
+            effects = await conn.fetchrow(Q["job_effects"], None, None)
+            workers = await conn.fetch(Q["effects_by_worker"])
+            cron = await conn.fetch(Q["cron_effects"])
+        return Progress(
+            fence=fence,
+            jobs=JobCounts(**dict(counts)) if counts else JobCounts(),
+            effects=_effects(effects),
+            by_worker={r["worker"]: r["effects"] for r in workers},
+            cron=tuple(
+                CronEffects(r["schedule"], r["effects"], r["distinct_fires"], _lag(r)) for r in cron
+            ),
+        )
+
+    async def steady_lag(self, gap_from: datetime, gap_to: datetime) -> Lag:
+        """Lag of the jobs due outside [gap_from, gap_to] (the failover gap)."""
+        async with self._pool.acquire() as conn:
+            return _effects(await conn.fetchrow(Q["job_effects"], gap_from, gap_to)).lag
+
+    async def first_dispatch(self, epoch: int) -> datetime | None:
+        async with self._pool.acquire() as conn:
+            value: datetime | None = await conn.fetchval(Q["first_dispatch"], epoch, self._queue)
+        return value
+
+
+def _fence(row: asyncpg.Record | None) -> Fence:
+    if row is None:
+        return Fence(0, None, None, None)
+    return Fence(row["epoch"], row["leader_node"], row["elected_at"], row["renewed_age"])
+
+
+def _lag(row: asyncpg.Record) -> Lag:
+    return Lag(p50=row["p50"], p99=row.get("p99"), max=row["max"])
+
+
+def _effects(row: asyncpg.Record | None) -> JobEffects:
+    if row is None:
+        return JobEffects()
+    return JobEffects(effects=row["effects"], distinct_jobs=row["distinct_jobs"], lag=_lag(row))

@@ -1,0 +1,358 @@
+"""The maintainer: keeps ``duetime.jobs``' daily buckets and the retention (DESIGN §3).
+
+One pass (every ``interval``, 10 min by default; the first at once on leadership):
+
+1. **Create ahead.** A bucket for every day from today to today + ``days_ahead`` (UTC)
+   that has none, via ``duetime.ensure_partition``: it moves the day's rows out of
+   DEFAULT into the new table, then ATTACHes it (so they stay claimable: the claim reads
+   whichever partition holds them).
+2. **Retire.** A bucket whose whole range ended more than ``retention_days`` ago and
+   that holds no ``pending``/``dispatched`` row (two probes on the partial indexes) is
+   detached — after taking its locks and checking again, since ``jobs retry`` can revive a
+   dead row — then dropped in a second transaction. A bucket with a live row is kept
+   (counted as ``kept_live``) and looked at again next pass. Days in the past are never
+   created again: a job inserted later with ``due_at`` in a dropped range lands in
+   DEFAULT, which every claim scans (the claim cannot prune DEFAULT once a hole exists;
+   it is small and has its own partial index). Its terminal rows are pruned like the
+   rest (``default_pruned``), its live rows never.
+3. **Prune** rows older than the retention in bounded batches (``batch_size`` per
+   transaction, at most ``max_batches`` per table per pass; a pass that stops early
+   comes back in ``resume_interval``): ``job_ledger`` by ``completed_at``,
+   ``schedule_fires`` by ``fire_time`` (only once the schedule's ``next_fire_at`` is past
+   it, so deduplication keeps what it still needs), terminal rows in DEFAULT.
+
+Every write runs in a fenced transaction (``Fenced`` ends the duty and the term) after a
+fail-closed lease check. One ``maintenance_pass`` event per pass with the same keys
+whatever happened (``created``, ``dropped``, ``kept_live``, ``deferred``,
+``ledger_pruned``, ``fires_pruned``, ``default_pruned``, ``duration_ms``, ``error``).
+
+**Claims are never stalled for long.** Claims (and producers, and workers holding a
+job ``FOR KEY SHARE``) lock the parent and every partition; ATTACH needs ACCESS
+EXCLUSIVE on DEFAULT, DETACH on the parent. A DDL request waiting for such a lock makes
+every *later* claim queue behind it, so each DDL transaction sets ``lock_timeout``
+(500 ms) and ``statement_timeout``: when it cannot get its locks in time it gives up,
+the pass skips its remaining DDL (counted in ``deferred``) and the next pass comes in
+``retry_interval`` (30 s). Once granted, the locks are held for a catalog change and
+an index probe (detach), or for ATTACH's scan of DEFAULT (create: proportional to
+DEFAULT's size, which is why it is kept small). DETACH CONCURRENTLY is no way out: it
+cannot run in a transaction block and PostgreSQL 15 refuses it while a DEFAULT
+partition exists. Measured in bench/maintainer_claim_latency.py.
+
+Limits (said, not hidden):
+
+- Retention counts from a bucket's *range* (``due_at``), not from ``finished_at``: a
+  job due 8 days ago that finished a minute ago goes with its bucket (the check under
+  the lock reads two small indexes; reading ``finished_at`` would scan the bucket).
+- DDL needs a moment, longer than ``lock_timeout``, with no transaction open on
+  ``jobs``. Handlers that always run longer (the worker holds its row for the
+  handler's duration) make every attempt time out; the maintainer keeps retrying every
+  ``retry_interval`` and logs ``deferred``. Creating ahead has ``days_ahead`` days of
+  slack, retiring has none to lose but disk.
+- ATTACH scans DEFAULT under ACCESS EXCLUSIVE: millions of rows due beyond
+  ``days_ahead`` sitting in DEFAULT make each creation stall claims for the scan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import date
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
+
+import asyncpg
+
+from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.config import Settings
+from scheduler.db import Conn
+from scheduler.duty import LoopDuty
+from scheduler.errors import LeadershipLost
+from scheduler.fence import fenced_transaction
+from scheduler.store.maintenance import MaintenanceStore
+
+if TYPE_CHECKING:
+    from scheduler.replica import ReplicaContext
+
+T = TypeVar("T")
+
+#: A DDL transaction that fails with one of these is deferred to a later pass.
+LOCK_ERRORS = (
+    asyncpg.exceptions.LockNotAvailableError,  # lock_timeout
+    asyncpg.exceptions.QueryCanceledError,  # statement_timeout
+    asyncpg.exceptions.DeadlockDetectedError,
+)
+DAY = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class MaintainerConfig:
+    """How the maintainer paces itself; ``from_settings`` fills it from ``Settings``."""
+
+    days_ahead: int = 14
+    """Buckets exist from today to today + this many days (UTC)."""
+    retention_days: float = 7.0
+    """Buckets, ledger and fire rows older than this many days are removed."""
+    interval: float = 600.0
+    """Seconds between passes."""
+    retry_interval: float = 30.0
+    """Seconds to the next pass when DDL gave up on a lock."""
+    resume_interval: float = 1.0
+    """Seconds to the next pass when pruning stopped at ``max_batches``."""
+    lock_timeout: float = 0.5
+    """Longest wait for a lock in a maintenance transaction (claims queue behind it)."""
+    ddl_timeout: float = 2.0
+    """statement_timeout of a detach or drop: bounds waits for several locks in a row."""
+    create_timeout: float = 60.0
+    """statement_timeout of a creation (it may move many rows out of DEFAULT first)."""
+    batch_size: int = 5000
+    """Rows deleted per pruning transaction."""
+    max_batches: int = 50
+    """Pruning transactions per table per pass."""
+    prune_timeout: float = 30.0
+    """statement_timeout of one pruning batch."""
+
+    def __post_init__(self) -> None:
+        if self.days_ahead < 0:
+            raise ValueError(f"days_ahead must be >= 0 (got {self.days_ahead})")
+        if self.retention_days < 0:
+            raise ValueError(f"retention_days must be >= 0 (got {self.retention_days})")
+        if self.batch_size < 1 or self.max_batches < 1:
+            raise ValueError("batch_size and max_batches must be >= 1")
+        for name in (
+            "interval",
+            "retry_interval",
+            "resume_interval",
+            "lock_timeout",
+            "ddl_timeout",
+            "create_timeout",
+            "prune_timeout",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        if self.ddl_timeout < self.lock_timeout:
+            raise ValueError("ddl_timeout must be >= lock_timeout")
+
+    @property
+    def retention(self) -> float:
+        """The retention in seconds."""
+        return self.retention_days * DAY
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: object) -> MaintainerConfig:
+        values: dict[str, object] = {
+            "days_ahead": settings.partition_days_ahead,
+            "retention_days": settings.retention_days,
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class MaintenanceReport:
+    """What one pass did (the keys of its ``maintenance_pass`` event)."""
+
+    created: list[date] = field(default_factory=list)
+    dropped: list[date] = field(default_factory=list)
+    kept_live: int = 0
+    deferred: int = 0
+    deferred_reason: str | None = None
+    leftovers_dropped: int = 0
+    ledger_pruned: int = 0
+    fires_pruned: int = 0
+    default_pruned: int = 0
+    more: bool = False  # pruning stopped at max_batches
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "created": len(self.created),
+            "created_days": [d.isoformat() for d in self.created],
+            "dropped": len(self.dropped),
+            "dropped_days": [d.isoformat() for d in self.dropped],
+            "kept_live": self.kept_live,
+            "deferred": self.deferred,
+            "deferred_reason": self.deferred_reason,
+            "leftovers_dropped": self.leftovers_dropped,
+            "ledger_pruned": self.ledger_pruned,
+            "fires_pruned": self.fires_pruned,
+            "default_pruned": self.default_pruned,
+            "more": self.more,
+        }
+
+
+class Maintainer(LoopDuty):
+    name = "maintainer"
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: asyncpg.Pool,
+        *,
+        config: MaintainerConfig | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        is_leader: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__(clock=clock)
+        self.settings = settings
+        self.pool = pool
+        self.store = MaintenanceStore(pool)
+        self.config = config or MaintainerConfig.from_settings(settings)
+        self._is_leader = is_leader
+        self.last_report: MaintenanceReport | None = None
+
+    @classmethod
+    def from_context(cls, ctx: ReplicaContext) -> Maintainer:
+        """The maintainer a replica runs: its pool, clock and lease check."""
+        return cls(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader)
+
+    def _check_leader(self) -> None:
+        if self._is_leader is not None and not self._is_leader():
+            raise LeadershipLost("lease not provably alive before a fenced maintenance write")
+
+    # -- one pass --------------------------------------------------------------------
+
+    async def run_once(self) -> float:
+        started = time.perf_counter()
+        report = MaintenanceReport()
+        error: str | None = None
+        try:
+            await self.maintain(report)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.last_report = report
+            self._log_pass(report, time.perf_counter() - started, error)
+        if report.deferred:
+            return self.config.retry_interval
+        if report.more:
+            return self.config.resume_interval
+        return self.config.interval
+
+    async def maintain(self, report: MaintenanceReport) -> MaintenanceReport:
+        """Create ahead, retire expired buckets, prune; fills and returns ``report``."""
+        await self._create_ahead(report)
+        await self._retire(report)
+        await self._prune(report)
+        return report
+
+    def _log_pass(self, report: MaintenanceReport, seconds: float, error: str | None) -> None:
+        level = self.log.error if error else self.log.warning if report.deferred else self.log.info
+        level(
+            "maintenance_pass",
+            **report.fields(),
+            duration_ms=round(seconds * 1000, 1),
+            error=error,
+        )
+
+    # -- steps -----------------------------------------------------------------------
+
+    async def _create_ahead(self, report: MaintenanceReport) -> None:
+        for day in await self.store.missing_days(self.config.days_ahead):
+            created = await self._ddl(
+                report,
+                self.config.create_timeout,
+                partial(self.store.create_bucket, day=day),
+            )
+            if created is None:
+                return
+            if created:
+                report.created.append(day)
+
+    async def _retire(self, report: MaintenanceReport) -> None:
+        if report.deferred:
+            return  # the locks were not to be had a moment ago: do not queue again
+        for name in await self.store.detached_leftovers():
+            dropped = await self._ddl(
+                report,
+                self.config.ddl_timeout,
+                partial(self.store.drop_detached, name=name),
+            )
+            if dropped is None:
+                return
+            report.leftovers_dropped += int(dropped)
+        for bucket in await self.store.expired_buckets(self.config.retention):
+            if bucket.live:
+                report.kept_live += 1
+                continue
+            outcome = await self._ddl(
+                report,
+                self.config.ddl_timeout,
+                partial(self.store.detach_bucket, day=bucket.day),
+            )
+            if outcome is None:
+                return
+            if outcome == "live":
+                report.kept_live += 1
+                continue
+            if outcome != "detached":
+                continue
+            name = f"jobs_p{bucket.day:%Y%m%d}_detached"
+            dropped = await self._ddl(
+                report,
+                self.config.ddl_timeout,
+                partial(self.store.drop_detached, name=name),
+            )
+            if dropped is None:
+                return  # detached: its rows are out of jobs; the next pass drops it
+            report.dropped.append(bucket.day)
+
+    async def _prune(self, report: MaintenanceReport) -> None:
+        retention, limit = self.config.retention, self.config.batch_size
+        report.ledger_pruned = await self._batches(
+            report, partial(self.store.prune_ledger, retention=retention, limit=limit)
+        )
+        report.fires_pruned = await self._batches(
+            report, partial(self.store.prune_fires, retention=retention, limit=limit)
+        )
+        report.default_pruned = await self._batches(
+            report, partial(self.store.prune_default, retention=retention, limit=limit)
+        )
+
+    # -- transactions ----------------------------------------------------------------
+
+    async def _fenced(self, statement_timeout: float, action: Callable[[Conn], Awaitable[T]]) -> T:
+        """``action`` in a fenced transaction with this duty's lock/statement limits."""
+        self._check_leader()
+        async with (
+            self.pool.acquire(timeout=self.settings.db_timeout) as conn,
+            fenced_transaction(conn, self.term.epoch),
+        ):
+            await self.store.set_limits(
+                conn, lock_timeout=self.config.lock_timeout, statement_timeout=statement_timeout
+            )
+            return await action(conn)
+
+    async def _ddl(
+        self,
+        report: MaintenanceReport,
+        statement_timeout: float,
+        action: Callable[[Conn], Awaitable[T]],
+    ) -> T | None:
+        """A DDL transaction; None (and counted as deferred) when it gave up on a lock."""
+        try:
+            return await self._fenced(statement_timeout, action)
+        except LOCK_ERRORS as exc:
+            report.deferred += 1
+            report.deferred_reason = f"{type(exc).__name__}: {exc}"
+            return None
+
+    async def _batches(
+        self, report: MaintenanceReport, action: Callable[[Conn], Awaitable[int]]
+    ) -> int:
+        total = 0
+        for _ in range(self.config.max_batches):
+            try:
+                count = await self._fenced(self.config.prune_timeout, action)
+            except LOCK_ERRORS as exc:
+                report.more = True
+                report.deferred_reason = report.deferred_reason or f"{type(exc).__name__}: {exc}"
+                return total
+            total += count
+            if count < self.config.batch_size:
+                return total
+        report.more = True
+        return total

@@ -1,0 +1,67 @@
+"""``duetime bench all --quick`` runs every scenario end to end and loses nothing.
+
+Benchmarks, not timed tests: this asserts completeness only (every job ran, no duplicate
+effect, every expected fire time delivered, every result line and plot written), never
+speed. It runs the real CLI as a child process against the session's services, with
+results in a temporary directory so the committed bench/results stay untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import REPO_ROOT, duetime_argv
+
+pytestmark = pytest.mark.timeout(180)
+
+SCENARIOS = {"baseline", "storm", "steady", "recurring", "scale"}
+
+
+async def test_bench_all_quick_is_complete(
+    server_dsn: str, amqp_url: str, etcd_endpoints: str, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUETIME_")}
+    env.update(DUETIME_AMQP_URL=amqp_url, DUETIME_ETCD_ENDPOINTS=etcd_endpoints)
+    argv = duetime_argv(
+        "bench", "all", "--quick", "--results-dir", str(tmp_path), "--server-url", server_dsn
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=150)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    detail = f"stdout:\n{out.decode()[-3000:]}\nstderr:\n{err.decode()[-3000:]}"
+    assert proc.returncode == 0, detail
+    results = {r["scenario"]: r for r in map(json.loads, out.decode().splitlines())}
+    assert set(results) == SCENARIOS, detail
+    assert all(r["quick"] for r in results.values())
+
+    base = results["baseline"]
+    assert base["pipeline"]["consumed"] == base["params"]["jobs"]
+    for name in ("storm", "steady"):
+        r = results[name]
+        assert r["completed_pct"] == 100.0, r
+        assert r["jobs_started"] == r["completed"], r
+        assert r["duplicates"] == 0, r
+    rec = results["recurring"]
+    if "skipped" not in rec:
+        assert rec["missing"] == 0 and rec["duplicates"] == 0, rec
+    scale = results["scale"]
+    assert scale["dispatch"]["dispatched"] == scale["params"]["probe"], scale
+
+    for name in SCENARIOS:
+        assert (tmp_path / f"{name}.jsonl").read_text().strip(), name
+        assert (tmp_path / f"{name}-quick.png").stat().st_size > 0, name

@@ -1,0 +1,87 @@
+"""``duetime demo`` end to end, as CI runs it (issue 7): a real cluster of child
+processes (2 replicas, 2 workers) against the test services, 500 jobs over 10 s, the
+leader SIGKILLed half way. The demo must exit 0, report 0 lost and 0 duplicates, show a
+failover, and leave no process behind — checked from outside, by looking for any
+process whose environment names the demo's (unique) database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import drop_database
+from tests.support.procs import ChildProcess, duetime_argv
+
+pytestmark = pytest.mark.slow
+
+DEMO_TIMEOUT = 120.0
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """Pids of live processes whose environment contains ``marker`` (ours only)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone, or not ours to read
+            continue
+        if marker.encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+async def test_demo_runs_to_completion_with_nothing_lost(
+    server_dsn: str, amqp_url: str, etcd_endpoints: str, unique: str, tmp_path: Path
+) -> None:
+    database = f"duetime_demo_test_{unique}"
+    summary_path = tmp_path / "summary.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUETIME_")}
+    argv = duetime_argv(
+        "demo", "--duration", "10", "--jobs", "500", "--plain",
+        "--database-url", server_dsn, "--database-name", database,
+        "--amqp-url", amqp_url, "--etcd-endpoints", etcd_endpoints,
+        "--log-dir", str(tmp_path / "logs"), "--summary-json", str(summary_path),
+    )  # fmt: skip
+    demo = ChildProcess(argv, name="demo", env=env, inherit_env=False, log_dir=tmp_path)
+    try:
+        demo.start()
+        try:
+            code = await demo.wait(timeout=DEMO_TIMEOUT)
+        except AssertionError:
+            demo.send(signal.SIGTERM, group=False)  # the demo stops its children itself
+            code = await demo.wait(timeout=30)
+            pytest.fail(f"demo did not finish within {DEMO_TIMEOUT:g}s:\n{demo.tail(60)}")
+        output = demo.output()
+        assert code == 0, f"demo exited {code}:\n{demo.tail(60)}"
+        assert "RESULT: OK" in output, output
+        summary = json.loads(summary_path.read_text())
+        assert summary["ok"] is True
+        assert summary["lost"] == 0, summary
+        assert summary["duplicates"] == 0, summary
+        assert summary["cron_duplicates"] == 0, summary
+        assert summary["published"] == 500
+        assert summary["succeeded"] == 500, summary
+        assert summary["drained_in"] is not None, summary
+        failover = summary["failover"]
+        assert failover is not None and failover["new_epoch"] is not None, summary
+        assert failover["new_epoch"] > failover["killed_epoch"]
+        assert failover["new_leader"] != failover["killed"]
+        assert failover["first_dispatch_after"] is not None, summary
+        # 2 replicas + 2 workers, and the killed replica started again
+        pids = [pid for child in summary["children"].values() for pid in child]
+        assert len(pids) == 5, summary["children"]
+        assert summary["needed_sigkill"] == [], summary
+        assert processes_mentioning(database) == [], "demo left child processes running"
+    finally:
+        demo.kill()
+        for pid in processes_mentioning(database):  # never leak, even when failing
+            os.kill(pid, signal.SIGKILL)
+        await drop_database(server_dsn, database)
