@@ -132,6 +132,7 @@ def plot_lag(
     ax.set_ylabel("fire lag: handler start − due (ms)")
     if lags and max(lags) > 0 and max(lags) / max(min(lags), 0.1) > 100:
         ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylim(bottom=min(0.0, min(lags, default=0.0)))
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)

@@ -8,11 +8,13 @@ DESIGN §1 checked end to end, not a counter the system reports about itself.
 
 Modules:
 
+- ``config``   — ``DemoConfig`` and the settings the children get;
 - ``tasks``    — the handlers the demo's workers run (``--import scheduler.demo.tasks``);
 - ``store``    — the demo database: create/drop, the effects table, progress and
   summary reads (statements in ``demo.sql``);
 - ``children`` — child processes with log files, always reaped;
-- ``view``     — the live view (rich on a terminal, plain lines otherwise) and summary;
+- ``view``     — the live view (rich on a terminal, plain lines otherwise);
+- ``summary``  — the verdict (lost, duplicates, lag, failover) and its printout;
 - ``runner``   — the run itself: services check, start, publish, kill the leader,
   drain, judge, stop.
 

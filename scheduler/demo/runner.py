@@ -37,68 +37,25 @@ import asyncpg
 from scheduler import broker, db
 from scheduler.config import Settings, redact_url
 from scheduler.demo.children import Child, Children
-from scheduler.demo.store import DemoStore, Progress, recreate_database, validate_database_name
+from scheduler.demo.config import (
+    CHILD_SETTINGS,
+    DEMO_SCHEDULES,
+    LEAD_IN,
+    MAX_RESTARTS,
+    RESTART_DELAY,
+    STOP_TIMEOUT,
+    DemoConfig,
+    duetime_argv,
+)
+from scheduler.demo.store import DemoStore, Progress, recreate_database
 from scheduler.demo.summary import Failover, Summary, judge, render
 from scheduler.demo.tasks import CRON_TASK, JOB_TASK
 from scheduler.demo.view import LiveView, PlainView, ProcessLine, Snapshot, View, fmt_seconds
-from scheduler.errors import InvalidInput, ServiceUnavailable
+from scheduler.errors import ServiceUnavailable
 from scheduler.jobspec import JobSpec
 from scheduler.migrate import migrate
 from scheduler.status import read_election_key
 from scheduler.store.jobs import JobStore
-
-#: Cron schedules the demo adds when the schedules store exists (6 fields: seconds first).
-DEMO_SCHEDULES = (("every-2s", "*/2 * * * * *"), ("every-5s", "*/5 * * * * *"))
-
-#: Settings the children get beyond the connection settings: quick to watch, not tuned.
-CHILD_SETTINGS = {
-    "DUETIME_LOG_FORMAT": "json",
-    "DUETIME_LOG_LEVEL": "info",
-    "DUETIME_VISIBILITY_TIMEOUT": "10",
-    "DUETIME_RECONCILE_INTERVAL": "2",
-    "DUETIME_WORKER_GRACE_PERIOD": "5",
-}
-STOP_TIMEOUT = 10.0  # seconds children get after SIGTERM before SIGKILL
-LEAD_IN = 1.0  # seconds between publishing and the first job's due time
-
-
-@dataclass(frozen=True, slots=True)
-class DemoConfig:
-    duration: float = 20.0
-    jobs: int = 3000
-    replicas: int = 2
-    workers: int = 2
-    concurrency: int = 8
-    database_name: str = "duetime_demo"
-    lease_ttl: float = 3.0
-    grace: float = 30.0
-    log_dir: Path = Path(".run/demo")
-    kill_leader: bool = True
-    live: bool | None = None  # None: a live view when stdout is a terminal
-    summary_json: Path | None = None
-    startup_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.duration <= 3600:
-            raise InvalidInput("--duration must be between 2 and 3600 seconds")
-        if not 1 <= self.jobs <= 1_000_000:
-            raise InvalidInput("--jobs must be between 1 and 1000000")
-        if not 1 <= self.replicas <= 5 or not 1 <= self.workers <= 16:
-            raise InvalidInput("--replicas must be 1-5 and --workers 1-16")
-        if not 1 <= self.lease_ttl <= 60:
-            raise InvalidInput("--lease-ttl must be between 1 and 60 seconds")
-        if self.grace < 0:
-            raise InvalidInput("--grace must be >= 0")
-        validate_database_name(self.database_name)
-
-
-def duetime_argv(*args: str) -> list[str]:
-    """The ``duetime`` script beside this interpreter, else the CLI through ``-c``."""
-    script = Path(sys.executable).parent / "duetime"
-    if script.exists():
-        return [str(script), *args]
-    bootstrap = "import sys; from scheduler.cli import main; sys.exit(main())"
-    return [sys.executable, "-c", bootstrap, *args]
 
 
 async def run_demo(settings: Settings, cfg: DemoConfig) -> int:
@@ -135,7 +92,8 @@ class _Watch:
     """What the run learned so far (mutated by the watch loop)."""
 
     states: dict[str, str] = field(default_factory=dict)
-    exits_reported: set[str] = field(default_factory=set)
+    down_since: dict[str, float] = field(default_factory=dict)  # crashed, not restarted yet
+    restarts: dict[str, int] = field(default_factory=dict)
     leader_duties: list[str] | None = None
     failover: Failover | None = None
     kill_at: datetime | None = None
@@ -288,6 +246,12 @@ class Demo:
         deadline = time.monotonic() + self.cfg.startup_timeout
         replicas = {c.name for c in self.children.by_role("scheduler")}
         while True:
+            for child in self.children.all:  # fail fast: a start-up crash is no hiccup
+                if not child.running():
+                    raise ServiceUnavailable(
+                        f"{child.name} exited with code {child.returncode} while starting; "
+                        f"its log ({_shown(child.log_path)}) ends with:\n{child.tail()}"
+                    )
             self._follow_logs()
             fence = await self.store.fence()
             workers_up = all(
@@ -295,12 +259,6 @@ class Demo:
             )
             if fence.leader_node in replicas and workers_up:
                 return
-            for child in self.children.all:
-                if not child.running():
-                    raise ServiceUnavailable(
-                        f"{child.name} exited with code {child.returncode} while starting; "
-                        f"its log ({_shown(child.log_path)}) ends with:\n{child.tail()}"
-                    )
             if time.monotonic() > deadline:
                 waiting = [n for n, s in self.watch.states.items() if s == "starting"]
                 raise ServiceUnavailable(
@@ -360,6 +318,7 @@ class Demo:
         while True:
             progress = await self.store.progress()
             self._follow_logs()
+            self._supervise()
             await self._failover_step(progress)
             now = time.monotonic()
             done = now >= last_due and progress.jobs.finished >= cfg.jobs
@@ -464,21 +423,37 @@ class Demo:
                         self._note_cron()
                 elif name == "service_ready" and event.get("service") == "worker":
                     w.states[child.name] = "consuming"
-            if not child.running() and w.states.get(child.name) != "killed":
+            if child.running() or w.states.get(child.name) == "killed":
+                continue
+            if child.name not in w.down_since:
+                w.down_since[child.name] = time.monotonic()
                 w.states[child.name] = f"exited {child.returncode}"
-                if child.name not in w.exits_reported:
-                    w.exits_reported.add(child.name)
-                    self._event(
-                        f"{child.name} exited unexpectedly (code {child.returncode}); "
-                        f"see {_shown(child.log_path)}"
-                    )
+                again = w.restarts.get(child.name, 0) < MAX_RESTARTS
+                self._event(
+                    f"{child.name} exited unexpectedly (code {child.returncode}; see "
+                    f"{_shown(child.log_path)}); "
+                    + ("restarting it, as systemd would" if again else "not restarting it again")
+                )
+
+    def _supervise(self) -> None:
+        """Restart crashed children after RESTART_DELAY, at most MAX_RESTARTS each."""
+        w = self.watch
+        for name, since in list(w.down_since.items()):
+            child = self.children.find(name)
+            if child is None or w.restarts.get(name, 0) >= MAX_RESTARTS:
+                continue
+            if time.monotonic() - since >= RESTART_DELAY:
+                del w.down_since[name]
+                w.restarts[name] = w.restarts.get(name, 0) + 1
+                w.states[name] = "starting"
+                child.start()
 
     def _note_cron(self) -> None:
         """Say once, as an event, why no cron fire will show up (if that is so)."""
         note = self._cron_note()
         if note and self.t0 and not self.watch.cron_noted:
-            self.watch.cron_noted = True
-            self._event(note)
+            self.watch.cron_noted = True  # the live view shows it in its "cron" row
+            self.view.event(time.monotonic() - self.t0, note)
 
     def _cron_note(self) -> str | None:
         if not self.schedules_added:

@@ -180,7 +180,8 @@ class DemoStore:
         )
 
     async def steady_lag(self, gap_from: datetime, gap_to: datetime) -> Lag:
-        """Lag of the jobs due outside [gap_from, gap_to] (the failover gap)."""
+        """Lag of the jobs that did not wait for the failover: not (due before
+        ``gap_to`` and started after ``gap_from``)."""
         async with self._pool.acquire() as conn:
             return _effects(await conn.fetchrow(Q["job_effects"], gap_from, gap_to)).lag
 

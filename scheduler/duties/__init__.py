@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING
 
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.fence_heartbeat import FenceHeartbeat
+from scheduler.duties.maintainer import Maintainer
 from scheduler.duties.reconciler import Reconciler
 from scheduler.duty import LoopDuty
 
 if TYPE_CHECKING:
     from scheduler.replica import ReplicaContext
 
-__all__ = ["Dispatcher", "FenceHeartbeat", "Reconciler", "default_duties"]
+__all__ = ["Dispatcher", "FenceHeartbeat", "Maintainer", "Reconciler", "default_duties"]
 
 
 def default_duties(ctx: ReplicaContext) -> list[LoopDuty]:
@@ -25,4 +26,5 @@ def default_duties(ctx: ReplicaContext) -> list[LoopDuty]:
         FenceHeartbeat.from_context(ctx),
         Dispatcher.from_context(ctx),
         Reconciler.from_context(ctx),
+        Maintainer.from_context(ctx),
     ]

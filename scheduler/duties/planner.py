@@ -16,15 +16,17 @@ One pass = batches of one fenced transaction each, until nothing is due:
    the schedules' new state; commit.
 
 So a batch costs five round trips (BEGIN, fence, claim, apply, COMMIT) whatever its
-size (bench/planner_rate.py counts them). A fire time becomes a job at most once: the
-dedupe row and the advanced ``next_fire_at`` commit together, under the fence, so a
-newer leader either sees both or neither, and a zombie's batch cannot commit at all.
+size (bench/planner_rate.py counts them), six when it created jobs due within a second
+(catch-ups, overlap schedules): a NOTIFY then wakes the dispatcher at once. A fire time
+becomes a job at most once: the dedupe row and the advanced ``next_fire_at`` commit
+together, under the fence, so a newer leader either sees both or neither, and a
+zombie's batch cannot commit at all.
 
 ``allow`` schedules are planned ``horizon`` ahead and revisited ``lead`` before their
-next fire time, so their jobs exist before they are due (the dispatcher's own wake-ups
-fire them on time, told by the jobs insert NOTIFY) and a failover shorter than ``lead``
-misses nothing; ``skip`` / ``buffer_one`` schedules are planned at their fire time, when
-whether the previous run finished can be known.
+next fire time, so their jobs exist before they are due (the dispatcher's probe of the
+earliest pending run time learns them in advance and wakes for them) and a failover
+shorter than ``lead`` misses nothing; ``skip`` / ``buffer_one`` schedules are planned at
+their fire time, when whether the previous run finished can be known.
 
 Robustness: a schedule whose cron, zone or interval is invalid (written by plain SQL) is
 paused with ``last_error`` and logged; when the database refuses a batch's rows, the
@@ -292,9 +294,9 @@ class Planner(LoopDuty):
                 deferred = len(claimed) - len(decisions)
                 claimed = claimed[: len(decisions)]
                 if isolate:
-                    fired = await self._apply_isolated(conn, claimed, decisions)
+                    fired = await self._apply_isolated(conn, claimed, decisions, now)
                 else:
-                    fired = await self.store.apply_plan(conn, decisions)
+                    fired = await self.store.apply_plan(conn, decisions, now=now)
         except ROW_ERRORS as exc:
             if isolate:  # not a row's fault after all: let the duty back off and retry
                 raise
@@ -358,13 +360,14 @@ class Planner(LoopDuty):
         conn: Conn,
         claimed: Sequence[ClaimedSchedule],
         decisions: list[PlanDecision],
+        now: datetime,
     ) -> dict[int, int]:
         """Apply one schedule per savepoint; pause the ones the database refuses."""
         fired: dict[int, int] = {}
         for index, (item, decision) in enumerate(zip(claimed, decisions, strict=True)):
             try:
                 async with conn.transaction():  # a savepoint
-                    fired.update(await self.store.apply_plan(conn, [decision]))
+                    fired.update(await self.store.apply_plan(conn, [decision], now=now))
             except ROW_ERRORS as exc:
                 bad = invalid_decision(
                     item.schedule, f"the database refused its jobs: {type(exc).__name__}: {exc}"

@@ -74,6 +74,12 @@ SELECT task, payload, queue, max_attempts, now(),
  WHERE id = $1
 RETURNING *;
 
+-- name: notify_jobs
+-- Wake the dispatcher for jobs due within a second (NOTIFY_HORIZON, as the jobs API
+-- does): sent in the planner's transaction only when a batch created such jobs
+-- (catch-ups, just-in-time overlap schedules), and after a manual trigger.
+SELECT pg_notify('duetime_jobs', '');
+
 -- name: recent_runs
 -- The latest jobs of a schedule (jobs_schedule_idx, newest due_at first).
 SELECT * FROM duetime.jobs

@@ -26,6 +26,7 @@ from scheduler.log import get_logger
 from scheduler.rows import Job
 from scheduler.schedules import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
 from scheduler.sql import load
+from scheduler.store.jobs import NOTIFY_HORIZON
 
 __all__ = ["NOTIFY_CHANNEL", "ClaimedSchedule", "ScheduleStore", "SchedulesListener"]
 
@@ -148,9 +149,11 @@ class ScheduleStore:
 
     async def trigger(self, ref: str | int) -> Job:
         """Fire once now, outside the timing (paused or not; no overlap check)."""
-        async with self._pool.acquire() as c:
+        async with self._pool.acquire() as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             record = await c.fetchrow(Q["trigger"], schedule_id)
+            if record is not None:
+                await c.execute(Q["notify_jobs"])  # due now: wake the dispatcher
         if record is None:  # removed in between
             raise ScheduleNotFound(ref)
         return Job.from_record(record)
@@ -171,11 +174,15 @@ class ScheduleStore:
             ClaimedSchedule(Schedule.from_record(r), bool(r["previous_active"])) for r in records
         ]
 
-    async def apply_plan(self, conn: Conn, decisions: Sequence[PlanDecision]) -> dict[int, int]:
+    async def apply_plan(
+        self, conn: Conn, decisions: Sequence[PlanDecision], *, now: datetime | None = None
+    ) -> dict[int, int]:
         """Write a batch of decisions in one statement; returns {schedule id: jobs created}.
 
         A fire time already in ``schedule_fires`` creates no job (it was materialized
-        before, by this leader or another)."""
+        before, by this leader or another). Given the planner's ``now``, a batch that
+        holds jobs due within ``NOTIFY_HORIZON`` of it also wakes the dispatcher (one
+        more statement; jobs planned further ahead are found by its probe)."""
         if not decisions:
             return {}
         f_ids: builtins.list[int] = []
@@ -202,6 +209,8 @@ class ScheduleStore:
             [d.missed for d in decisions],
             [d.error for d in decisions],
         )
+        if now is not None and f_dues and min(f_dues) <= now + NOTIFY_HORIZON:
+            await conn.execute(Q["notify_jobs"])
         return {r["id"]: r["fired"] for r in records}
 
     # -- planner (pool) --------------------------------------------------------------

@@ -74,7 +74,7 @@ async def _recorder() -> asyncpg.Pool:
                 _pool = await asyncpg.create_pool(
                     dsn,
                     min_size=1,
-                    max_size=4,
+                    max_size=2,
                     timeout=RECORD_TIMEOUT,
                     command_timeout=RECORD_TIMEOUT,
                     server_settings={"application_name": "chaos-recorder"},

@@ -220,3 +220,26 @@ def _rows(rows: list[asyncpg.Record]) -> str:
     shown = [dict(r) for r in rows[:SHOW]]
     more = f" … and {len(rows) - SHOW} more" if len(rows) > SHOW else ""
     return f"{shown}{more}"
+
+
+async def lag_timeline(conn: asyncpg.Connection | asyncpg.Pool, bucket: float = 1.0) -> str:
+    """Per ``bucket`` seconds of due time (from the first job): jobs due, and the median
+    and max delay until their first handler run — where a fault left its mark."""
+    rows = await conn.fetch(
+        "WITH first AS (SELECT job_id, min(at) AS at FROM public.chaos_deliveries "
+        "               WHERE attempt = 1 GROUP BY job_id), "
+        "j AS (SELECT j.id, j.due_at, f.at FROM duetime.jobs j "
+        "      LEFT JOIN first f ON f.job_id = j.id WHERE j.task = $1), "
+        "t0 AS (SELECT min(due_at) AS t0 FROM j) "
+        "SELECT floor(extract(epoch FROM j.due_at - t0.t0) / $2)::int AS b, count(*) AS n, "
+        "       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM j.at - j.due_at)) "
+        "           AS p50, max(extract(epoch FROM j.at - j.due_at))::float8 AS max "
+        "FROM j, t0 GROUP BY 1 ORDER BY 1",
+        TASK,
+        bucket,
+    )
+    return "\n".join(
+        f"  due +{r['b'] * bucket:5.1f}s: {r['n']:6d} jobs, fire lag p50 "
+        f"{(r['p50'] or 0):7.3f}s max {(r['max'] or 0):7.3f}s"
+        for r in rows
+    )

@@ -112,7 +112,7 @@ class ChaosCluster:
     proxy_pg: bool = False
     proxy_amqp: bool = False
     ttl: float = TTL
-    concurrency: int = 32
+    concurrency: int = 16  # x2 workers: PostgreSQL max_connections (100) is shared
     failovers: list[float] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
     workers: dict[str, WorkerProc] = field(default_factory=dict)

@@ -37,7 +37,7 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from tests.chaos.check import Report
+from tests.chaos.check import Report, lag_timeline
 from tests.chaos.cluster import Node
 from tests.chaos.harness import RESULTS, TTL, ChaosCluster, Plan
 from tests.support.etcd import PrivateEtcd
@@ -51,6 +51,7 @@ SOAK_SECONDS = float(os.environ.get("DUETIME_TEST_SOAK_MINUTES", "2")) * 60
 WINDOW = SOAK_SECONDS if SOAK else 15.0  # seconds over which jobs come due and faults hit
 SETTLE = 60.0 if SOAK else 30.0  # after the window, for the backlog to drain
 LIMIT = int(WINDOW + SETTLE + (120 if SOAK else 45))  # pytest-timeout per scenario
+TIMELINE = os.environ.get("CHAOS_TIMELINE") == "1"  # print fire lag per second of due time
 ETCD_ERRORS = (aetcd.exceptions.ClientError, TimeoutError)
 
 MakeCluster = Callable[..., ChaosCluster]
@@ -93,6 +94,8 @@ async def settle_and_judge(c: ChaosCluster) -> Report:
     await c.wait_settled(SETTLE + max(0.0, c.due_by - time.monotonic()))
     report = await c.report()
     print(report.summary())
+    if TIMELINE:
+        print(await lag_timeline(c.db))
     for fault in report.faults:
         print(f"[chaos]   {fault}")
     if SOAK:

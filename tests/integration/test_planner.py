@@ -615,3 +615,43 @@ async def test_batch_work_is_bounded_and_the_rest_waits_for_the_next_batch(world
     assert (report.batches, report.claimed, report.fired) == (3, 3, 33)
     for sid in ids:
         assert len(await world.jobs(sid)) == 11
+
+
+async def test_dispatcher_is_notified_only_for_jobs_due_within_a_second(world: World) -> None:
+    """No insert trigger on duetime.jobs (migration 0004): the planner itself sends a
+    NOTIFY duetime_jobs when a batch created jobs due within NOTIFY_HORIZON of its now
+    (a first fire, catch-ups, just-in-time overlap schedules), and not for jobs planned
+    further ahead, which the dispatcher's probe finds in time."""
+    listener = await db.connect(world.settings.database_url)
+    got: list[str] = []
+    arrived = asyncio.Event()
+
+    def on_notify(*args: Any) -> None:
+        got.append(args[3])
+        if args[3] == "sentinel":
+            arrived.set()
+
+    await listener.add_listener("duetime_jobs", on_notify)
+
+    async def notifications() -> list[str]:
+        """Everything sent before a sentinel (delivered in commit order)."""
+        arrived.clear()
+        await world.execute("SELECT pg_notify('duetime_jobs', 'sentinel')")
+        await asyncio.wait_for(arrived.wait(), 5)
+        seen = got[:-1]
+        got.clear()
+        return seen
+
+    try:
+        await world.add("notified", cron="* * * * * *")
+        clock = ManualClock(utc(2026, 12, 1, 8, 0, 0))
+        planner = world.planner(clock)
+        await planner.plan_pass()  # the first fire is due now
+        assert await notifications() == [""]
+        clock.advance(6)
+        assert (await planner.plan_pass()).fired == 6  # 08:00:11.. is 5 s ahead
+        assert await notifications() == []
+        await world.store.trigger("notified")
+        assert await notifications() == [""]
+    finally:
+        await listener.close()
