@@ -1,7 +1,7 @@
 """The demo database: create it afresh, and read what the run did.
 
-Statements live in ``demo.sql`` beside this module (same ``-- name:`` format as
-``scheduler/sql``), because they belong to the demo, not to the product schema.
+Statements live in ``scheduler/sql/demo.sql`` with every other statement (loaded by
+``scheduler.sql.load``); they touch only the demo's own table, not the product schema.
 ``DemoStore`` is the only code that runs them; ``recreate_database`` drops and creates
 the demo database on the configured server, which is why its name must say "demo".
 """
@@ -11,29 +11,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from importlib import resources
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
 from scheduler import db
 from scheduler.errors import InvalidInput
+from scheduler.sql import load
 
-_HEADER = re.compile(r"^--\s*name:\s*(?P<name>[a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 _DATABASE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
-def _load(filename: str) -> dict[str, str]:
-    text = resources.files(__package__).joinpath(filename).read_text("utf-8")
-    matches = list(_HEADER.finditer(text))
-    queries: dict[str, str] = {}
-    for i, match in enumerate(matches):
-        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
-        queries[match.group("name")] = text[match.end() : end].strip()
-    return queries
-
-
-Q = _load("demo.sql")
+Q = load("demo")
 
 
 def validate_database_name(name: str) -> str:
