@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.fence_heartbeat import FenceHeartbeat
 from scheduler.duties.maintainer import Maintainer
+from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler
 from scheduler.duty import LoopDuty
 
 if TYPE_CHECKING:
     from scheduler.replica import ReplicaContext
 
-__all__ = ["Dispatcher", "FenceHeartbeat", "Maintainer", "Reconciler", "default_duties"]
+__all__ = ["Dispatcher", "FenceHeartbeat", "Maintainer", "Planner", "Reconciler", "default_duties"]
 
 
 def default_duties(ctx: ReplicaContext) -> list[LoopDuty]:
@@ -25,6 +26,7 @@ def default_duties(ctx: ReplicaContext) -> list[LoopDuty]:
     return [
         FenceHeartbeat.from_context(ctx),
         Dispatcher.from_context(ctx),
+        Planner.from_context(ctx),
         Reconciler.from_context(ctx),
         Maintainer.from_context(ctx),
     ]

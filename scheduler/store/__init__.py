@@ -3,5 +3,15 @@
 from scheduler.store.dispatch import DispatchStore, JobsListener, StalledJob
 from scheduler.store.execution import ExecutionStore, LockedJob
 from scheduler.store.jobs import JobStore
+from scheduler.store.schedules import SchedulesListener, ScheduleStore
 
-__all__ = ["DispatchStore", "ExecutionStore", "JobStore", "JobsListener", "LockedJob", "StalledJob"]
+__all__ = [
+    "DispatchStore",
+    "ExecutionStore",
+    "JobStore",
+    "JobsListener",
+    "LockedJob",
+    "ScheduleStore",
+    "SchedulesListener",
+    "StalledJob",
+]
