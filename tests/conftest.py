@@ -21,6 +21,7 @@ import socket
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -206,6 +207,21 @@ async def drop_database(server: str, name: str) -> None:
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await conn.close()
+
+
+@asynccontextmanager
+async def own_database(server: str, suffix: str) -> AsyncIterator[str]:
+    """A migrated database of its own (``duetime_test_<run>_<suffix>``), dropped after.
+
+    For test modules whose rows must not be seen by other tests' dispatchers (due
+    pending jobs in the shared session database would be claimed by them)."""
+    name = f"duetime_test_{RUN_ID}_{suffix}"
+    url = await create_database(server, name)
+    try:
+        await migrate(url)
+        yield url
+    finally:
+        await drop_database(server, name)
 
 
 @pytest.fixture(scope="session")

@@ -3,11 +3,12 @@
 One delivery, one transaction on one pooled connection (DESIGN §6)::
 
     BEGIN
-    SELECT … FROM jobs WHERE id=$1 AND due_at=$2 FOR KEY SHARE   -- waits for the claim
+    WITH job AS (SELECT … FROM jobs WHERE id=$1 AND due_at=$2 FOR KEY SHARE)  -- waits for
+         INSERT INTO job_ledger … SELECT … FROM job WHERE <this attempt, dispatched>
+         ON CONFLICT DO NOTHING                    -- the claim; one round trip for both
       missing / not 'dispatched' / other attempt  → COMMIT, skipped (stale or duplicate)
-      task not registered                         → mark dead, COMMIT
-    INSERT INTO job_ledger … ON CONFLICT DO NOTHING
       key already there (effect done)             → make the job succeeded, COMMIT, skipped
+      (task not registered: the plain lock-read, then mark dead, COMMIT)
     handler(ctx, payload)   -- ctx.db is this connection, under the task's timeout
     UPDATE jobs SET status='succeeded' … WHERE status='dispatched' AND attempt=$n
     COMMIT                  -- effects, ledger row and status, all or nothing
@@ -116,21 +117,12 @@ class Ledger:
         tx = conn.transaction()
         await tx.start()
         try:
-            job = await self._store.lock_job(conn, msg.job_id, msg.due_at)
-            if job is None or job.status != "dispatched" or job.attempt != msg.attempt:
-                await tx.commit()
-                log.info(
-                    "delivery_skipped",
-                    job_id=msg.job_id,
-                    attempt=msg.attempt,
-                    task=msg.task,
-                    status=None if job is None else job.status,
-                    current_attempt=None if job is None else job.attempt,
-                    reason="missing" if job is None else "stale",
-                )
-                return Outcome.SKIPPED
             spec = self._registry.get(msg.task)
             if spec is None:
+                job = await self._store.lock_job(conn, msg.job_id, msg.due_at)
+                if _stale(job, msg):
+                    await tx.commit()
+                    return _skipped(job, msg)
                 error = self._registry.unknown_message(msg.task)
                 await self._store.mark_dead(conn, msg.job_id, msg.due_at, msg.attempt, error)
                 await tx.commit()
@@ -138,16 +130,22 @@ class Ledger:
                     "job_dead", job_id=msg.job_id, attempt=msg.attempt, task=msg.task, error=error
                 )
                 return Outcome.DEAD
-            key = job.idempotency_key or msg.idempotency_key or f"job:{msg.job_id}"
-            first = await self._store.insert_ledger(
+            fallback_key = msg.idempotency_key or f"job:{msg.job_id}"
+            delivery = await self._store.begin_delivery(
                 conn,
-                key=key,
                 job_id=msg.job_id,
+                due_at=msg.due_at,
                 attempt=msg.attempt,
+                default_key=fallback_key,
                 task=msg.task,
                 worker=self._worker,
             )
-            if not first:
+            if delivery is None or _stale(delivery.job, msg):
+                await tx.commit()
+                return _skipped(None if delivery is None else delivery.job, msg)
+            job = delivery.job
+            key = job.idempotency_key or fallback_key
+            if delivery.claimed_key is None:  # the ledger already holds the key
                 await self._store.mark_succeeded(conn, msg.job_id, msg.due_at, msg.attempt)
                 await tx.commit()
                 log.info(
@@ -286,6 +284,24 @@ class Ledger:
             **fields,
         )
         return Outcome.RETRIED
+
+
+def _stale(job: LockedJob | None, msg: JobMessage) -> bool:
+    """The row is gone, or no longer waiting for this attempt: nothing to run."""
+    return job is None or job.status != "dispatched" or job.attempt != msg.attempt
+
+
+def _skipped(job: LockedJob | None, msg: JobMessage) -> Outcome:
+    log.info(
+        "delivery_skipped",
+        job_id=msg.job_id,
+        attempt=msg.attempt,
+        task=msg.task,
+        status=None if job is None else job.status,
+        current_attempt=None if job is None else job.attempt,
+        reason="missing" if job is None else "stale",
+    )
+    return Outcome.SKIPPED
 
 
 async def _abort(conn: Conn, tx: Any) -> None:

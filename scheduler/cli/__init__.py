@@ -15,7 +15,9 @@ import importlib
 import inspect
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+import asyncpg
 
 from scheduler.config import Settings, load_settings
 from scheduler.errors import DuetimeError
@@ -46,8 +48,16 @@ COMMON_FLAGS: tuple[tuple[str, str], ...] = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (like every other duetime error) that
+    points at ``--help``, exit code 2 — not the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"duetime: error: {message} (see: {self.prog} --help)\n")
+
+
 def common_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     group = common.add_argument_group("configuration")
     group.add_argument("--config", metavar="FILE", help="TOML config file (env DUETIME_CONFIG)")
     for flag, help_text in COMMON_FLAGS:
@@ -66,7 +76,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="duetime",
         description="duetime: distributed job scheduler (PostgreSQL + etcd + RabbitMQ).",
     )
@@ -97,6 +107,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DuetimeError as exc:
         print(f"duetime: error: {scrub(str(exc))}", file=sys.stderr)
         return exc.exit_code
+    except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError) as exc:
+        print(
+            f"duetime: error: the duetime schema is missing or incomplete ({exc}); "
+            "run `duetime migrate` first",
+            file=sys.stderr,
+        )
+        return 1
+    except asyncpg.PostgresError as exc:
+        print(
+            f"duetime: error: PostgreSQL: {type(exc).__name__}: {scrub(str(exc))}", file=sys.stderr
+        )
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -16,6 +16,32 @@ SELECT status, attempt, max_attempts, queue, idempotency_key,
  WHERE id = $1 AND due_at = $2
    FOR KEY SHARE;
 
+-- name: begin_delivery
+-- First statement of a delivery's transaction for a registered task: lock_job and
+-- insert_ledger in one round trip. The `job` CTE is lock_job (it waits for the claim
+-- the same way); the ledger row is inserted only when the locked row is this attempt,
+-- still dispatched, under the row's own key ($4 when it has none). `claimed_key` is the
+-- key when this delivery inserted it, NULL when the ledger already held it (a duplicate)
+-- or when no insert was due (missing/stale: then status/attempt tell why). No row: the
+-- job does not exist.
+WITH job AS (
+    SELECT status, attempt, max_attempts, queue, idempotency_key,
+           coalesce(run_at, due_at) AS run_time
+      FROM duetime.jobs
+     WHERE id = $1 AND due_at = $2
+       FOR KEY SHARE
+), ledger AS (
+    INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task, worker)
+    SELECT coalesce(nullif(job.idempotency_key, ''), $4), $1, $3, $5, $6
+      FROM job
+     WHERE job.status = 'dispatched' AND job.attempt = $3
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key
+)
+SELECT job.status, job.attempt, job.max_attempts, job.queue, job.idempotency_key,
+       job.run_time, (SELECT idempotency_key FROM ledger) AS claimed_key
+  FROM job;
+
 -- name: insert_ledger
 -- Returns a row only when this delivery is the first to complete the key; a concurrent
 -- duplicate blocks on the primary key until the first transaction ends.

@@ -31,6 +31,26 @@ class LockedJob:
     run_time: datetime  # coalesce(run_at, due_at): when this attempt was meant to run
 
 
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What a delivery's first statement found: the locked row, and whether this
+    delivery inserted the ledger row (``claimed_key``, None if not)."""
+
+    job: LockedJob
+    claimed_key: str | None
+
+
+def _locked(record: asyncpg.Record) -> LockedJob:
+    return LockedJob(
+        status=record["status"],
+        attempt=record["attempt"],
+        max_attempts=record["max_attempts"],
+        queue=record["queue"],
+        idempotency_key=record["idempotency_key"],
+        run_time=record["run_time"],
+    )
+
+
 class ExecutionStore:
     def __init__(self, pool: asyncpg.Pool, *, timeout: float = 10.0) -> None:
         self._pool = pool
@@ -39,16 +59,28 @@ class ExecutionStore:
     async def lock_job(self, conn: Conn, job_id: int, due_at: datetime) -> LockedJob | None:
         """Read the job FOR KEY SHARE (waits for an in-flight claim); None if missing."""
         record = await conn.fetchrow(Q["lock_job"], job_id, due_at)
+        return None if record is None else _locked(record)
+
+    async def begin_delivery(
+        self,
+        conn: Conn,
+        *,
+        job_id: int,
+        due_at: datetime,
+        attempt: int,
+        default_key: str,
+        task: str,
+        worker: str,
+    ) -> Delivery | None:
+        """``lock_job`` and, when the row is this attempt and still dispatched,
+        ``insert_ledger`` under the row's key (else ``default_key``), in one round trip.
+        None if the job does not exist."""
+        record = await conn.fetchrow(
+            Q["begin_delivery"], job_id, due_at, attempt, default_key, task, worker
+        )
         if record is None:
             return None
-        return LockedJob(
-            status=record["status"],
-            attempt=record["attempt"],
-            max_attempts=record["max_attempts"],
-            queue=record["queue"],
-            idempotency_key=record["idempotency_key"],
-            run_time=record["run_time"],
-        )
+        return Delivery(_locked(record), record["claimed_key"])
 
     async def insert_ledger(
         self,

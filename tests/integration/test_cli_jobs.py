@@ -20,8 +20,7 @@ import asyncpg
 import pytest
 
 from scheduler import db
-from scheduler.migrate import migrate
-from tests.conftest import RUN_ID, create_database, drop_database
+from tests.conftest import own_database
 
 DUETIME = str(Path(sys.executable).with_name("duetime"))
 UNKNOWN_ID = 987_654_321
@@ -47,13 +46,8 @@ class Run:
 
 @pytest.fixture(scope="module")
 async def cli_dsn(server_dsn: str) -> AsyncIterator[str]:
-    name = f"duetime_test_{RUN_ID}_cli"
-    url = await create_database(server_dsn, name)
-    try:
-        await migrate(url)
+    async with own_database(server_dsn, "cli") as url:
         yield url
-    finally:
-        await drop_database(server_dsn, name)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from scheduler.migrate import migrate
-from tests.conftest import RUN_ID, create_database, drop_database
+from tests.conftest import own_database
 from tests.support.etcd import free_port
 
 DUETIME = str(Path(sys.executable).with_name("duetime"))
@@ -45,13 +44,8 @@ class Run:
 
 @pytest.fixture(scope="module")
 async def cli_dsn(server_dsn: str) -> AsyncIterator[str]:
-    name = f"duetime_test_{RUN_ID}_cli_sched"
-    url = await create_database(server_dsn, name)
-    try:
-        await migrate(url)
+    async with own_database(server_dsn, "cli_sched") as url:
         yield url
-    finally:
-        await drop_database(server_dsn, name)
 
 
 @pytest.fixture

@@ -16,20 +16,14 @@ import pytest
 from scheduler import db
 from scheduler.errors import DuetimeError, Fenced
 from scheduler.fence import FenceStore, fenced_transaction
-from scheduler.migrate import migrate
-from tests.conftest import RUN_ID, create_database, drop_database
+from tests.conftest import own_database
 from tests.support.wait import wait_for
 
 
 @pytest.fixture(scope="module")
 async def fence_dsn(server_dsn: str) -> AsyncIterator[str]:
-    name = f"duetime_test_{RUN_ID}_fence"
-    url = await create_database(server_dsn, name)
-    try:
-        await migrate(url)
+    async with own_database(server_dsn, "fence") as url:
         yield url
-    finally:
-        await drop_database(server_dsn, name)
 
 
 @pytest.fixture(scope="module")

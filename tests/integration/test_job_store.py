@@ -18,11 +18,10 @@ import pytest
 from scheduler import db
 from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound
 from scheduler.jobspec import JobSpec
-from scheduler.migrate import migrate
 from scheduler.rows import Job
 from scheduler.store import JobStore
 from scheduler.store.jobs import MAX_PAGE
-from tests.conftest import RUN_ID, create_database, drop_database
+from tests.conftest import own_database
 from tests.support.wait import wait_for
 
 UNKNOWN_ID = 2**62
@@ -30,13 +29,8 @@ UNKNOWN_ID = 2**62
 
 @pytest.fixture(scope="module")
 async def store_dsn(server_dsn: str) -> AsyncIterator[str]:
-    name = f"duetime_test_{RUN_ID}_jobstore"
-    url = await create_database(server_dsn, name)
-    try:
-        await migrate(url)
+    async with own_database(server_dsn, "jobstore") as url:
         yield url
-    finally:
-        await drop_database(server_dsn, name)
 
 
 @pytest.fixture(scope="module")

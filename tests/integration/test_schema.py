@@ -16,9 +16,8 @@ import pytest
 
 from scheduler import db
 from scheduler.jobspec import JobSpec
-from scheduler.migrate import migrate
 from scheduler.store import JobStore
-from tests.conftest import RUN_ID, create_database, drop_database
+from tests.conftest import own_database
 from tests.support.wait import wait_for
 
 CHANNEL = "duetime_jobs"
@@ -37,13 +36,8 @@ CLAIM_AT = CLAIM.format(now="$2::timestamptz")
 
 @pytest.fixture(scope="module")
 async def schema_dsn(server_dsn: str) -> AsyncIterator[str]:
-    name = f"duetime_test_{RUN_ID}_schema"
-    url = await create_database(server_dsn, name)
-    try:
-        await migrate(url)
+    async with own_database(server_dsn, "schema") as url:
         yield url
-    finally:
-        await drop_database(server_dsn, name)
 
 
 @pytest.fixture

@@ -1,0 +1,136 @@
+-- Least-privilege PostgreSQL roles (docs/security.md), applied by `duetime migrate
+-- --roles` (scheduler/roles.py) after the migrations, as the role that owns the schema.
+--
+-- Three NOLOGIN group roles; operators create login users IN ROLE one of them:
+--   CREATE ROLE billing_app LOGIN PASSWORD '…' IN ROLE duetime_producer;
+-- {producer}, {worker} and {scheduler} are the group role names (default prefix
+-- "duetime"), checked by roles.py to be plain lower-case identifiers before they are
+-- substituted, so they never need quoting beyond the double quotes below.
+--
+-- Idempotent and convergent: every run first revokes what these roles hold in the
+-- duetime schema, then grants exactly the list below, so re-running after an upgrade
+-- (or without --producer-schedules) also takes away what is no longer listed.
+-- Column lists are the columns each component's SQL touches (scheduler/sql/*.sql);
+-- a statement that needs a column not listed fails with "permission denied", which
+-- tests/integration/test_roles.py catches by running the real code as each role.
+
+-- name: create_roles
+DO $$
+DECLARE
+    r text;
+BEGIN
+    FOREACH r IN ARRAY ARRAY['{producer}', '{worker}', '{scheduler}'] LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = r) THEN
+            EXECUTE format('CREATE ROLE %I NOLOGIN', r);
+        END IF;
+    END LOOP;
+END $$;
+
+-- name: revoke_all
+REVOKE ALL ON ALL TABLES IN SCHEMA duetime FROM "{producer}", "{worker}", "{scheduler}";
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA duetime FROM "{producer}", "{worker}", "{scheduler}";
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA duetime FROM "{producer}", "{worker}", "{scheduler}";
+REVOKE ALL ON SCHEMA duetime FROM "{producer}", "{worker}", "{scheduler}";
+DROP POLICY IF EXISTS "{producer}_own_jobs" ON duetime.jobs;
+DROP POLICY IF EXISTS "{producer}_insert_jobs" ON duetime.jobs;
+DROP POLICY IF EXISTS "{worker}_jobs" ON duetime.jobs;
+DROP POLICY IF EXISTS "{scheduler}_jobs" ON duetime.jobs;
+DROP POLICY IF EXISTS "{producer}_own_schedules" ON duetime.schedules;
+DROP POLICY IF EXISTS "{producer}_insert_schedules" ON duetime.schedules;
+DROP POLICY IF EXISTS "{scheduler}_schedules" ON duetime.schedules;
+
+-- name: grant_common
+GRANT USAGE ON SCHEMA duetime TO "{producer}", "{worker}", "{scheduler}";
+-- Row-level security on the tables producers share: a producer sees only the rows it
+-- inserted. Roles without a policy see no row at all (fail closed); the owner (who
+-- runs migrations and operator commands) is not subject to it.
+ALTER TABLE duetime.jobs ENABLE ROW LEVEL SECURITY;
+ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
+
+-- name: grant_producer
+-- INSERT of the contract columns only (DESIGN §3): status, attempt, run_at, epochs,
+-- created_by ... keep their defaults, so a producer cannot insert a row that looks
+-- dispatched, finished, or someone else's. SELECT is needed by INSERT ... RETURNING
+-- and to read status; row-level security limits it to the producer's own rows.
+-- No UPDATE/DELETE: no cancel, no retry, no claim (FOR UPDATE needs UPDATE).
+GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key)
+    ON duetime.jobs TO "{producer}";
+GRANT SELECT ON duetime.jobs TO "{producer}";
+GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{producer}";
+CREATE POLICY "{producer}_insert_jobs" ON duetime.jobs FOR INSERT TO "{producer}"
+    WITH CHECK (created_by = current_user);
+CREATE POLICY "{producer}_own_jobs" ON duetime.jobs FOR SELECT TO "{producer}"
+    USING (created_by = current_user);
+
+-- name: grant_producer_schedules
+-- Only with --producer-schedules: recurring schedules are a standing order to run
+-- code, which some shops keep for operators.
+GRANT INSERT (name, task, payload, queue, max_attempts, cron, interval, timezone,
+              start_at, end_at, paused, misfire_policy, misfire_cap, overlap_policy, jitter)
+    ON duetime.schedules TO "{producer}";
+GRANT SELECT ON duetime.schedules TO "{producer}";
+CREATE POLICY "{producer}_insert_schedules" ON duetime.schedules FOR INSERT TO "{producer}"
+    WITH CHECK (created_by = current_user);
+CREATE POLICY "{producer}_own_schedules" ON duetime.schedules FOR SELECT TO "{producer}"
+    USING (created_by = current_user);
+
+-- name: grant_worker
+-- execution.sql: lock_job (SELECT ... FOR KEY SHARE, which needs UPDATE on a column),
+-- mark_succeeded, schedule_retry, mark_dead, heartbeat; the ledger insert. Not the
+-- payload column (it arrives in the message), not DELETE, not the fence, not INSERT
+-- into jobs, not schedules. Handlers' own tables (ctx.db) are the application's to
+-- grant to the worker login user.
+GRANT SELECT (id, due_at, run_at, status, attempt, max_attempts, queue, idempotency_key,
+              task)
+    ON duetime.jobs TO "{worker}";
+GRANT UPDATE (status, attempt, run_at, last_error, dispatched_at, heartbeat_at,
+              dispatch_epoch, finished_at)
+    ON duetime.jobs TO "{worker}";
+GRANT INSERT (idempotency_key, job_id, attempt, task, worker)
+    ON duetime.job_ledger TO "{worker}";
+-- ON CONFLICT (idempotency_key) needs SELECT on the conflict target: the key only.
+GRANT SELECT (idempotency_key) ON duetime.job_ledger TO "{worker}";
+CREATE POLICY "{worker}_jobs" ON duetime.jobs FOR ALL TO "{worker}"
+    USING (true) WITH CHECK (true);
+
+-- name: grant_scheduler
+-- Fence (fence.sql); dispatch and reconcile (dispatch.sql); planner (schedules.sql
+-- claim_due, apply_plan, prune_fires); maintainer (maintenance.sql): bucket DDL only
+-- through the SECURITY DEFINER functions of migration 0005, row pruning directly;
+-- `duetime status`/readiness (status.sql). Not INSERT/DELETE on the fence, not
+-- producer columns of schedules, no DDL of its own.
+GRANT SELECT, UPDATE (epoch, leader_node, elected_at, renewed_at)
+    ON duetime.leader_fence TO "{scheduler}";
+GRANT SELECT ON duetime.jobs TO "{scheduler}";
+GRANT UPDATE (status, dispatched_at, heartbeat_at, dispatch_epoch)
+    ON duetime.jobs TO "{scheduler}";
+GRANT INSERT (id, task, payload, queue, max_attempts, due_at, idempotency_key, schedule_id)
+    ON duetime.jobs TO "{scheduler}";
+GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{scheduler}";
+GRANT SELECT ON duetime.schedules TO "{scheduler}";
+GRANT UPDATE (next_fire_at, plan_at, buffered_fire_at, paused, last_error, fired_count,
+              skipped_count, missed_count, last_fired_at, last_job_id, last_job_due_at)
+    ON duetime.schedules TO "{scheduler}";
+GRANT SELECT, INSERT, DELETE ON duetime.schedule_fires TO "{scheduler}";
+-- prune_ledger locks rows FOR UPDATE before deleting them: that needs UPDATE on a column.
+GRANT SELECT, DELETE, UPDATE (completed_at) ON duetime.job_ledger TO "{scheduler}";
+-- prune_default addresses the DEFAULT bucket directly (its own privileges, no RLS).
+GRANT SELECT, DELETE ON duetime.jobs_default TO "{scheduler}";
+GRANT SELECT ON duetime.schema_migrations TO "{scheduler}";
+GRANT EXECUTE ON FUNCTION duetime.ensure_partition(date),
+                          duetime.ensure_partitions(date, integer),
+                          duetime.detach_terminal_partition(date),
+                          duetime.drop_detached_partition(text),
+                          duetime.partition_is_live(regclass)
+    TO "{scheduler}";
+CREATE POLICY "{scheduler}_jobs" ON duetime.jobs FOR ALL TO "{scheduler}"
+    USING (true) WITH CHECK (true);
+CREATE POLICY "{scheduler}_schedules" ON duetime.schedules FOR ALL TO "{scheduler}"
+    USING (true) WITH CHECK (true);
+
+-- name: drop_roles
+-- Uninstall (and test cleanup): in the current database, revoke everything and drop the
+-- policies naming these roles, then drop the roles. Roles are cluster-wide: run
+-- DROP OWNED BY in every other database where they were granted something first.
+DROP OWNED BY "{producer}", "{worker}", "{scheduler}";
+DROP ROLE IF EXISTS "{producer}", "{worker}", "{scheduler}";

@@ -1,0 +1,400 @@
+"""Least-privilege roles (scheduler/sql/roles.sql) proven by connecting as each of them.
+
+Every test has a migrated database of its own with the roles applied under a prefix
+unique to the test (roles are cluster-wide), and login users created IN ROLE each group
+role with random passwords. The real code paths run as those users — ``JobStore`` as
+the producer, the dispatcher and the planner and the maintainer as the scheduler, a
+``Worker`` as the worker — and every refusal is PostgreSQL's own "permission denied"
+(or, for other producers' rows, row-level security showing nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import aio_pika
+import asyncpg
+import pytest
+
+from scheduler import db
+from scheduler.broker import declare_job_queue
+from scheduler.config import Settings
+from scheduler.duties.dispatcher import Dispatcher
+from scheduler.duties.maintainer import Maintainer, MaintainerConfig
+from scheduler.duties.planner import Planner, PlannerConfig
+from scheduler.duty import LeaderTerm
+from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.jobspec import JobSpec
+from scheduler.messages import JobMessage
+from scheduler.roles import RoleNames, apply_roles, drop_roles_connection
+from scheduler.schedules import ScheduleSpec
+from scheduler.store import DispatchStore, ExecutionStore, JobStore, ScheduleStore
+from tests.support.wait import wait_for
+from workers import JobContext, Registry, Worker
+from workers.ledger import Ledger, Outcome
+
+pytestmark = pytest.mark.timeout(90)
+DENIED = asyncpg.InsufficientPrivilegeError
+
+
+def _as_user(dsn: str, user: str, password: str) -> str:
+    parts = urlsplit(dsn)
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"{quote(user)}:{quote(password)}@{host}:{parts.port or 5432}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+
+
+@dataclass
+class World:
+    names: RoleNames
+    owner: asyncpg.Pool
+    producer: asyncpg.Pool
+    producer2: asyncpg.Pool
+    worker: asyncpg.Pool
+    scheduler: asyncpg.Pool
+    urls: dict[str, str]
+    settings: Settings
+
+    def as_role(self, role: str, **overrides: Any) -> Settings:
+        return dataclasses.replace(self.settings, database_url=self.urls[role], **overrides)
+
+
+async def _setup(dsn: str, prefix: str, settings: Settings, **kw: Any) -> AsyncIterator[World]:
+    names = await apply_roles(dsn, prefix=prefix, **kw)
+    owner = await db.create_pool(dsn, max_size=4)
+    logins = {
+        "producer": names.producer,
+        "producer2": names.producer,
+        "worker": names.worker,
+        "scheduler": names.scheduler,
+    }
+    users: list[str] = []
+    pools: dict[str, asyncpg.Pool] = {}
+    urls: dict[str, str] = {}
+    try:
+        for login, group in logins.items():
+            user, password = f"{prefix}_{login}_login", secrets.token_urlsafe(18)
+            await owner.execute(
+                f'CREATE ROLE "{user}" LOGIN PASSWORD \'{password}\' IN ROLE "{group}"'
+            )
+            users.append(user)
+            urls[login] = _as_user(dsn, user, password)
+            pools[login] = await db.create_pool(urls[login], max_size=6)
+        yield World(
+            names,
+            owner,
+            pools["producer"],
+            pools["producer2"],
+            pools["worker"],
+            pools["scheduler"],
+            urls,
+            dataclasses.replace(settings, database_url=dsn),
+        )
+    finally:
+        for pool in pools.values():
+            await pool.close()
+        async with owner.acquire() as conn:
+            for user in users:
+                await conn.execute(f'DROP ROLE IF EXISTS "{user}"')
+            await drop_roles_connection(conn, names)
+        await owner.close()
+
+
+@pytest.fixture
+async def world(migrated_dsn: str, unique: str, settings: Settings) -> AsyncIterator[World]:
+    async for w in _setup(migrated_dsn, f"dt{unique}", settings):
+        yield w
+
+
+async def _dispatched(owner: asyncpg.Pool, task: str, queue: str = "default") -> JobMessage:
+    row = await owner.fetchrow(
+        "INSERT INTO duetime.jobs (task, payload, queue) VALUES ($1, '{\"a\": 1}', $2) "
+        "RETURNING id, due_at",
+        task,
+        queue,
+    )
+    await owner.execute(
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+        "dispatch_epoch = 1 WHERE id = $1",
+        row["id"],
+    )
+    return JobMessage(row["id"], row["due_at"], 1, task, {"a": 1}, f"job:{row['id']}", 1)
+
+
+# -- producer ------------------------------------------------------------------------
+
+
+async def test_producer_enqueues_and_reads_only_its_own_rows(world: World) -> None:
+    job = await JobStore(world.producer).enqueue("p.task", {"x": 1})
+    assert job.status == "pending"
+    own = await world.producer.fetchrow(
+        "SELECT status, created_by FROM duetime.jobs WHERE id = $1", job.id
+    )
+    assert own["status"] == "pending"
+    assert own["created_by"] == f"{world.names.producer[: -len('_producer')]}_producer_login"
+    # plain SQL, the DESIGN §3 contract, works too
+    await world.producer.execute("INSERT INTO duetime.jobs (task) VALUES ('p.sql')")
+    # another producer sees none of it (row-level security), and the owner sees all
+    assert await world.producer2.fetchval("SELECT count(*) FROM duetime.jobs") == 0
+    assert await world.producer.fetchval("SELECT count(*) FROM duetime.jobs") == 2
+    assert await world.owner.fetchval("SELECT count(*) FROM duetime.jobs") == 2
+
+
+async def test_producer_is_refused_everything_else(world: World) -> None:
+    job = await JobStore(world.producer).enqueue("p.task")
+    p = world.producer
+    refused = [
+        ("UPDATE duetime.jobs SET status = 'succeeded' WHERE id = $1", (job.id,)),
+        ("DELETE FROM duetime.jobs WHERE id = $1", (job.id,)),
+        ("SELECT * FROM duetime.job_ledger", ()),
+        ("SELECT * FROM duetime.leader_fence", ()),
+        ("UPDATE duetime.leader_fence SET epoch = 999", ()),
+        ("INSERT INTO duetime.jobs (task, status) VALUES ('x', 'dispatched')", ()),
+        ("INSERT INTO duetime.jobs (task, created_by) VALUES ('x', 'someone_else')", ()),
+        ("INSERT INTO duetime.jobs (task, dispatch_epoch) VALUES ('x', 99)", ()),
+        ("INSERT INTO duetime.schedules (name, task, cron) VALUES ('n', 't', '* * * * *')", ()),
+        ("SELECT duetime.ensure_partition(current_date + 100)", ()),
+        ("SELECT duetime.drop_detached_partition('jobs_p20000101_detached')", ()),
+        ("TRUNCATE duetime.jobs", ()),
+        ("CREATE TABLE duetime.evil (x int)", ()),
+    ]
+    for sql, args in refused:
+        with pytest.raises(DENIED):
+            await p.execute(sql, *args)
+    # cannot claim: the dispatcher's claim locks FOR UPDATE, which needs UPDATE
+    async with p.acquire() as conn, conn.transaction():
+        with pytest.raises(DENIED):
+            await DispatchStore(p).claim(conn, 10)
+    with pytest.raises(DENIED):
+        await JobStore(p).cancel(job.id)
+    # a producer cannot claim through the fence either
+    with pytest.raises(DENIED):
+        await FenceStore(p).advance(10**9, "evil")
+
+
+async def test_producer_bulk_copy_is_refused_by_row_level_security(world: World) -> None:
+    """Known limitation (docs/security.md): PostgreSQL refuses COPY FROM into a table
+    with row-level security for roles subject to it; producers batch with INSERT."""
+    with pytest.raises(asyncpg.FeatureNotSupportedError, match="row-level security"):
+        await JobStore(world.producer).bulk_enqueue([JobSpec(task="p.bulk")])
+    await world.producer.executemany(
+        "INSERT INTO duetime.jobs (task, payload) VALUES ($1, $2)",
+        [("p.bulk", {"i": i}) for i in range(50)],
+    )
+    assert await world.producer.fetchval("SELECT count(*) FROM duetime.jobs") == 50
+
+
+async def test_producer_schedules_only_with_the_flag(
+    migrated_dsn: str, unique: str, settings: Settings
+) -> None:
+    async for w in _setup(migrated_dsn, f"ds{unique}", settings, producer_schedules=True):
+        store = ScheduleStore(w.producer)
+        schedule = await store.add(ScheduleSpec(name="nightly", task="report", cron="0 3 * * *"))
+        assert schedule.name == "nightly"
+        assert await w.producer2.fetchval("SELECT count(*) FROM duetime.schedules") == 0
+        for sql in (
+            "UPDATE duetime.schedules SET paused = true",
+            "DELETE FROM duetime.schedules",
+            "INSERT INTO duetime.schedules (name, task, cron, next_fire_at) "
+            "VALUES ('x', 't', '* * * * *', now())",
+        ):
+            with pytest.raises(DENIED):
+                await w.producer.execute(sql)
+        # and the scheduler role plans it
+        assert await FenceStore(w.scheduler).advance(1, "n1")
+        planner = Planner(w.as_role("scheduler"), w.scheduler, config=PlannerConfig())
+        planner.bind(LeaderTerm(1, "n1"))
+        await planner.plan_pass()
+        row = await w.owner.fetchrow(
+            "SELECT next_fire_at, paused, last_error FROM duetime.schedules"
+        )
+        assert row["next_fire_at"] is not None and not row["paused"], dict(row)
+    # re-applied without the flag: the grant is taken away again
+    names = await apply_roles(migrated_dsn, prefix=f"ds{unique}")
+    conn = await db.connect(migrated_dsn)
+    try:
+        assert not await conn.fetchval(
+            "SELECT has_table_privilege($1, 'duetime.schedules', 'INSERT')", names.producer
+        )
+        assert await conn.fetchval(
+            "SELECT has_table_privilege($1, 'duetime.jobs', 'SELECT')", names.producer
+        )
+        await drop_roles_connection(conn, names)
+    finally:
+        await conn.close()
+
+
+# -- worker --------------------------------------------------------------------------
+
+
+def _registry(calls: list[int]) -> Registry:
+    registry = Registry()
+
+    @registry.task("w.ok")
+    async def ok(ctx: JobContext, payload: dict[str, Any]) -> None:
+        calls.append(ctx.job_id)
+
+    @registry.task("w.fail", max_attempts=2)
+    async def fail(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise RuntimeError("boom")
+
+    return registry
+
+
+async def test_worker_runs_the_execution_path(world: World) -> None:
+    calls: list[int] = []
+    store = ExecutionStore(world.worker)
+    ledger = Ledger(world.worker, _registry(calls), worker_name="w1", heartbeat_interval=5)
+    ok = await _dispatched(world.owner, "w.ok")
+    assert await ledger.execute(ok) is Outcome.SUCCEEDED
+    assert calls == [ok.job_id]
+    assert await ledger.execute(ok) is Outcome.SKIPPED  # duplicate delivery
+    failing = await _dispatched(world.owner, "w.fail")
+    assert await ledger.execute(failing) is Outcome.RETRIED
+    unknown = await _dispatched(world.owner, "os.system")
+    assert await ledger.execute(unknown) is Outcome.DEAD
+    beat = await _dispatched(world.owner, "w.ok")
+    assert await store.heartbeat(beat.job_id, beat.due_at, 1)
+    rows = {
+        r["id"]: r
+        for r in await world.owner.fetch("SELECT id, status, attempt, last_error FROM duetime.jobs")
+    }
+    assert rows[ok.job_id]["status"] == "succeeded"
+    assert (rows[failing.job_id]["status"], rows[failing.job_id]["attempt"]) == ("pending", 2)
+    assert rows[unknown.job_id]["status"] == "dead"
+    assert await world.owner.fetchval("SELECT count(*) FROM duetime.job_ledger") == 1
+
+
+async def test_worker_is_refused_everything_else(world: World) -> None:
+    job = await _dispatched(world.owner, "w.ok")
+    w = world.worker
+    for sql in (
+        "DELETE FROM duetime.jobs",
+        "INSERT INTO duetime.jobs (task) VALUES ('x')",
+        "SELECT payload FROM duetime.jobs",
+        "UPDATE duetime.jobs SET payload = '{}'",
+        "UPDATE duetime.leader_fence SET epoch = 999",
+        "SELECT * FROM duetime.leader_fence",
+        "DELETE FROM duetime.job_ledger",
+        "SELECT * FROM duetime.schedules",
+        "SELECT duetime.ensure_partition(current_date + 100)",
+        "TRUNCATE duetime.job_ledger",
+    ):
+        with pytest.raises(DENIED):
+            await w.execute(sql)
+    async with w.acquire() as conn, conn.transaction():
+        with pytest.raises(DENIED):
+            await fenced_transaction(conn, 1).__aenter__()
+    assert await world.owner.fetchval(
+        "SELECT status FROM duetime.jobs WHERE id = $1", job.job_id
+    ) == "dispatched"
+
+
+# -- scheduler -----------------------------------------------------------------------
+
+
+async def test_scheduler_fences_claims_and_reconciles(world: World) -> None:
+    s = world.scheduler
+    assert await FenceStore(s).advance(5, "leader")
+    await FenceStore(s).heartbeat(5)
+    await JobStore(world.producer).enqueue("p.task")
+    store = DispatchStore(s)
+    async with s.acquire() as conn, fenced_transaction(conn, 5):
+        claimed = await store.claim(conn, 10)
+        assert len(claimed) == 1
+        assert len(await store.mark_dispatched(conn, claimed, 5)) == 1
+    await world.owner.execute(
+        "UPDATE duetime.jobs SET dispatched_at = now() - interval '1 hour'"
+    )
+    async with s.acquire() as conn, fenced_transaction(conn, 5):
+        stalled = await store.lock_stalled(conn, 60, 10)
+        assert [j.job.id for j in stalled] == [claimed[0].id]
+        assert await store.mark_redispatched(conn, [j.job for j in stalled], 5)
+    assert await store.next_run_in() is None
+    assert await store.backlog() == 0
+
+
+async def test_scheduler_maintainer_ddl_goes_through_definer_functions(world: World) -> None:
+    assert await FenceStore(world.scheduler).advance(2, "leader")
+    old = (datetime.now(UTC) - timedelta(days=40)).date()
+    await world.owner.execute("SELECT duetime.ensure_partition($1::date)", old)
+    await world.owner.execute(
+        "INSERT INTO duetime.jobs (task, due_at, status, finished_at) "
+        "VALUES ('old', $1::date + interval '12 hours', 'succeeded', now())",
+        old,
+    )
+    settings = world.as_role("scheduler")
+    maintainer = Maintainer(
+        settings,
+        world.scheduler,
+        config=MaintainerConfig.from_settings(settings, days_ahead=20, retention_days=7.0),
+    )
+    maintainer.bind(LeaderTerm(epoch=2, node_id="leader"))
+    await maintainer.run_once()
+    report = maintainer.last_report
+    assert report is not None
+    names = {
+        r["relname"]
+        for r in await world.owner.fetch(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'duetime.jobs'::regclass"
+        )
+    }
+    assert f"jobs_p{old:%Y%m%d}" not in names  # retired through the definer functions
+    ahead = (datetime.now(UTC) + timedelta(days=19)).date()
+    assert f"jobs_p{ahead:%Y%m%d}" in names  # created ahead
+    s = world.scheduler
+    for sql in (
+        "DROP TABLE duetime.jobs_default",
+        "DELETE FROM duetime.jobs",
+        "TRUNCATE duetime.jobs",
+        "CREATE TABLE duetime.evil (x int)",
+        "ALTER TABLE duetime.jobs DETACH PARTITION duetime.jobs_default",
+        "UPDATE duetime.jobs SET payload = '{}'",
+        "INSERT INTO duetime.jobs (task, status) VALUES ('x', 'succeeded')",
+        "SELECT duetime.partition_is_live('duetime.job_ledger'::regclass)",
+        "INSERT INTO duetime.leader_fence (shard) VALUES (7)",
+    ):
+        with pytest.raises((DENIED, asyncpg.RaiseError)):
+            await s.execute(sql)
+
+
+async def test_end_to_end_as_least_privilege_roles(world: World, unique: str) -> None:
+    """Producer enqueues → dispatcher (scheduler role) publishes → Worker (worker role)."""
+    queue = f"roles-{unique}"
+    calls: list[int] = []
+    connection = await aio_pika.connect(world.settings.amqp_url, timeout=10)
+    try:
+        channel = await connection.channel()
+        await declare_job_queue(channel, queue, delivery_limit=world.settings.delivery_limit)
+        job = await JobStore(world.producer).enqueue("w.ok", {"n": 1}, queue=queue)
+        assert await FenceStore(world.scheduler).advance(9, "leader")
+        dispatcher = Dispatcher(world.as_role("scheduler"), world.scheduler)
+        dispatcher.bind(LeaderTerm(epoch=9, node_id="leader"))
+        worker = Worker(
+            world.as_role("worker"), queues=[queue], registry=_registry(calls), concurrency=2
+        )
+        await dispatcher.publisher.open()
+        try:
+            report = await dispatcher.dispatch_batch()
+            assert report.published == 1
+            async with worker:
+                await wait_for(
+                    lambda: world.producer.fetchval(
+                        "SELECT status = 'succeeded' FROM duetime.jobs WHERE id = $1", job.id
+                    ),
+                    timeout=15,
+                    message="job succeeded (as seen by its producer)",
+                )
+        finally:
+            await dispatcher.publisher.close()
+        assert calls == [job.id]
+        await channel.queue_delete(f"duetime.{queue}")
+    finally:
+        await connection.close()
