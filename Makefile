@@ -39,7 +39,7 @@ bench: $(STAMP) services
 	$(BIN)/duetime bench all $(BENCH_ARGS)
 
 chaos: $(STAMP) services
-	DUETIME_TEST_SOAK=1 $(BIN)/pytest -q -m chaos tests/chaos $(PYTEST_ARGS)
+	DUETIME_TEST_SOAK=1 $(BIN)/pytest -q -s -m chaos tests/chaos $(PYTEST_ARGS)
 
 stop-services:
 	-@[ -f .run/etcd.pid ] && kill $$(cat .run/etcd.pid) 2>/dev/null; rm -f .run/etcd.pid

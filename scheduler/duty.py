@@ -42,7 +42,7 @@ class LoopDuty:
     """Base class: subclasses implement ``run_once`` and may override ``setup``/``teardown``."""
 
     name = "duty"
-    max_backoff = 10.0
+    max_backoff = 2.0  # a failed pass is cheap; lateness is what §1.5 promises against
 
     def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock

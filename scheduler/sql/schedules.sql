@@ -174,6 +174,3 @@ DELETE FROM duetime.schedule_fires f
  USING duetime.schedules s
  WHERE f.schedule_id = s.id
    AND f.fire_time < least($1::timestamptz, coalesce(s.next_fire_at, $1::timestamptz));
-
--- name: ping
-SELECT 1;

@@ -8,18 +8,14 @@ the pool (or ``conn=`` to join a caller's transaction).
 
 from __future__ import annotations
 
-import asyncio
 import builtins
-import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import asyncpg
 
-from scheduler import db
 from scheduler.db import Conn
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
@@ -27,6 +23,7 @@ from scheduler.rows import Job
 from scheduler.schedules import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
 from scheduler.sql import load
 from scheduler.store.jobs import NOTIFY_HORIZON
+from scheduler.store.listener import ChannelListener
 
 __all__ = ["NOTIFY_CHANNEL", "ClaimedSchedule", "ScheduleStore", "SchedulesListener"]
 
@@ -229,14 +226,12 @@ class ScheduleStore:
         return int(status.split()[-1])
 
 
-class SchedulesListener:
-    """A dedicated connection LISTENing on ``duetime_schedules``.
+class SchedulesListener(ChannelListener):
+    """The planner's LISTEN connection on ``duetime_schedules``.
 
-    ``on_notify`` is called for every notification (the planner's own batches notify too:
-    filtering them by backend pid would also drop a user's change made through a pool
-    the planner shares, and the cost of not filtering is one probe query per pass).
-    ``alive`` turns false as soon as the connection ends, and ``on_lost`` is called;
-    ``check()`` finds a half-open connection by a round trip under a timeout.
+    Every notification wakes the planner, its own batches' too: filtering them by
+    backend pid would also drop a user's change made through a pool the planner shares,
+    and not filtering costs one probe query per pass.
     """
 
     def __init__(
@@ -248,62 +243,11 @@ class SchedulesListener:
         timeout: float = 10.0,
         application_name: str = "duetime:planner-listen",
     ) -> None:
-        self._dsn = dsn
-        self._on_notify = on_notify
-        self._on_lost = on_lost
-        self._timeout = timeout
-        self._application_name = application_name
-        self._conn: asyncpg.Connection | None = None
-        self._lost = False
-
-    @property
-    def alive(self) -> bool:
-        return self._conn is not None and not self._lost and not self._conn.is_closed()
-
-    async def open(self) -> SchedulesListener:
-        conn = await db.connect(
-            self._dsn, timeout=self._timeout, application_name=self._application_name
+        super().__init__(
+            dsn,
+            NOTIFY_CHANNEL,
+            on_notify,
+            on_lost=on_lost,
+            timeout=timeout,
+            application_name=application_name,
         )
-        try:
-            conn.add_termination_listener(self._terminated)
-            await conn.add_listener(NOTIFY_CHANNEL, self._notified)
-        except BaseException:
-            conn.terminate()
-            raise
-        self._conn, self._lost = conn, False
-        return self
-
-    async def check(self, timeout: float) -> bool:
-        conn = self._conn
-        if conn is None or not self.alive:
-            return False
-        try:
-            await conn.fetchval(Q["ping"], timeout=timeout)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            log.warning("schedules_listener_check_failed", error=repr(exc))
-            self._terminated(conn)
-            return False
-        return True
-
-    async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None or conn.is_closed():
-            return
-        conn.remove_termination_listener(self._terminated)
-        try:
-            await asyncio.wait_for(conn.close(), min(self._timeout, 5.0))
-        except Exception:
-            with contextlib.suppress(Exception):
-                conn.terminate()
-
-    def _notified(self, *_: Any) -> None:
-        self._on_notify()
-
-    def _terminated(self, conn: Any) -> None:
-        if self._lost:
-            return
-        self._lost = True
-        if not conn.is_closed():
-            conn.terminate()
-        if self._on_lost is not None:
-            self._on_lost()

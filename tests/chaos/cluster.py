@@ -242,9 +242,11 @@ class SchedulerCluster:
             return await self.leader_now(exclude)
 
         try:
-            return await wait_for(probe, timeout=timeout, interval=0.01, message=message)
+            found = await wait_for(probe, timeout=timeout, interval=0.01, message=message)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.describe()}") from None
+        assert found is not None
+        return found
 
     def describe(self) -> str:
         """Log tails of every node, for failure messages."""
