@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from scheduler.errors import ConfigError
+from scheduler.secrets import read_credentials  # systemd credentials (security)
 
 __all__ = ["FIELDS", "Settings", "load_settings", "redact_url"]
 
@@ -296,6 +297,10 @@ def _read_toml(path: Path) -> Mapping[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
     # Accept either top-level keys or a [duetime] table.
     if set(data) == {"duetime"} and isinstance(data["duetime"], dict):
         data = data["duetime"]
@@ -335,6 +340,10 @@ def load_settings(
             continue
         if key != ENV_PREFIX + "CONFIG":
             raw[key[len(ENV_PREFIX) :].lower()] = (value, key)
+
+    # -- systemd LoadCredential= (scheduler/secrets.py): credentials override the
+    # environment and the TOML file; flags below still override them. ------------------
+    raw.update(read_credentials(env))
 
     for key, value in (overrides or {}).items():
         if value is None:

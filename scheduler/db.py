@@ -22,9 +22,20 @@ if TYPE_CHECKING:
 Conn: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
 
 
+def _big_int(text: str) -> int | float:
+    """jsonb keeps numbers exactly; ``{"a": 1e5000}`` comes back as 5001 digits, over
+    Python's int-parsing limit (4300). A float (inf) keeps one poisonous row from
+    failing every claim that reads it."""
+    return int(text) if len(text) <= 4300 else float(text)
+
+
+def decode_jsonb(text: str) -> Any:
+    return json.loads(text, parse_int=_big_int)
+
+
 async def init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec(
-        "jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog"
+        "jsonb", encoder=json.dumps, decoder=decode_jsonb, schema="pg_catalog"
     )
 
 

@@ -15,24 +15,63 @@ from typing import Any
 
 import structlog
 
-_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@")
-_SECRET_KEYS = ("password", "passwd", "secret", "token")
+# A password inside a URL: everything between "scheme://user:" and the LAST "@" before
+# whitespace or a quote, so a password holding an unescaped "/" or "@" is still covered
+# (over-redacting a path that contains "@" is the safe mistake).
+_URL_PASSWORD = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s'\"]*):(?P<pw>[^\s'\"]*)@", re.IGNORECASE
+)
+# key=value secrets: libpq conninfo strings (password=…), URL query parameters
+# (?password=…, sslpassword=…), dumps of keyword arguments and JSON ("password": "…").
+_KV_SECRET = re.compile(
+    r"(?P<key>[\w.-]*(?:password|passwd|pwd|secret|token)['\"]?\s*[=:]\s*)"
+    r"(?P<q>['\"]?)(?P<value>[^\s&'\",;)]+)",
+    re.IGNORECASE,
+)
+_SECRET_KEYS = ("password", "passwd", "secret", "token", "credential")
 
 
 def scrub(text: str) -> str:
-    """Redact passwords embedded in URLs inside arbitrary text."""
-    return _URL_PASSWORD.sub(r"\g<scheme>\g<user>:***@", text)
+    """Redact passwords embedded in URLs and ``password=...`` pairs inside any text."""
+    text = _URL_PASSWORD.sub(r"\g<scheme>\g<user>:***@", text)
+    return _KV_SECRET.sub(r"\g<key>\g<q>***", text)
 
 
-def _redact(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _scrub_value(value: Any, depth: int = 0) -> Any:
+    """Scrub strings, exceptions and containers of them (bounded depth)."""
+    if isinstance(value, str):
+        return scrub(value)
+    if isinstance(value, BaseException):
+        return scrub(f"{type(value).__name__}: {value}")
+    if depth > 5:
+        return value
+    if isinstance(value, dict):
+        return {
+            k: "***" if _secret_key(k) and v else _scrub_value(v, depth + 1)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return type(value)(_scrub_value(v, depth + 1) for v in value)
+    return value
+
+
+def _secret_key(key: Any) -> bool:
+    return isinstance(key, str) and any(s in key.lower() for s in _SECRET_KEYS)
+
+
+_format_exc_info = structlog.processors.ExceptionRenderer()
+
+
+def _redact(logger: Any, name: str, event: dict[str, Any]) -> dict[str, Any]:
+    # Render a traceback to text here, before scrubbing, in every output format:
+    # exception messages of asyncpg/aio-pika/aetcd may quote a URL with its password.
+    if event.get("exc_info"):
+        event = dict(_format_exc_info(logger, name, event))
     for key, value in list(event.items()):
-        if any(s in key.lower() for s in _SECRET_KEYS) and value:
+        if _secret_key(key) and value:
             event[key] = "***"
-        elif isinstance(value, str) and "://" in value:
-            event[key] = scrub(value)
-    exc = event.get("exception")
-    if isinstance(exc, str):
-        event["exception"] = scrub(exc)
+        else:
+            event[key] = _scrub_value(value)
     return event
 
 
@@ -49,7 +88,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     renderer: Any
     if json_lines:
         renderer = structlog.processors.JSONRenderer()
-        final = [structlog.processors.format_exc_info, _redact, renderer]
+        final = [_redact, renderer]
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=False)
         final = [_redact, renderer]

@@ -56,6 +56,8 @@ def parse_payload(text: str | None) -> dict[str, Any]:
         raise InvalidInput(
             f"--payload is not valid JSON: {exc.msg} at position {exc.pos}"
         ) from None
+    except (ValueError, RecursionError) as exc:  # int digit limit, nesting depth
+        raise InvalidInput(f"--payload is not acceptable JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidInput(f"--payload must be a JSON object, not {type(value).__name__}")
     problem = _jsonb_problem(value)

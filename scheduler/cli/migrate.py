@@ -11,7 +11,7 @@ from typing import Any
 
 from scheduler.config import Settings
 from scheduler.migrate import migrate
-from scheduler.roles import DEFAULT_PREFIX, apply_roles
+from scheduler.roles import DEFAULT_PREFIX, RoleNames, apply_roles
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -37,6 +37,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 async def run(args: argparse.Namespace, settings: Settings) -> int:
+    if getattr(args, "roles", False):
+        RoleNames.for_prefix(args.roles_prefix)  # a bad prefix fails before anything runs
     result = await migrate(settings.database_url, timeout=settings.db_timeout)
     if result.applied:
         print(f"applied {', '.join(result.applied)}; schema at version {result.current_version}")

@@ -72,8 +72,8 @@ class ExecutionStore:
         task: str,
         worker: str,
     ) -> Delivery | None:
-        """``lock_job`` and, when the row is this attempt and still dispatched,
-        ``insert_ledger`` under the row's key (else ``default_key``), in one round trip.
+        """``lock_job`` and, when the row is this attempt and still dispatched, the
+        ledger row under the row's key (else ``default_key``), in one round trip.
         None if the job does not exist."""
         record = await conn.fetchrow(
             Q["begin_delivery"], job_id, due_at, attempt, default_key, task, worker
@@ -81,19 +81,6 @@ class ExecutionStore:
         if record is None:
             return None
         return Delivery(_locked(record), record["claimed_key"])
-
-    async def insert_ledger(
-        self,
-        conn: Conn,
-        *,
-        key: str,
-        job_id: int,
-        attempt: int,
-        task: str,
-        worker: str,
-    ) -> bool:
-        """True if this delivery claimed the key; False if it was already completed."""
-        return await conn.fetchval(Q["insert_ledger"], key, job_id, attempt, task, worker) == 1
 
     async def mark_succeeded(self, conn: Conn, job_id: int, due_at: datetime, attempt: int) -> bool:
         """dispatched → succeeded for this attempt; False if the row moved on meanwhile."""

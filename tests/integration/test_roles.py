@@ -291,9 +291,10 @@ async def test_worker_is_refused_everything_else(world: World) -> None:
     async with w.acquire() as conn, conn.transaction():
         with pytest.raises(DENIED):
             await fenced_transaction(conn, 1).__aenter__()
-    assert await world.owner.fetchval(
-        "SELECT status FROM duetime.jobs WHERE id = $1", job.job_id
-    ) == "dispatched"
+    assert (
+        await world.owner.fetchval("SELECT status FROM duetime.jobs WHERE id = $1", job.job_id)
+        == "dispatched"
+    )
 
 
 # -- scheduler -----------------------------------------------------------------------
@@ -309,9 +310,7 @@ async def test_scheduler_fences_claims_and_reconciles(world: World) -> None:
         claimed = await store.claim(conn, 10)
         assert len(claimed) == 1
         assert len(await store.mark_dispatched(conn, claimed, 5)) == 1
-    await world.owner.execute(
-        "UPDATE duetime.jobs SET dispatched_at = now() - interval '1 hour'"
-    )
+    await world.owner.execute("UPDATE duetime.jobs SET dispatched_at = now() - interval '1 hour'")
     async with s.acquire() as conn, fenced_transaction(conn, 5):
         stalled = await store.lock_stalled(conn, 60, 10)
         assert [j.job.id for j in stalled] == [claimed[0].id]

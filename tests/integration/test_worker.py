@@ -431,6 +431,48 @@ async def test_concurrency_is_bounded_in_handlers(
     assert peak == 3
 
 
+async def test_acks_coalesce_yet_never_wait_for_a_running_delivery(
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    effects_table: str,
+) -> None:
+    """Acks of deliveries committing together may share one ``ack(multiple=True)``
+    frame, but a delivery still running (here the first one, lowest delivery tag) holds
+    back neither the acks nor the prefetch window of the ones after it, and no ack frame
+    ever covers a delivery that has not committed: the channel survives (RabbitMQ closes
+    it on an unknown tag) and nothing goes back to the queue."""
+    registry = recording_registry()
+    release = asyncio.Event()
+
+    @registry.task("t.gate")
+    async def gated(ctx: JobContext, payload: dict[str, Any]) -> None:
+        await release.wait()
+
+    first = await dispatched_job(db_pool, "t.gate", queue=queue)
+    quick = [await dispatched_job(db_pool, "t.record", queue=queue) for _ in range(40)]
+    await publish(channel, queue, first.message(1))
+    for job in quick:
+        await publish(channel, queue, job.message(1))
+    async with running(settings, registry, queue, concurrency=8) as worker:
+        consumer = worker.consumer
+        assert consumer is not None
+        # 40 quick jobs through 7 free slots while the first delivery still runs:
+        # impossible unless their acks went out (prefetch = concurrency = 8)
+        await wait_for(lambda: consumer.acked >= len(quick), timeout=20)
+        assert await status_is(db_pool, first, "dispatched", 1)
+        release.set()
+        await wait_for(lambda: status_is(db_pool, first, "succeeded", 1), timeout=10)
+        await wait_for(lambda: consumer.acked == len(quick) + 1, timeout=10)
+        assert consumer.ack_frames <= consumer.acked
+        assert consumer.requeued == 0
+    for job in quick:
+        assert await effects(db_pool, job, effects_table) == 1
+    # closing the channel would have requeued any delivery left unacked
+    assert await queue_depth(channel, queue) == (0, 0)
+
+
 async def test_long_handler_heartbeats(
     settings: Settings,
     db_pool: asyncpg.Pool,

@@ -1,0 +1,257 @@
+"""Hostile rows and messages against real PostgreSQL, RabbitMQ and a real Worker.
+
+- Producer rows the database must refuse (CHECKs of migrations 0001 and 0005) or park
+  safely (year 9999 lands in the DEFAULT bucket).
+- A malformed message is dead-lettered, the worker stays up and the job behind it runs.
+- No code from data: a task name naming a module or builtin dies as "unknown task"
+  and imports nothing; a payload holding pickle bytes reaches the handler as data.
+- One poisonous payload must not stop the dispatcher (found here; fixed in
+  scheduler/db.py's jsonb decoder).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import pickle
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aio_pika
+import asyncpg
+import pytest
+from aio_pika.abc import AbstractChannel
+
+from scheduler import db
+from scheduler.broker import DEAD_LETTER_QUEUE, declare_dead_letter, queue_name
+from scheduler.config import Settings
+from scheduler.duties.dispatcher import Dispatcher
+from scheduler.duty import LeaderTerm
+from scheduler.fence import FenceStore
+from tests.fixtures_tasks.jobs import declare, dispatched_job, job_row, publish, queue_depth
+from tests.support.wait import wait_for
+from workers import JobContext, Registry, Worker
+
+pytestmark = pytest.mark.timeout(60)
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+async def pool(migrated_dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await db.create_pool(migrated_dsn, max_size=6)
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+REFUSED = [
+    ("payload over 1 MiB", "jsonb_build_object('a', repeat('x', 1100000))", "now()", 5, "t",
+     "jobs_payload_too_large"),
+    ("-infinity", "'{}'", "'-infinity'", 5, "t", "jobs_due_at_not_finite"),
+    ("infinity", "'{}'", "'infinity'", 5, "t", "jobs_due_at_not_finite"),
+    ("max_attempts 1001", "'{}'", "now()", 1001, "t", "jobs_max_attempts_out_of_range"),
+    ("max_attempts 0", "'{}'", "now()", 0, "t", "jobs_max_attempts_out_of_range"),
+    ("task 201 chars", "'{}'", "now()", 5, "x" * 201, "jobs_task_too_long"),
+    ("blank task", "'{}'", "now()", 5, "   ", "jobs_task_not_empty"),
+    ("payload array", "'[1]'", "now()", 5, "t", "jobs_payload_not_object"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("payload", "due", "attempts", "task", "constraint"),
+    [pytest.param(*r[1:], id=r[0]) for r in REFUSED],
+)
+async def test_database_refuses_hostile_rows(
+    pool: asyncpg.Pool, payload: str, due: str, attempts: int, task: str, constraint: str
+) -> None:
+    with pytest.raises(asyncpg.CheckViolationError) as info:
+        await pool.execute(
+            f"INSERT INTO duetime.jobs (task, payload, due_at, max_attempts) "
+            f"VALUES ($1, {payload}, {due}, $2)",
+            task,
+            attempts,
+        )
+    assert info.value.constraint_name == constraint
+
+
+async def test_year_9999_is_parked_in_default_and_hostile_queue_names_refused(
+    pool: asyncpg.Pool,
+) -> None:
+    where = await pool.fetchval(
+        "INSERT INTO duetime.jobs (task, due_at) VALUES ('far', '9999-12-31 23:59:59+00') "
+        "RETURNING tableoid::regclass::text"
+    )
+    assert where == "duetime.jobs_default"
+    for queue in ("../etc", "a b", "", "x" * 101, "amq.gen", "ąę"):
+        if queue == "amq.gen":  # allowed by the CHECK: a plain name inside duetime.<q>
+            continue
+        with pytest.raises(asyncpg.CheckViolationError):
+            await pool.execute("INSERT INTO duetime.jobs (task, queue) VALUES ('t', $1)", queue)
+    # schedules carry the same payload ceiling, so the planner can always materialize them
+    with pytest.raises(asyncpg.CheckViolationError, match="schedules_payload_too_large"):
+        await pool.execute(
+            "INSERT INTO duetime.schedules (name, task, cron, payload) "
+            "VALUES ('big', 't', '* * * * *', jsonb_build_object('a', repeat('x', $1::int)))",
+            MIB + 10,
+        )
+
+
+# -- the worker ------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def channel(amqp_url: str) -> AsyncIterator[AbstractChannel]:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    try:
+        yield await connection.channel()
+    finally:
+        await connection.close()
+
+
+@pytest.fixture
+async def queue(channel: AbstractChannel, unique: str) -> AsyncIterator[str]:
+    name = f"hostile-{unique}"
+    await declare(channel, name)
+    yield name
+    with contextlib.suppress(Exception):
+        await channel.queue_delete(queue_name(name))
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings, registry: Registry, queue: str) -> AsyncIterator[Worker]:
+    worker = Worker(settings, queues=[queue], registry=registry, concurrency=4, grace_period=5)
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop()
+
+
+def data_registry(seen: list[Any]) -> Registry:
+    registry = Registry()
+
+    @registry.task("h.echo")
+    async def echo(ctx: JobContext, payload: dict[str, Any]) -> None:
+        seen.append(payload)
+
+    return registry
+
+
+async def dead_letter_count(channel: AbstractChannel) -> int:
+    await declare_dead_letter(channel)
+    declared = await channel.declare_queue(DEAD_LETTER_QUEUE, passive=True)
+    return int(declared.declaration_result.message_count or 0)
+
+
+async def test_malformed_messages_are_dead_lettered_and_the_worker_keeps_working(
+    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str
+) -> None:
+    seen: list[Any] = []
+    before = await dead_letter_count(channel)
+    bad = [
+        b"\x80\x81not json",
+        b"[" * 100_000,
+        b'{"job_id": "1; DROP TABLE duetime.jobs"}',
+        b'{"job_id": 1, "task": {"__class__": "os.system"}}',
+        b"\x00" * 1000,
+    ]
+    job = await dispatched_job(db_pool, "h.echo", {"n": 1}, queue=queue)
+    async with running(settings, data_registry(seen), queue) as worker:
+        for i, body in enumerate(bad):
+            await publish(channel, queue, body, message_id=f"bad-{i}")
+        await publish(channel, queue, job.message(1))
+        await wait_for(
+            lambda: _status(db_pool, job.id, "succeeded"), timeout=15, message="job succeeded"
+        )
+        await wait_for(lambda: _fewer(channel, queue), timeout=10, message="queue drained")
+        assert worker.consumer is not None and not worker.consumer.stopping
+    assert seen == [{"n": 1}]
+    assert await dead_letter_count(channel) >= before + len(bad)
+    assert await db_pool.fetchval("SELECT to_regclass('duetime.jobs') IS NOT NULL")
+
+
+async def _status(pool: asyncpg.Pool, job_id: int, status: str) -> bool:
+    return await pool.fetchval("SELECT status FROM duetime.jobs WHERE id = $1", job_id) == status
+
+
+async def _fewer(channel: AbstractChannel, queue: str) -> bool:
+    ready, _ = await queue_depth(channel, queue)
+    return ready == 0
+
+
+async def test_no_code_from_data(
+    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str
+) -> None:
+    """A task name is only a registry key; a payload is only data."""
+    seen: list[Any] = []
+    assert "this" not in sys.modules  # importing it prints the Zen of Python
+    names = ["os.system", "__import__", "builtins.eval", "this", "subprocess:run", "h.echo "]
+    hostile = [await dispatched_job(db_pool, name, {"cmd": "id"}, queue=queue) for name in names]
+
+    class Boom:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (pytest.fail, ("unpickled!",))
+
+    blob = pickle.dumps(Boom())
+    payload = {
+        "pickle_b64": base64.b64encode(blob).decode(),
+        "pickle_hex": blob.hex(),
+        "__reduce__": "os.system",
+        "py/object": "os.system",  # jsonpickle's tag
+        "$eval": "__import__('os').system('id')",
+    }
+    data_job = await dispatched_job(db_pool, "h.echo", payload, queue=queue)
+    async with running(settings, data_registry(seen), queue):
+        for job in hostile:
+            await publish(channel, queue, job.message(1))
+        await publish(channel, queue, data_job.message(1))
+        for job in hostile:
+            await wait_for(lambda j=job: _status(db_pool, j.id, "dead"), timeout=15)
+        await wait_for(lambda: _status(db_pool, data_job.id, "succeeded"), timeout=15)
+    for job, name in zip(hostile, names, strict=True):
+        row = await job_row(db_pool, job)
+        assert row["last_error"].startswith(f"unknown task {name!r}")
+    assert seen == [payload]  # exactly the JSON that was inserted, still strings
+    assert "this" not in sys.modules
+
+
+# -- the dispatcher ----------------------------------------------------------------------
+
+
+async def test_one_poisonous_payload_does_not_stop_dispatch(
+    settings: Settings, migrated_dsn: str, pool: asyncpg.Pool, unique: str
+) -> None:
+    queue = f"poison-{unique}"
+    await pool.execute(
+        "INSERT INTO duetime.jobs (task, payload, queue, due_at) "
+        "VALUES ('t', '{\"a\": 1e5000}', $1, now() - interval '1 minute')",
+        queue,
+    )
+    await pool.execute(
+        "INSERT INTO duetime.jobs (task, payload, queue) VALUES ('t', '{}', $1)", queue
+    )
+    assert await FenceStore(pool).advance(1, "n")
+    dispatcher = Dispatcher(dataclasses.replace(settings, database_url=migrated_dsn), pool)
+    dispatcher.bind(LeaderTerm(epoch=1, node_id="n"))
+    connection = await aio_pika.connect(settings.amqp_url, timeout=10)
+    try:
+        await declare(await connection.channel(), queue)
+        await dispatcher.publisher.open()
+        try:
+            await dispatcher.dispatch_batch()
+        finally:
+            await dispatcher.publisher.close()
+        rows = await pool.fetch("SELECT payload::text = '{}' AS plain, status FROM duetime.jobs")
+        statuses = {r["plain"]: r["status"] for r in rows}
+        # Both go out in the same batch: the row whose number exceeds Python's int-digit
+        # limit decodes to a float (inf) instead of failing every claim that reads it
+        # (scheduler/db.py decode_jsonb); the handler sees {"a": inf}.
+        assert statuses == {True: "dispatched", False: "dispatched"}
+    finally:
+        ch = await connection.channel()
+        with contextlib.suppress(Exception):
+            await ch.queue_delete(queue_name(queue))
+        await connection.close()
