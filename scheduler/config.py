@@ -166,6 +166,9 @@ class Settings:
     etcd_prefix: str = "duetime"
     etcd_username: str | None = None
     etcd_password: str | None = None
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
     node_id: str = field(default_factory=_default_node_id)
     lease_ttl: float = 10.0
     lease_safety_margin: float | None = None
@@ -223,6 +226,10 @@ FIELDS: dict[str, Field] = {
         Field("etcd_prefix", _prefix, "key prefix isolating clusters sharing an etcd"),
         Field("etcd_username", _optional_text, "etcd user (auth enabled clusters)"),
         Field("etcd_password", _optional_text, "etcd password", secret=True),
+        # TLS to etcd (scheduler/etcd_client.py): on when a CA file is set.
+        Field("etcd_ca_file", _optional_text, "CA file (PEM) for etcd; set: TLS to etcd"),
+        Field("etcd_cert_file", _optional_text, "client cert (PEM) for etcd --client-cert-auth"),
+        Field("etcd_key_file", _optional_text, "key (PEM) of etcd_cert_file"),
         Field("node_id", _text, "this process's node id (default host-pid)"),
         Field("lease_ttl", _number(float, minimum=1.0), "leader lease TTL in seconds"),
         Field(
@@ -365,6 +372,13 @@ def load_settings(
     if errors:
         raise _invalid(errors)
     settings = Settings(**values)
+    tls_files = (settings.etcd_ca_file, settings.etcd_cert_file, settings.etcd_key_file)
+    if settings.etcd_ca_file is None and any(tls_files):
+        errors.append("etcd_cert_file/etcd_key_file need etcd_ca_file (it turns TLS on)")
+    if (settings.etcd_cert_file is None) != (settings.etcd_key_file is None):
+        errors.append("etcd_cert_file and etcd_key_file must be set together")
+    if errors:
+        raise _invalid(errors)
     margin = settings.effective_safety_margin
     if margin >= settings.lease_ttl:
         raise _invalid(

@@ -65,11 +65,13 @@ host) and clock-rate skew (ppm). Those do not grow with the TTL, hence the 2 s c
 stops while a VM is suspended, and a process can stall between checking ``is_leader()``
 and committing. The database fence (``leader_fence``) is what makes a zombie harmless.
 
-**Connections.** Every call has a deadline (gRPC and ``asyncio.wait_for``). gRPC
-keepalive notices a frozen etcd under an idle watch in 5-7 s (a killed one at once, by
-the connection reset); a leader notices within TTL - margin either way. Endpoints are
-tried in turn; after any error the client is discarded (aetcd's watcher does not
-survive a failed stream) and the next endpoint gets a fresh channel.
+**Connections.** The client comes from ``scheduler.etcd_client``: plain gRPC, or TLS
+when an ``EtcdTLS`` is given, with the same keepalive options either way. Every call
+has a deadline (gRPC and ``asyncio.wait_for``). gRPC keepalive notices a frozen etcd
+under an idle watch in 5-7 s (a killed one at once, by the connection reset); a leader
+notices within TTL - margin either way. Endpoints are tried in turn; after any error
+the client is discarded (aetcd's watcher does not survive a failed stream) and the
+next endpoint gets a fresh channel.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ import grpc
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK
 from scheduler.errors import ConfigError, DuetimeError, LeadershipLost, ServiceUnavailable
+from scheduler.etcd_client import GRPC_OPTIONS, EtcdTLS, make_client
 from scheduler.log import get_logger
 
 __all__ = [
@@ -104,22 +107,6 @@ __all__ = [
 log = get_logger(__name__)
 T = TypeVar("T")
 
-GRPC_OPTIONS: dict[str, int] = {
-    # etcd's default --grpc-keepalive-min-time is 5 s: pinging more often earns a GOAWAY
-    # "too_many_pings", which kills the watch stream (measured with 2 s).
-    "grpc.keepalive_time_ms": 6_000,
-    "grpc.keepalive_timeout_ms": 3_000,
-    # Without it grpcio 1.85 does not act on an unanswered keepalive ping (measured: a
-    # frozen etcd under an idle watch unnoticed for > 40 s; with it, 5-7 s).
-    "grpc.http2.ping_timeout_ms": 3_000,
-    # Default 2: an idle watch stream stops pinging after two pings, and a frozen etcd
-    # then goes unnoticed for good (measured: > 40 s). 0 = no limit.
-    "grpc.http2.max_pings_without_data": 0,
-    # etcd rejects pings on a connection without streams (PermitWithoutStream=false).
-    "grpc.keepalive_permit_without_calls": 0,
-    # A channel that saw etcd down must not back off for minutes once it is back.
-    "grpc.max_reconnect_backoff_ms": 1_000,
-}
 _ETCD_ERRORS: tuple[type[BaseException], ...] = (
     aetcd.ClientError, grpc.RpcError, grpc.aio.BaseError, TimeoutError, OSError,
 )  # fmt: skip
@@ -220,6 +207,7 @@ class Election:
         password: str | None = None,
         *,
         rng: random.Random | None = None,
+        tls: EtcdTLS | None = None,
     ) -> None:
         if not endpoints:
             raise ConfigError("at least one etcd endpoint is required")
@@ -244,6 +232,7 @@ class Election:
         self.call_timeout = call_timeout
         self._clock: MonotonicClock = clock or SYSTEM_CLOCK
         self._auth = (username, password)
+        self._tls = tls  # None: plain gRPC (see scheduler/etcd_client.py)
         self._rng = rng or random.Random()
         self._client: aetcd.Client | None = None
         self._endpoint_index = 0
@@ -508,9 +497,9 @@ class Election:
         if self._client is None:
             host, port = self._endpoints[self._endpoint_index]
             username, password = self._auth
-            self._client = aetcd.Client(
-                host=host, port=port, username=username, password=password,
-                timeout=self.call_timeout, options=dict(GRPC_OPTIONS),
+            self._client = make_client(
+                host, port, username=username, password=password,
+                timeout=self.call_timeout, tls=self._tls,
             )  # fmt: skip
         return self._client
 

@@ -53,6 +53,7 @@ from scheduler.config import Settings
 from scheduler.duty import LeaderTerm, LoopDuty
 from scheduler.election import Election, Term
 from scheduler.errors import Fenced, LeadershipLost
+from scheduler.etcd_client import etcd_tls
 from scheduler.fence import FenceStore
 from scheduler.log import get_logger
 from scheduler.metrics import IS_LEADER, LEADER_EPOCH, LEADER_TRANSITIONS
@@ -259,6 +260,7 @@ class Replica:
                 self.clock,
                 settings.etcd_username,
                 settings.etcd_password,
+                tls=etcd_tls(settings),
             )
             ctx = ReplicaContext(
                 settings=settings,

@@ -31,6 +31,7 @@ import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
 from scheduler.config import Settings
+from scheduler.errors import ConfigError
 from scheduler.log import scrub
 from scheduler.sql import load
 
@@ -226,19 +227,25 @@ def election_key(prefix: str) -> str:
 
 async def read_election_key(settings: Settings, *, timeout: float | None = None) -> EtcdView:
     """Read the election key from the first etcd endpoint that answers in time."""
-    import aetcd  # imported lazily: grpc start-up costs ~100 ms the DB path never needs
+    # imported lazily: grpc start-up costs ~100 ms the DB path never needs
+    from scheduler.etcd_client import etcd_tls, make_client
 
     key = election_key(settings.etcd_prefix)
     timeout = settings.etcd_timeout if timeout is None else timeout
+    try:
+        tls = etcd_tls(settings)
+    except ConfigError as exc:  # an unusable CA/cert/key file: report it, like etcd down
+        return EtcdView(key, False, error=str(exc))
     errors: list[str] = []
     for endpoint in settings.etcd_endpoints:
         host, _, port = endpoint.rpartition(":")
-        client = aetcd.Client(
-            host=host,
-            port=int(port),
+        client = make_client(
+            host,
+            int(port),
             username=settings.etcd_username,
             password=settings.etcd_password,
             timeout=timeout,  # grpc takes float seconds
+            tls=tls,
         )
         try:
             async with asyncio.timeout(timeout * 2):

@@ -21,11 +21,6 @@ Settlement rules (DESIGN §6):
 
 An ack that fails (channel closed by a broker reconnect) is only logged: the broker
 redelivers the message and the ledger recognises it as already settled.
-
-Acks of deliveries that commit in the same event-loop iteration are coalesced into one
-``ack(multiple=True)`` frame where that covers only committed deliveries (``_AckBatcher``):
-fewer frames, fewer socket writes, the same rule — no delivery is acked before its
-outcome committed.
 """
 
 from __future__ import annotations
@@ -72,21 +67,10 @@ class Consumer:
         self._running: set[asyncio.Task[None]] = set()
         self._consumers: list[tuple[AbstractQueue, str]] = []
         self._db_failures = 0
-        self._acks = _AckBatcher()
         self.stopping = False
         self.active = 0  # deliveries holding a slot right now
         self.peak = 0  # most deliveries ever holding a slot at once
         self.requeued = 0  # deliveries nacked back because no outcome could be recorded
-
-    @property
-    def acked(self) -> int:
-        """Deliveries acked after their outcome committed."""
-        return self._acks.acked
-
-    @property
-    def ack_frames(self) -> int:
-        """Frames those acks took (fewer when ``ack(multiple=True)`` covered several)."""
-        return self._acks.frames
 
     @property
     def in_flight(self) -> int:
@@ -136,11 +120,10 @@ class Consumer:
     # -- deliveries ------------------------------------------------------------------
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        settle = self._acks.received(message)
         if self.stopping:  # arrived between our cancel and the broker's CancelOk
-            await settle("nack", requeue=True)
+            await _Settlement(message)("nack", requeue=True)
             return
-        task = asyncio.create_task(self._handle(settle), name=f"delivery:{message.message_id}")
+        task = asyncio.create_task(self._handle(message), name=f"delivery:{message.message_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -158,8 +141,8 @@ class Consumer:
                 self.active -= 1
                 self._running.discard(task)
 
-    async def _handle(self, settle: _Settlement) -> None:
-        message = settle.message
+    async def _handle(self, message: AbstractIncomingMessage) -> None:
+        settle = _Settlement(message)
         job: dict[str, Any] = {}  # job_id/attempt/task for log lines, once decoded
         committed = False
         try:
@@ -184,10 +167,9 @@ class Consumer:
                 await self._ledger.execute(msg)
                 committed = True
             self._db_failures = 0
-            await self._acks.ack(settle)
+            await settle("ack")
         except asyncio.CancelledError:
             # an outcome already committed is acked; anything else goes back to the queue
-            self._acks.withdraw(settle)
             await (settle("ack") if committed else settle("nack", requeue=True))
             raise
         except DatabaseUnavailable as exc:
@@ -218,97 +200,6 @@ class Consumer:
             await settle("nack", requeue=True)
 
 
-class _ChannelAcks:
-    """Delivery tags of one channel: received and not yet settled on the wire, and the
-    committed ones waiting for their ack."""
-
-    __slots__ = ("channel", "ready", "unsettled")
-
-    def __init__(self, channel: object) -> None:
-        self.channel = channel  # kept alive: the dict key is its id()
-        self.unsettled: set[int] = set()
-        self.ready: dict[int, _Settlement] = {}
-
-
-class _AckBatcher:
-    """Coalesces the acks of committed deliveries into ``ack(multiple=True)`` frames.
-
-    ``ack(multiple=True)`` with tag T settles *every* unsettled delivery ≤ T on the
-    channel, so it is only sent for T below the lowest tag that is not ready (still
-    running, waiting for a slot, or being nacked). A tag stays "unsettled" until its own
-    frame (or the multiple frame covering it) was written, so a frame still on its way can
-    never be overtaken by a multiple ack covering it (RabbitMQ closes the channel on an
-    unknown tag). Ready tags above that lowest one are acked singly at once: a long
-    handler must not hold back the acks — and so the prefetch window — of later
-    deliveries. A flush runs one event-loop iteration after a commit, so deliveries that
-    commit together share it. Tags are per channel; a reconnected channel starts afresh.
-    """
-
-    def __init__(self) -> None:
-        self._channels: dict[int, _ChannelAcks] = {}
-        self.acked = 0  # deliveries acked after their commit
-        self.frames = 0  # ack frames that took
-
-    def received(self, message: AbstractIncomingMessage) -> _Settlement:
-        state: _ChannelAcks | None = None
-        tag = message.delivery_tag
-        try:
-            channel: object = message.channel
-        except Exception:  # channel already closed: settle singly (it will fail anyway)
-            channel = None
-        if channel is not None and tag is not None:
-            state = self._channels.get(id(channel))
-            if state is None or state.channel is not channel:
-                state = self._channels[id(channel)] = _ChannelAcks(channel)
-            state.unsettled.add(tag)
-        return _Settlement(message, self, state)
-
-    async def ack(self, settle: _Settlement) -> None:
-        """Ack a delivery whose outcome committed, alone or with others."""
-        state, tag = settle.acks, settle.message.delivery_tag
-        if state is None or tag is None or tag not in state.unsettled:
-            self.acked, self.frames = self.acked + 1, self.frames + 1
-            await settle("ack")
-            return
-        state.ready[tag] = settle
-        await asyncio.sleep(0)  # let the deliveries committing in this iteration join in
-        await self._flush(state)
-
-    def withdraw(self, settle: _Settlement) -> None:
-        """Take a delivery out of the next flush (it is being settled on its own)."""
-        if settle.acks is not None and settle.message.delivery_tag is not None:
-            settle.acks.ready.pop(settle.message.delivery_tag, None)
-
-    def settled(self, settle: _Settlement, covered: Sequence[_Settlement] = ()) -> None:
-        """Frames for ``settle`` (and the deliveries its multiple ack covered) are out."""
-        state = settle.acks
-        if state is None:
-            return
-        for one in (settle, *covered):
-            if one.message.delivery_tag is not None:
-                state.unsettled.discard(one.message.delivery_tag)
-        if not state.unsettled and not state.ready:
-            self._channels.pop(id(state.channel), None)
-
-    async def _flush(self, state: _ChannelAcks) -> None:
-        if not state.ready:
-            return  # another delivery's flush took ours along
-        waiting = state.unsettled.difference(state.ready)
-        lowest = min(waiting, default=None)
-        batch = sorted(t for t in state.ready if lowest is None or t < lowest)
-        singles = [state.ready.pop(t) for t in sorted(state.ready) if t not in batch]
-        covered = [state.ready.pop(t) for t in batch]
-        self.acked += len(covered) + len(singles)
-        self.frames += bool(covered) + len(singles)
-        if covered:
-            top = covered.pop()
-            for one in covered:
-                one.done = True  # settled by top's frame
-            await top("ack", multiple=bool(covered), covered=covered)
-        for one in singles:
-            await one("ack")
-
-
 class _Settlement:
     """Settles one delivery (ack, nack or reject) exactly once.
 
@@ -319,22 +210,13 @@ class _Settlement:
     and the ledger recognises the delivery as settled.
     """
 
-    __slots__ = ("acks", "batcher", "done", "message")
+    __slots__ = ("done", "message")
 
-    def __init__(
-        self,
-        message: AbstractIncomingMessage,
-        batcher: _AckBatcher | None = None,
-        acks: _ChannelAcks | None = None,
-    ) -> None:
+    def __init__(self, message: AbstractIncomingMessage) -> None:
         self.message = message
-        self.batcher = batcher
-        self.acks = acks
         self.done = False
 
-    async def __call__(
-        self, action: str, *, covered: Sequence[_Settlement] = (), **kwargs: Any
-    ) -> None:
+    async def __call__(self, action: str, **kwargs: Any) -> None:
         if self.done or self.message.processed:
             return
         self.done = True
@@ -345,9 +227,5 @@ class _Settlement:
                 "settle_failed",
                 action=action,
                 message_id=self.message.message_id,
-                covered=len(covered),
                 error=repr(exc),
             )
-        finally:
-            if self.batcher is not None:
-                self.batcher.settled(self, covered)

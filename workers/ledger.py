@@ -3,9 +3,9 @@
 One delivery, one transaction on one pooled connection (DESIGN §6)::
 
     BEGIN
-    WITH job AS (SELECT … FROM jobs WHERE id=$1 AND due_at=$2 FOR KEY SHARE)  -- waits for
-         INSERT INTO job_ledger … SELECT … FROM job WHERE <this attempt, dispatched>
-         ON CONFLICT DO NOTHING                    -- the claim; one round trip for both
+    WITH job AS (SELECT … FROM jobs WHERE id=$1 AND due_at=$2 FOR KEY SHARE)  -- waits
+    INSERT INTO job_ledger … SELECT … FROM job    -- for the claim; one statement, one
+      WHERE <dispatched, this attempt> ON CONFLICT DO NOTHING  -- round trip (begin_delivery)
       missing / not 'dispatched' / other attempt  → COMMIT, skipped (stale or duplicate)
       key already there (effect done)             → make the job succeeded, COMMIT, skipped
       (task not registered: the plain lock-read, then mark dead, COMMIT)
@@ -18,6 +18,13 @@ new transaction either ``pending`` with the next attempt (and a NOTIFY for the
 dispatcher) or ``dead`` (``workers.retry.decide``). The caller acks only after
 ``execute`` returned: every return value means "an outcome is committed, ack".
 ``DatabaseUnavailable`` means no outcome could be recorded; the caller must requeue.
+
+Round trips per delivery: BEGIN, the lock-read + ledger row (one statement), the
+handler's own, UPDATE succeeded, COMMIT — and no session reset when the connection goes
+back to the pool (``scheduler.db.keep_session``): a handler's changes to its *session*
+(``SET`` without ``LOCAL``, session advisory locks, ``LISTEN``) outlive its job, so
+handlers keep them transaction-scoped (``SET LOCAL``, ``pg_advisory_xact_lock``), which
+also rolls them back with a failed attempt.
 
 Why FOR KEY SHARE: the dispatcher publishes inside its claim transaction, so a message
 can arrive before the claim commits (or for a claim that then rolls back). The lock

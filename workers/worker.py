@@ -1,10 +1,11 @@
 """The worker process: connections, pools, lifecycle and graceful shutdown.
 
 ``Worker`` wires the pieces: an asyncpg pool sized to ``concurrency`` plus two for
-heartbeats, a robust RabbitMQ connection with one channel, a ``Ledger`` (the
-per-delivery transaction) and a ``Consumer`` (deliveries, acks). ``run_worker`` is what
-``duetime worker`` runs: the shared service scaffold turns the first SIGTERM/SIGINT into
-a graceful stop and a second into an immediate exit.
+heartbeats (without asyncpg's session reset on release: ``db.keep_session``), a robust
+RabbitMQ connection with one channel, a ``Ledger`` (the per-delivery transaction) and a
+``Consumer`` (deliveries, acks). ``run_worker`` is what ``duetime worker`` runs: the
+shared service scaffold turns the first SIGTERM/SIGINT into a graceful stop and a second
+into an immediate exit.
 
 Shutdown order matters: stop consuming first (nothing new arrives), then let running
 handlers finish within the grace period, cancel the rest (their transactions roll back
@@ -63,7 +64,10 @@ class Worker:
     async def start(self) -> None:
         s = self.settings
         self.pool = await db.pool_from_settings(
-            s, max_size=self.concurrency + HEARTBEAT_CONNECTIONS, min_size=1
+            s,
+            max_size=self.concurrency + HEARTBEAT_CONNECTIONS,
+            min_size=1,
+            reset=db.keep_session,  # see workers.ledger: ctx.db work is transaction-scoped
         )
         try:
             ledger = Ledger(

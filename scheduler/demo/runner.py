@@ -216,6 +216,9 @@ class Demo:
             env["DUETIME_ETCD_USERNAME"] = s.etcd_username
         if s.etcd_password:
             env["DUETIME_ETCD_PASSWORD"] = s.etcd_password
+        for name in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file"):
+            if getattr(s, name):
+                env["DUETIME_" + name.upper()] = str(getattr(s, name))
         return env
 
     def _spawn_all(self, url: str) -> None:

@@ -342,6 +342,51 @@ async def test_stale_deliveries_are_acked_and_change_nothing(
     assert (await job_row(db_pool, other))["status"] == "dispatched"
     assert await effects(db_pool, job, effects_table) == 0
     assert await effects(db_pool, other, effects_table) == 0
+    # the lock-read and the ledger insert are one statement: a stale delivery inserts nothing
+    assert not await db_pool.fetchval(
+        "SELECT count(*) FROM duetime.job_ledger WHERE job_id = ANY($1::bigint[])",
+        [job.id, other.id, missing.id],
+    )
+
+
+async def test_the_rows_own_key_is_the_ledger_key_and_dedupes_across_jobs(
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    effects_table: str,
+) -> None:
+    """The key comes from the locked row (the message's is only the fallback): two jobs a
+    producer gave the same key run once; the second is settled as already done."""
+    registry = recording_registry()
+    seen: list[str] = []
+
+    @registry.task("t.key")
+    async def keyed(ctx: JobContext, payload: dict[str, Any]) -> None:
+        seen.append(ctx.idempotency_key)
+        await ctx.db.execute(
+            f"INSERT INTO {EFFECTS_TABLE} (job_id, attempt, tag) VALUES ($1, $2, 'k')",
+            ctx.job_id,
+            ctx.attempt,
+        )
+
+    key = f"order:{queue}"
+    first = await dispatched_job(db_pool, "t.key", queue=queue, idempotency_key=key)
+    second = await dispatched_job(db_pool, "t.key", queue=queue, idempotency_key=key)
+    async with running(settings, registry, queue, concurrency=1):
+        # a message carrying another key (an older producer's, say) changes nothing
+        await publish(channel, queue, dataclasses.replace(first, key="stale:key").message(1))
+        await wait_for(lambda: status_is(db_pool, first, "succeeded", 1), timeout=10)
+        await publish(channel, queue, second.message(1))
+        await wait_for(lambda: status_is(db_pool, second, "succeeded", 1), timeout=10)
+    assert seen == [key]
+    ledger = await db_pool.fetch(
+        "SELECT idempotency_key, job_id FROM duetime.job_ledger WHERE job_id = ANY($1::bigint[])",
+        [first.id, second.id],
+    )
+    assert [(r["idempotency_key"], r["job_id"]) for r in ledger] == [(key, first.id)]
+    assert await effects(db_pool, first, effects_table) == 1
+    assert await effects(db_pool, second, effects_table) == 0
 
 
 async def _ready_is(channel: AbstractChannel, queue: str, count: int) -> bool:
@@ -429,48 +474,6 @@ async def test_concurrency_is_bounded_in_handlers(
             await wait_for(lambda j=job: status_is(db_pool, j, "succeeded", 1), timeout=15)
         assert worker.consumer is not None and worker.consumer.peak == 3
     assert peak == 3
-
-
-async def test_acks_coalesce_yet_never_wait_for_a_running_delivery(
-    settings: Settings,
-    db_pool: asyncpg.Pool,
-    channel: AbstractChannel,
-    queue: str,
-    effects_table: str,
-) -> None:
-    """Acks of deliveries committing together may share one ``ack(multiple=True)``
-    frame, but a delivery still running (here the first one, lowest delivery tag) holds
-    back neither the acks nor the prefetch window of the ones after it, and no ack frame
-    ever covers a delivery that has not committed: the channel survives (RabbitMQ closes
-    it on an unknown tag) and nothing goes back to the queue."""
-    registry = recording_registry()
-    release = asyncio.Event()
-
-    @registry.task("t.gate")
-    async def gated(ctx: JobContext, payload: dict[str, Any]) -> None:
-        await release.wait()
-
-    first = await dispatched_job(db_pool, "t.gate", queue=queue)
-    quick = [await dispatched_job(db_pool, "t.record", queue=queue) for _ in range(40)]
-    await publish(channel, queue, first.message(1))
-    for job in quick:
-        await publish(channel, queue, job.message(1))
-    async with running(settings, registry, queue, concurrency=8) as worker:
-        consumer = worker.consumer
-        assert consumer is not None
-        # 40 quick jobs through 7 free slots while the first delivery still runs:
-        # impossible unless their acks went out (prefetch = concurrency = 8)
-        await wait_for(lambda: consumer.acked >= len(quick), timeout=20)
-        assert await status_is(db_pool, first, "dispatched", 1)
-        release.set()
-        await wait_for(lambda: status_is(db_pool, first, "succeeded", 1), timeout=10)
-        await wait_for(lambda: consumer.acked == len(quick) + 1, timeout=10)
-        assert consumer.ack_frames <= consumer.acked
-        assert consumer.requeued == 0
-    for job in quick:
-        assert await effects(db_pool, job, effects_table) == 1
-    # closing the channel would have requeued any delivery left unacked
-    assert await queue_depth(channel, queue) == (0, 0)
 
 
 async def test_long_handler_heartbeats(

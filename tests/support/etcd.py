@@ -82,6 +82,11 @@ class PrivateEtcd:
     ``stop()``/``kill()`` and a later ``start()`` reuse the same data directory and
     ports, so a test sees an outage followed by the same cluster coming back, with its
     keys and leases (etcd restores leases on restart and extends them by their TTL).
+
+    TLS (optional): with ``cert_file``/``key_file`` clients must speak TLS (``https``
+    client URL); with ``trusted_ca_file`` too, ``--client-cert-auth`` makes etcd refuse
+    clients without a certificate signed by that CA. Health is then probed on a plain
+    HTTP metrics listener (``--listen-metrics-urls``), which needs no client certificate.
     """
 
     def __init__(
@@ -90,7 +95,17 @@ class PrivateEtcd:
         data_dir: str | os.PathLike[str] | None = None,
         name: str = "duetime-test",
         start_timeout: float = 20.0,
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
+        trusted_ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
+        if (cert_file is None) != (key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        if trusted_ca_file is not None and cert_file is None:
+            raise ValueError("client-cert auth (trusted_ca_file) needs cert_file/key_file")
+        self.cert_file = cert_file
+        self.key_file = key_file
+        self.trusted_ca_file = trusted_ca_file
         self.name = name
         self._own_dir = data_dir is None
         self.base_dir = (
@@ -99,13 +114,30 @@ class PrivateEtcd:
         self.data_dir = self.base_dir / "data"
         self.client_port = free_port()
         self.peer_port = free_port()
+        self.metrics_port = free_port() if self.tls else None
         self.start_timeout = start_timeout
         self._token = f"duetime-test-{uuid.uuid4().hex[:8]}"
         self._proc: ChildProcess | None = None
 
     @property
+    def tls(self) -> bool:
+        return self.cert_file is not None
+
+    @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        """``http(s)://127.0.0.1:<port>`` (what etcdctl's ``--endpoints`` wants)."""
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
+    @property
+    def health_endpoint(self) -> str:
+        """Where ``GET /health`` answers over plain HTTP."""
+        if self.metrics_port is not None:
+            return f"127.0.0.1:{self.metrics_port}"
+        return self.endpoint
 
     @property
     def endpoints(self) -> list[str]:
@@ -115,8 +147,17 @@ class PrivateEtcd:
         return self._proc is not None and self._proc.running()
 
     def _argv(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = self.client_url
         peer = f"http://127.0.0.1:{self.peer_port}"
+        tls: list[str] = []
+        if self.tls:
+            tls = [
+                "--cert-file", str(self.cert_file),
+                "--key-file", str(self.key_file),
+                "--listen-metrics-urls", f"http://{self.health_endpoint}",
+            ]  # fmt: skip
+        if self.trusted_ca_file is not None:
+            tls += ["--trusted-ca-file", str(self.trusted_ca_file), "--client-cert-auth"]
         return [
             ETCD_BINARY,
             "--name", self.name,
@@ -129,6 +170,7 @@ class PrivateEtcd:
             "--initial-cluster-state", "new",
             "--initial-cluster-token", self._token,
             "--log-level", "warn",
+            *tls,
         ]  # fmt: skip
 
     async def start(self) -> PrivateEtcd:
@@ -141,7 +183,7 @@ class PrivateEtcd:
         ).start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.start_timeout
-        while not await etcd_healthy(self.endpoint, timeout=0.5):
+        while not await etcd_healthy(self.health_endpoint, timeout=0.5):
             if not self._proc.running():
                 raise RuntimeError(
                     f"etcd exited with {self._proc.returncode} during start:\n{self._proc.tail()}"
