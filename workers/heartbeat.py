@@ -6,16 +6,13 @@ second, visible signal: operators (``duetime jobs show``) and the reconciler's
 "silent for" clock see that the job is alive. A beat is one autocommit UPDATE on its own
 pooled connection, so it is visible at once and does not conflict with the open
 transaction. The first automatic beat comes one interval (visibility_timeout/3) after
-the handler started, so short jobs never pay for one — not even a task: until then the
-heartbeat is one event-loop timer (a task created and cancelled per delivery showed up
-in the worker's profile).
+the handler started, so short jobs never pay for one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -33,27 +30,17 @@ class Heartbeat:
         due_at: datetime,
         attempt: int,
         interval: float,
-        log: Callable[[], Any],
+        log: Any,
     ) -> None:
-        """``log`` makes the logger, called only when a line is due (rarely)."""
         if interval <= 0:
             raise ValueError(f"heartbeat interval must be > 0 (got {interval})")
         self._store = store
         self._job = (job_id, due_at, attempt)
         self.interval = interval
-        self._make_log = log
-        self._log: Any = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._log = log
         self._task: asyncio.Task[None] | None = None
-        self._stopped = False
         self.beats = 0
         self.lost = False
-
-    @property
-    def log(self) -> Any:
-        if self._log is None:
-            self._log = self._make_log()
-        return self._log
 
     async def beat(self) -> bool:
         """One heartbeat now; False when the job is no longer this attempt's."""
@@ -62,24 +49,14 @@ class Heartbeat:
             self.beats += 1
         elif not self.lost:
             self.lost = True
-            self.log.warning("heartbeat_job_moved_on")
+            self._log.warning("heartbeat_job_moved_on")
         return alive
 
     def start(self) -> None:
-        if self._timer is None and self._task is None and not self._stopped:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self.interval, self._first_beat)
-
-    def _first_beat(self) -> None:
-        self._timer = None
-        if not self._stopped:
+        if self._task is None:
             self._task = asyncio.create_task(self._loop(), name=f"heartbeat:{self._job[0]}")
 
     async def stop(self) -> None:
-        self._stopped = True
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
         task, self._task = self._task, None
         if task is None:
             return
@@ -88,12 +65,12 @@ class Heartbeat:
             await task
 
     async def _loop(self) -> None:
-        while True:  # the first interval already passed on the timer
+        while True:
+            await asyncio.sleep(self.interval)
             try:
                 if not await self.beat():
                     return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the database may be briefly away: keep trying
-                self.log.warning("heartbeat_failed", error=f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(self.interval)
+                self._log.warning("heartbeat_failed", error=f"{type(exc).__name__}: {exc}")

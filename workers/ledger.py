@@ -201,15 +201,16 @@ class Ledger:
         key: str,
     ) -> BaseException | None:
         """Run the handler under its timeout; return its exception, or None."""
+        beat_log = get_logger(
+            "duetime.worker", job_id=msg.job_id, attempt=msg.attempt, task=msg.task
+        )
         heartbeat = Heartbeat(
             self._store,
             job_id=msg.job_id,
             due_at=msg.due_at,
             attempt=msg.attempt,
             interval=self._heartbeat_interval,
-            log=lambda: get_logger(
-                "duetime.worker", job_id=msg.job_id, attempt=msg.attempt, task=msg.task
-            ),
+            log=beat_log,
         )
         ctx = JobContext(
             job_id=msg.job_id,
