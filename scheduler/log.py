@@ -93,7 +93,13 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         renderer = structlog.dev.ConsoleRenderer(colors=False)
         final = [_redact, renderer]
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        # filter_by_level first: a disabled debug line must not pay for timestamps and
+        # the rest of the chain (measured ~2.6 % of a busy worker's samples).
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,

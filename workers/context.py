@@ -19,7 +19,14 @@ from scheduler.store.execution import Conn
 
 
 class JobContext:
-    """Read-only facts about the running job, ``db``, ``log`` and ``heartbeat()``."""
+    """Read-only facts about the running job, ``db``, ``log`` and ``heartbeat()``.
+
+    ``db`` is a pooled connection inside the delivery's transaction (ledger row, your
+    writes and the job's outcome commit together). Connections are not reset between
+    jobs (one round trip saved per delivery), so keep session state transaction-scoped:
+    ``SET LOCAL`` rather than ``SET``, ``pg_advisory_xact_lock`` rather than
+    ``pg_advisory_lock``, no ``LISTEN``.
+    """
 
     __slots__ = (
         "_beat",

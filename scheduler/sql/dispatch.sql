@@ -79,8 +79,3 @@ UPDATE duetime.jobs AS j
    AND j.due_at >= $2 AND j.due_at <= $3
    AND j.status = 'dispatched'
 RETURNING j.id;
-
--- name: ping
--- The dispatcher's LISTEN connection proves it is still alive (a half-open TCP
--- connection delivers no notifications and no error until traffic crosses it).
-SELECT 1;

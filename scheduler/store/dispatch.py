@@ -8,20 +8,18 @@ claim is planned once per connection (planning costs more than executing it, DES
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from scheduler import db
 from scheduler.log import get_logger
 from scheduler.rows import ClaimedJob
 from scheduler.sql import load
+from scheduler.store.listener import ChannelListener
 
 Q = load("dispatch")
 log = get_logger(__name__)
@@ -112,14 +110,9 @@ class DispatchStore:
         return {r["id"] for r in records}
 
 
-class JobsListener:
-    """A dedicated connection LISTENing on ``duetime_jobs``; calls ``on_notify`` per NOTIFY.
-
-    ``alive`` turns false as soon as asyncpg sees the connection end (termination
-    listener) and ``on_lost`` is called, so the owner can fall back to probing and
-    reconnect. A half-open TCP connection is only noticed by traffic: ``check()`` runs a
-    trivial query under a timeout.
-    """
+class JobsListener(ChannelListener):
+    """The dispatcher's LISTEN connection on ``duetime_jobs`` (NOTIFYs from the client
+    API and CLI for jobs due within a second)."""
 
     def __init__(
         self,
@@ -130,63 +123,11 @@ class JobsListener:
         timeout: float = 10.0,
         application_name: str = "duetime:listen",
     ) -> None:
-        self._dsn = dsn
-        self._on_notify = on_notify
-        self._on_lost = on_lost
-        self._timeout = timeout
-        self._application_name = application_name
-        self._conn: asyncpg.Connection | None = None
-        self._lost = False
-
-    @property
-    def alive(self) -> bool:
-        return self._conn is not None and not self._lost and not self._conn.is_closed()
-
-    async def open(self) -> JobsListener:
-        conn = await db.connect(
-            self._dsn, timeout=self._timeout, application_name=self._application_name
+        super().__init__(
+            dsn,
+            NOTIFY_CHANNEL,
+            on_notify,
+            on_lost=on_lost,
+            timeout=timeout,
+            application_name=application_name,
         )
-        try:
-            conn.add_termination_listener(self._terminated)
-            await conn.add_listener(NOTIFY_CHANNEL, self._notified)
-        except BaseException:
-            conn.terminate()
-            raise
-        self._conn, self._lost = conn, False
-        return self
-
-    async def check(self, timeout: float) -> bool:
-        """Round-trip on the connection; False (and closed) when it does not answer."""
-        conn = self._conn
-        if conn is None or not self.alive:
-            return False
-        try:
-            await conn.fetchval(Q["ping"], timeout=timeout)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            log.warning("listener_check_failed", error=repr(exc))
-            self._terminated(conn)
-            return False
-        return True
-
-    async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None or conn.is_closed():
-            return
-        conn.remove_termination_listener(self._terminated)
-        try:
-            await asyncio.wait_for(conn.close(), min(self._timeout, 5.0))
-        except Exception:
-            with contextlib.suppress(Exception):
-                conn.terminate()
-
-    def _notified(self, *_: object) -> None:
-        self._on_notify()
-
-    def _terminated(self, conn: Any) -> None:
-        if self._lost:
-            return
-        self._lost = True
-        if not conn.is_closed():
-            conn.terminate()
-        if self._on_lost is not None:
-            self._on_lost()

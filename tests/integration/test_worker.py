@@ -526,7 +526,12 @@ async def test_grace_period_expiry_rolls_back_and_requeues(
         )
     finally:
         await asyncio.wait_for(worker.stop(grace_period=0.3), 10)
-    assert await queue_depth(channel, queue) == (1, 0)  # back in the queue, nobody consuming
+    # back in the queue, nobody consuming: the broker settles the nack and drops the
+    # cancelled consumer asynchronously, so wait (bounded) rather than sample once
+    async def requeued() -> bool:
+        return await queue_depth(channel, queue) == (1, 0)
+
+    await wait_for(requeued, timeout=10, message="message requeued, consumer gone")
     row = await job_row(db_pool, job)
     assert row["status"] == "dispatched" and row["attempt"] == 1
     assert await effects(db_pool, job, effects_table) == 0
