@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import importlib
 import inspect
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -121,6 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `duetime jobs list | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover
