@@ -53,7 +53,7 @@ from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.duty import LoopDuty
-from scheduler.errors import LeadershipLost, ServiceUnavailable
+from scheduler.errors import LeadershipLost
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import (
     BACKLOG,
@@ -69,7 +69,9 @@ from scheduler.publisher import (
     publish_timeout_for,
 )
 from scheduler.rows import ClaimedJob
-from scheduler.store.dispatch import DispatchStore, JobsListener
+from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
+from scheduler.store.dispatch import DispatchStore
+from scheduler.store.listener import KeptListener
 
 if TYPE_CHECKING:
     from scheduler.replica import ReplicaContext
@@ -158,10 +160,15 @@ class Dispatcher(LoopDuty):
         self.publisher = publisher or Publisher.from_settings(
             settings, name="duetime-dispatcher", publish_timeout=self.config.publish_timeout
         )
-        self._listener: JobsListener | None = None
-        self._listener_retry_at = 0.0
-        self._listener_failures = 0
-        self._listener_checked_at = 0.0
+        self._wakeups = KeptListener(
+            settings.database_url,
+            JOBS_CHANNEL,
+            self.wake,
+            timeout=settings.db_timeout,
+            application_name=f"duetime:{settings.node_id}:listen",
+            check_interval=self.config.listen_check_interval,
+            log=lambda: self.log,
+        )
         self._backlog_sampled_at = float("-inf")
         self._in_backlog = False
         self._due_timer: float | None = None  # monotonic time the last probe slept until
@@ -186,16 +193,14 @@ class Dispatcher(LoopDuty):
         await self._ensure_listener()
 
     async def teardown(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            await listener.close()
+        await self._wakeups.close()
         if self._owns_publisher:
             await self.publisher.close()
         self._in_backlog = False
 
     @property
     def listening(self) -> bool:
-        return self._listener is not None and self._listener.alive
+        return self._wakeups.alive
 
     # -- one pass --------------------------------------------------------------------
 
@@ -351,43 +356,10 @@ class Dispatcher(LoopDuty):
     # -- wake-ups --------------------------------------------------------------------
 
     async def _ensure_listener(self) -> None:
-        """Keep a LISTEN connection; on failure run on probes and retry with back-off."""
-        now = time.monotonic()
-        listener = self._listener
-        if listener is not None and listener.alive:
-            if now - self._listener_checked_at < self.config.listen_check_interval:
-                return
-            self._listener_checked_at = now
-            if await listener.check(timeout=min(2.0, self.settings.db_timeout)):
-                return
-        if listener is not None:
-            self._listener = None
-            await listener.close()
-            self.log.warning("listener_lost", fallback_poll=self.config.probe_interval)
-        if now < self._listener_retry_at:
-            return
-        fresh = JobsListener(
-            self.settings.database_url,
-            self.wake,
-            on_lost=self.wake,
-            timeout=self.settings.db_timeout,
-            application_name=f"duetime:{self.settings.node_id}:listen",
-        )
-        try:
-            await fresh.open()
-        except (ServiceUnavailable, asyncpg.PostgresError, OSError) as exc:
-            self._listener_failures += 1
-            delay = bounded_jitter(self._listener_failures, base=0.5, cap=10.0)
-            self._listener_retry_at = now + delay
-            self.log.warning("listener_connect_failed", error=str(exc), retry_in=round(delay, 2))
-            return
-        if self._listener_failures:
-            self.log.info("listener_restored", after_failures=self._listener_failures)
-        self._listener, self._listener_failures = fresh, 0
-        self._listener_checked_at = now
-        # a NOTIFY sent while we were not listening is lost: the probe in this pass
-        # (always run after a reconnect, since the backlog flag is reset) covers it
-        self._in_backlog = False
+        """Keep the LISTEN connection; while it is down the loop runs on probes."""
+        if await self._wakeups.ensure():
+            # a NOTIFY sent while we were not listening is lost: make this pass probe
+            self._in_backlog = False
 
     async def _sample_backlog(self) -> None:
         now = time.monotonic()

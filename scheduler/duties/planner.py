@@ -56,11 +56,13 @@ from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
 from scheduler.duty import LoopDuty
-from scheduler.errors import LeadershipLost, ServiceUnavailable
+from scheduler.errors import LeadershipLost
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.schedules import PlanConfig, PlanDecision, invalid_decision, plan_schedule
-from scheduler.store.schedules import ClaimedSchedule, SchedulesListener, ScheduleStore
+from scheduler.store.listener import KeptListener
+from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
+from scheduler.store.schedules import ClaimedSchedule, ScheduleStore
 
 if TYPE_CHECKING:
     from scheduler.replica import ReplicaContext
@@ -194,10 +196,15 @@ class Planner(LoopDuty):
         self.config = config or PlannerConfig.from_settings(settings)
         self._plan_config = self.config.plan_config()
         self._is_leader = is_leader
-        self._listener: SchedulesListener | None = None
-        self._listener_retry_at = 0.0
-        self._listener_failures = 0
-        self._listener_checked_at = 0.0
+        self._wakeups = KeptListener(
+            settings.database_url,
+            SCHEDULES_CHANNEL,
+            self.wake,
+            timeout=settings.db_timeout,
+            application_name=f"duetime:{settings.node_id}:planner-listen",
+            check_interval=self.config.listen_check_interval,
+            log=lambda: self.log,
+        )
         self._isolate = False  # the last batch was refused: apply the next one row by row
         self.invalid_total = 0  # schedules paused for an error, since start
 
@@ -216,13 +223,11 @@ class Planner(LoopDuty):
         await self._ensure_listener()
 
     async def teardown(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            await listener.close()
+        await self._wakeups.close()
 
     @property
     def listening(self) -> bool:
-        return self._listener is not None and self._listener.alive
+        return self._wakeups.alive
 
     # -- one pass --------------------------------------------------------------------
 
@@ -444,39 +449,6 @@ class Planner(LoopDuty):
     # -- wake-ups --------------------------------------------------------------------
 
     async def _ensure_listener(self) -> None:
-        """Keep a LISTEN connection; on failure run on probes and retry with back-off."""
-        now = time.monotonic()
-        listener = self._listener
-        if listener is not None and listener.alive:
-            if now - self._listener_checked_at < self.config.listen_check_interval:
-                return
-            self._listener_checked_at = now
-            if await listener.check(timeout=min(2.0, self.settings.db_timeout)):
-                return
-        if listener is not None:
-            self._listener = None
-            await listener.close()
-            self.log.warning("schedules_listener_lost", fallback_poll=self.config.probe_interval)
-        if now < self._listener_retry_at:
-            return
-        fresh = SchedulesListener(
-            self.settings.database_url,
-            self.wake,
-            on_lost=self.wake,
-            timeout=self.settings.db_timeout,
-            application_name=f"duetime:{self.settings.node_id}:planner-listen",
-        )
-        try:
-            await fresh.open()
-        except (ServiceUnavailable, asyncpg.PostgresError, OSError) as exc:
-            self._listener_failures += 1
-            delay = bounded_jitter(self._listener_failures, base=0.5, cap=10.0)
-            self._listener_retry_at = now + delay
-            self.log.warning(
-                "schedules_listener_connect_failed", error=str(exc), retry_in=round(delay, 2)
-            )
-            return
-        if self._listener_failures:
-            self.log.info("schedules_listener_restored", after_failures=self._listener_failures)
-        self._listener, self._listener_failures = fresh, 0
-        self._listener_checked_at = now
+        """Keep the LISTEN connection; while it is down the loop runs on probes."""
+        await self._wakeups.ensure()
+

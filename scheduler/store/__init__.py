@@ -1,17 +1,18 @@
 """Typed stores: the only code that runs SQL (statements live in ``scheduler/sql``)."""
 
-from scheduler.store.dispatch import DispatchStore, JobsListener, StalledJob
+from scheduler.store.dispatch import DispatchStore, StalledJob
 from scheduler.store.execution import ExecutionStore, LockedJob
 from scheduler.store.jobs import JobStore
-from scheduler.store.schedules import SchedulesListener, ScheduleStore
+from scheduler.store.listener import ChannelListener, KeptListener
+from scheduler.store.schedules import ScheduleStore
 
 __all__ = [
+    "ChannelListener",
     "DispatchStore",
     "ExecutionStore",
     "JobStore",
-    "JobsListener",
+    "KeptListener",
     "LockedJob",
     "ScheduleStore",
-    "SchedulesListener",
     "StalledJob",
 ]

@@ -8,7 +8,7 @@ claim is planned once per connection (planning costs more than executing it, DES
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TypeAlias
@@ -19,7 +19,6 @@ from asyncpg.pool import PoolConnectionProxy
 from scheduler.log import get_logger
 from scheduler.rows import ClaimedJob
 from scheduler.sql import load
-from scheduler.store.listener import ChannelListener
 
 Q = load("dispatch")
 log = get_logger(__name__)
@@ -108,26 +107,3 @@ class DispatchStore:
         ids, lo, hi = _key_arrays(jobs)
         records = await conn.fetch(Q["mark_redispatched"], ids, lo, hi, epoch)
         return {r["id"] for r in records}
-
-
-class JobsListener(ChannelListener):
-    """The dispatcher's LISTEN connection on ``duetime_jobs`` (NOTIFYs from the client
-    API and CLI for jobs due within a second)."""
-
-    def __init__(
-        self,
-        dsn: str,
-        on_notify: Callable[[], None],
-        *,
-        on_lost: Callable[[], None] | None = None,
-        timeout: float = 10.0,
-        application_name: str = "duetime:listen",
-    ) -> None:
-        super().__init__(
-            dsn,
-            NOTIFY_CHANNEL,
-            on_notify,
-            on_lost=on_lost,
-            timeout=timeout,
-            application_name=application_name,
-        )

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any, Self
 
 import asyncpg
 
 from scheduler import db
+from scheduler.backoff import bounded_jitter
+from scheduler.errors import ServiceUnavailable
 from scheduler.log import get_logger
 from scheduler.sql import load
 
@@ -97,3 +100,90 @@ class ChannelListener:
             conn.terminate()
         if self._on_lost is not None:
             self._on_lost()
+
+
+class KeptListener:
+    """A ``ChannelListener`` a duty keeps open across passes.
+
+    ``ensure()`` is called at the start of every pass: it pings a live connection every
+    ``check_interval`` (a half-open socket is silent), replaces a dead one, and retries a
+    failed connect with jittered back-off while the duty runs on probes. It returns True
+    when a fresh connection was just opened — NOTIFYs sent while nobody listened are
+    lost, so the caller should probe once. ``log`` returns the duty's current logger
+    (it is re-bound with node id and epoch at every term).
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        channel: str,
+        on_notify: Callable[[], None],
+        *,
+        timeout: float,
+        application_name: str,
+        check_interval: float,
+        log: Callable[[], Any],
+    ) -> None:
+        self._dsn = dsn
+        self._channel = channel
+        self._on_notify = on_notify
+        self._timeout = timeout
+        self._application_name = application_name
+        self._check_interval = check_interval
+        self._log = log
+        self._listener: ChannelListener | None = None
+        self._failures = 0
+        self._retry_at = 0.0
+        self._checked_at = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self._listener is not None and self._listener.alive
+
+    async def ensure(self) -> bool:
+        now = time.monotonic()
+        listener = self._listener
+        if listener is not None and listener.alive:
+            if now - self._checked_at < self._check_interval:
+                return False
+            self._checked_at = now
+            if await listener.check(timeout=min(2.0, self._timeout)):
+                return False
+        if listener is not None:
+            self._listener = None
+            await listener.close()
+            self._log().warning("listener_lost", channel=self._channel)
+        if now < self._retry_at:
+            return False
+        fresh = ChannelListener(
+            self._dsn,
+            self._channel,
+            self._on_notify,
+            on_lost=self._on_notify,
+            timeout=self._timeout,
+            application_name=self._application_name,
+        )
+        try:
+            await fresh.open()
+        except (ServiceUnavailable, asyncpg.PostgresError, OSError) as exc:
+            self._failures += 1
+            delay = bounded_jitter(self._failures, base=0.5, cap=10.0)
+            self._retry_at = now + delay
+            self._log().warning(
+                "listener_connect_failed",
+                channel=self._channel,
+                error=str(exc),
+                retry_in=round(delay, 2),
+            )
+            return False
+        if self._failures:
+            self._log().info(
+                "listener_restored", channel=self._channel, after_failures=self._failures
+            )
+        self._listener, self._failures, self._checked_at = fresh, 0, now
+        return True
+
+    async def close(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            await listener.close()

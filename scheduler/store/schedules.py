@@ -9,7 +9,7 @@ the pool (or ``conn=`` to join a caller's transaction).
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,9 +23,8 @@ from scheduler.rows import Job
 from scheduler.schedules import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
 from scheduler.sql import load
 from scheduler.store.jobs import NOTIFY_HORIZON
-from scheduler.store.listener import ChannelListener
 
-__all__ = ["NOTIFY_CHANNEL", "ClaimedSchedule", "ScheduleStore", "SchedulesListener"]
+__all__ = ["NOTIFY_CHANNEL", "ClaimedSchedule", "ScheduleStore"]
 
 Q = load("schedules")
 log = get_logger(__name__)
@@ -224,30 +223,3 @@ class ScheduleStore:
         async with self._pool.acquire() as conn:
             status = await conn.execute(Q["prune_fires"], older_than)
         return int(status.split()[-1])
-
-
-class SchedulesListener(ChannelListener):
-    """The planner's LISTEN connection on ``duetime_schedules``.
-
-    Every notification wakes the planner, its own batches' too: filtering them by
-    backend pid would also drop a user's change made through a pool the planner shares,
-    and not filtering costs one probe query per pass.
-    """
-
-    def __init__(
-        self,
-        dsn: str,
-        on_notify: Callable[[], None],
-        *,
-        on_lost: Callable[[], None] | None = None,
-        timeout: float = 10.0,
-        application_name: str = "duetime:planner-listen",
-    ) -> None:
-        super().__init__(
-            dsn,
-            NOTIFY_CHANNEL,
-            on_notify,
-            on_lost=on_lost,
-            timeout=timeout,
-            application_name=application_name,
-        )
