@@ -28,7 +28,7 @@ from bench.tasks import STARTS_DDL, STARTS_TABLE
 from scheduler import broker, db
 from scheduler.config import Settings, load_settings
 from scheduler.migrate import migrate
-from tests.support.procs import ChildProcess, Processes, duetime_argv, python_module_argv
+from tests.support.procs import ChildProcess, Processes, duetime_argv
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 60.0
@@ -151,12 +151,13 @@ class Sandbox:
 
     # -- processes ---------------------------------------------------------------------
 
-    async def start_scheduler(self, *, planner: bool = False, **extra_env: str) -> ChildProcess:
+    async def start_scheduler(self, **extra_env: str) -> ChildProcess:
         """One replica; returns once it leads (its duties are running)."""
         self._n += 1
         node = f"bench-sched-{self._n}"
-        argv = python_module_argv("bench.replica") if planner else duetime_argv("scheduler")
-        child = self.procs.spawn(argv, name=node, env=self.env(node, **extra_env), cwd=REPO)
+        child = self.procs.spawn(
+            duetime_argv("scheduler"), name=node, env=self.env(node, **extra_env), cwd=REPO
+        )
         await wait_for_line(child, '"leading"', READY_TIMEOUT)
         return child
 

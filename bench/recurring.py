@@ -1,7 +1,6 @@
 """``recurring``: M schedules (cron ``* * * * * *``) each firing every second, for D seconds.
 
-The replica runs the planner (``python -m bench.replica``, which is ``duetime scheduler``
-with the planner added if ``default_duties`` does not list it yet). Schedules are
+The replica is a plain ``duetime scheduler`` (the planner is one of its duties). Schedules are
 inserted with plain SQL; after ``--warmup`` seconds (the first planner pass) the window
 of D whole seconds starts. Reported: fires/s delivered (handler starts whose fire time
 lies in the window, per second; M is perfect), fires per second of start time, missing
@@ -57,7 +56,7 @@ async def run(
     load_start = load_average()
     m, d = params.schedules, int(params.duration)
     async with Sandbox(services, "recurring") as sb:
-        await sb.start_scheduler(planner=True)
+        await sb.start_scheduler()
         await sb.start_worker(params.concurrency)
         created = time.time()
         await sb.db.execute(CREATE_SCHEDULES, m, sb.queue)

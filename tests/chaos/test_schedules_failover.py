@@ -2,8 +2,8 @@
 schedules firing every second are being planned → over a 20-second window every fire
 time of every schedule became exactly one job: none missed (``fire_all``), none doubled.
 
-Real replica processes (``python -m tests.chaos.planner_replica``: the default duties
-plus the planner), TTL 2 s, a database and etcd prefix of their own. The planner horizon
+Real ``duetime scheduler`` replica processes (the planner is one of their duties), TTL
+2 s, a database and etcd prefix of their own. The planner horizon
 is 1 s (the minimum), so the jobs planned ahead cover only ~0.5-1 s and the failover
 (~TTL + 1 s) really leaves fire times unplanned: the new leader must find them late and
 catch each one up (``fire_all``), while ``schedule_fires`` keeps it from repeating one
@@ -24,7 +24,7 @@ import pytest
 
 from tests.chaos.cluster import Node, SchedulerCluster
 from tests.support.etcd import free_port
-from tests.support.procs import Processes, python_module_argv
+from tests.support.procs import Processes, duetime_argv
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.chaos
@@ -55,10 +55,10 @@ async def cluster(
         procs.kill_all()
 
 
-def spawn_planner_replica(cluster: SchedulerCluster, name: str) -> Node:
+def spawn_replica(cluster: SchedulerCluster, name: str) -> Node:
     port = free_port()
     proc = cluster.procs.spawn(
-        python_module_argv("tests.chaos.planner_replica"),
+        duetime_argv("scheduler"),
         name=name,
         env={
             **cluster.env,
@@ -85,7 +85,7 @@ async def test_kill9_leader_while_planning_no_fire_time_missed_or_doubled(
             f"q{unique}",
             SCHEDULES,
         )
-        nodes = [spawn_planner_replica(cluster, f"{unique}-p{i}") for i in (1, 2)]
+        nodes = [spawn_replica(cluster, f"{unique}-p{i}") for i in (1, 2)]
         leader, epoch = await cluster.wait_leader(START_TIMEOUT)
 
         async def all_planned() -> bool:
