@@ -15,6 +15,7 @@ is skipped silently.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -25,13 +26,19 @@ from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import aio_pika
 import asyncpg
 import pytest
+from aio_pika.abc import AbstractChannel
 
 from scheduler import db
+from scheduler.broker import queue_name
 from scheduler.config import Settings, load_settings
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
+from tests.fixtures_tasks.basic import EFFECTS_DDL, EFFECTS_TABLE
+from tests.fixtures_tasks.jobs import declare
+from tests.support.procs import Processes
 
 configure_logging("warning", "console")
 
@@ -293,3 +300,37 @@ def test_env(dsn: str, amqp_url: str, etcd_endpoints: str, unique: str) -> dict[
         DUETIME_LOG_FORMAT="json",
     )
     return env
+
+
+@pytest.fixture
+async def channel(amqp_url: str) -> AsyncIterator[AbstractChannel]:
+    """A plain channel on the session vhost: the test's own view of the broker."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    try:
+        yield await connection.channel()
+    finally:
+        await connection.close()
+
+
+@pytest.fixture
+def procs(tmp_path: Any) -> Iterator[Processes]:
+    """Child processes of this test (logs under ``tmp_path``), all killed at teardown."""
+    with Processes(tmp_path) as group:
+        yield group
+
+
+@pytest.fixture(scope="session")
+async def effects_table(db_pool: asyncpg.Pool) -> str:
+    """The table ``tests.fixtures_tasks.basic`` handlers write their effects to."""
+    await db_pool.execute(EFFECTS_DDL)
+    return EFFECTS_TABLE
+
+
+@pytest.fixture
+async def queue(channel: AbstractChannel, effects_table: str, unique: str) -> AsyncIterator[str]:
+    """A job queue of this test's own (declared with duetime's arguments), deleted after."""
+    name = f"q-{unique}"
+    await declare(channel, name)
+    yield name
+    with contextlib.suppress(Exception):
+        await channel.queue_delete(queue_name(name))

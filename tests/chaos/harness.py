@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import asyncpg
 
@@ -49,14 +49,6 @@ START_TIMEOUT = 30.0  # five Python processes importing grpc/aio-pika on a 2-cor
 SIDES = ("scheduler", "worker")
 SERVICES = ("pg", "amqp")
 SKIP_EVENTS = ("delivery_skipped", "delivery_duplicate")
-
-
-def via(url: str, proxy: FaultProxy) -> str:
-    """``url`` with its host:port replaced by the proxy's (user, path, query kept)."""
-    parts = urlsplit(url)
-    userinfo = parts.netloc.rpartition("@")[0]
-    netloc = f"{userinfo}@{proxy.endpoint}" if userinfo else proxy.endpoint
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _json_lines(text: str) -> list[dict[str, Any]]:
@@ -188,7 +180,7 @@ class ChaosCluster:
 
     def _url(self, side: str, service: str, url: str) -> str:
         proxy = self.proxies.get((side, service))
-        return via(url, proxy) if proxy is not None else url
+        return proxy.route(url) if proxy is not None else url
 
     @property
     def cluster(self) -> SchedulerCluster:

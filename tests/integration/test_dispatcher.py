@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aio_pika
 import asyncpg
@@ -366,12 +366,6 @@ async def test_fenced_dispatcher_loop_ends(env: Env) -> None:
     assert await status_counts(env.pool) == {"pending": 1}
 
 
-def via_proxy(url: str, proxy: FaultProxy) -> str:
-    parts = urlsplit(url)
-    netloc = f"{parts.username or 'guest'}:{parts.password or 'guest'}@{proxy.endpoint}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
-
-
 class CuttingPublisher(Publisher):
     """Cuts the proxied broker connection after ``cut_after`` confirms, once."""
 
@@ -399,7 +393,7 @@ async def test_broker_cut_mid_batch_loses_nothing(
         Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c,
     ):
         publisher = CuttingPublisher(
-            via_proxy(settings.amqp_url, proxy),
+            proxy.route(settings.amqp_url),
             delivery_limit=settings.delivery_limit,
             publish_timeout=5,
             reconnect_interval=0.2,
@@ -475,7 +469,7 @@ async def test_broker_down_at_claim_time_claims_nothing(env: Env) -> None:
     target = urlsplit(env.settings.amqp_url)
     async with FaultProxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
         publisher = Publisher(
-            via_proxy(env.settings.amqp_url, proxy),
+            proxy.route(env.settings.amqp_url),
             delivery_limit=env.settings.delivery_limit,
             reconnect_interval=0.2,
         )

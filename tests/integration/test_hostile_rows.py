@@ -102,24 +102,6 @@ async def test_year_9999_is_parked_in_default_and_hostile_queue_names_refused(
 # -- the worker ------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def channel(amqp_url: str) -> AsyncIterator[AbstractChannel]:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    try:
-        yield await connection.channel()
-    finally:
-        await connection.close()
-
-
-@pytest.fixture
-async def queue(channel: AbstractChannel, unique: str) -> AsyncIterator[str]:
-    name = f"hostile-{unique}"
-    await declare(channel, name)
-    yield name
-    with contextlib.suppress(Exception):
-        await channel.queue_delete(queue_name(name))
-
-
 @contextlib.asynccontextmanager
 async def running(settings: Settings, registry: Registry, queue: str) -> AsyncIterator[Worker]:
     worker = Worker(settings, queues=[queue], registry=registry, concurrency=4, grace_period=5)

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aio_pika
 import pytest
@@ -45,12 +45,6 @@ def make_jobs(queue: str, n: int, *, attempt: int = 1) -> list[ClaimedJob]:
             )
         )
     return jobs
-
-
-def via_proxy(url: str, proxy: FaultProxy) -> str:
-    parts = urlsplit(url)
-    netloc = f"{parts.username or 'guest'}:{parts.password or 'guest'}@{proxy.endpoint}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
 
 
 async def drain(url: str, queue: str, *, expect: int, timeout: float = 15.0) -> list:
@@ -185,7 +179,7 @@ async def test_connection_cut_mid_batch_reports_unconfirmed_jobs(
     target = urlsplit(settings.amqp_url)
     async with FaultProxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
         pub = CuttingPublisher(
-            via_proxy(settings.amqp_url, proxy),
+            proxy.route(settings.amqp_url),
             delivery_limit=settings.delivery_limit,
             publish_timeout=5,
             reconnect_interval=0.2,
@@ -220,7 +214,7 @@ async def test_slow_confirms_throttle_and_recover(settings: Settings, unique: st
     target = urlsplit(settings.amqp_url)
     async with FaultProxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
         pub = Publisher(
-            via_proxy(settings.amqp_url, proxy),
+            proxy.route(settings.amqp_url),
             delivery_limit=settings.delivery_limit,
             publish_timeout=0.5,
         )

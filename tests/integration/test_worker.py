@@ -13,9 +13,8 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-import aio_pika
 import asyncpg
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
@@ -23,10 +22,9 @@ from prometheus_client import REGISTRY
 
 from scheduler.broker import DEAD_LETTER_EXCHANGE, declare_dead_letter, queue_name
 from scheduler.config import Settings
-from tests.fixtures_tasks.basic import EFFECTS_DDL, EFFECTS_TABLE
+from tests.fixtures_tasks.basic import EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import (
     DispatchedJob,
-    declare,
     dispatched_job,
     effects,
     job_row,
@@ -39,30 +37,6 @@ from tests.support.wait import wait_for
 from workers import Fail, JobContext, Registry, Retry, RetryPolicy, Worker
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="session")
-async def effects_table(db_pool: asyncpg.Pool) -> str:
-    await db_pool.execute(EFFECTS_DDL)
-    return EFFECTS_TABLE
-
-
-@pytest.fixture
-async def channel(amqp_url: str) -> AsyncIterator[AbstractChannel]:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    try:
-        yield await connection.channel()
-    finally:
-        await connection.close()
-
-
-@pytest.fixture
-async def queue(channel: AbstractChannel, unique: str) -> AsyncIterator[str]:
-    name = f"w-{unique}"
-    await declare(channel, name)
-    yield name
-    with contextlib.suppress(Exception):
-        await channel.queue_delete(queue_name(name))
 
 
 @contextlib.asynccontextmanager
@@ -547,10 +521,7 @@ async def test_database_outage_requeues_until_the_database_is_back(
     parts = urlsplit(settings.database_url)
     proxy = await FaultProxy(parts.hostname or "127.0.0.1", parts.port or 5432).start()
     try:
-        user = f"{parts.username}@" if parts.username else ""
-        via_proxy = urlunsplit(
-            (parts.scheme, f"{user}{proxy.endpoint}", parts.path, parts.query, "")
-        )
+        via_proxy = proxy.route(settings.database_url)
         registry = recording_registry()
         job = await dispatched_job(db_pool, "t.record", queue=queue)
         async with running(
@@ -584,8 +555,7 @@ async def test_broker_connection_cut_mid_handler_effect_once(
     parts = urlsplit(settings.amqp_url)
     proxy = await FaultProxy(parts.hostname or "127.0.0.1", parts.port or 5672).start()
     try:
-        netloc = f"{parts.username}:{parts.password}@{proxy.endpoint}"
-        via_proxy = urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+        via_proxy = proxy.route(settings.amqp_url)
         registry = Registry()
         started = asyncio.Event()
         release = asyncio.Event()

@@ -7,21 +7,16 @@ handler is running with an uncommitted effect — then waits while a file exists
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import aio_pika
 import asyncpg
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from scheduler.broker import queue_name
-from tests.fixtures_tasks.basic import EFFECTS_DDL, EFFECTS_TABLE
+from tests.fixtures_tasks.basic import EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import (
     DispatchedJob,
-    declare,
     dispatched_job,
     effects,
     job_row,
@@ -34,31 +29,6 @@ from tests.support.wait import wait_for
 pytestmark = pytest.mark.timeout(90)
 
 TASKS = "tests.fixtures_tasks.basic"
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Processes]:
-    with Processes(tmp_path) as group:
-        yield group
-
-
-@pytest.fixture
-async def channel(amqp_url: str) -> AsyncIterator[AbstractChannel]:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    try:
-        yield await connection.channel()
-    finally:
-        await connection.close()
-
-
-@pytest.fixture
-async def queue(channel: AbstractChannel, db_pool: asyncpg.Pool, unique: str) -> AsyncIterator[str]:
-    await db_pool.execute(EFFECTS_DDL)
-    name = f"wp-{unique}"
-    await declare(channel, name)
-    yield name
-    with contextlib.suppress(Exception):
-        await channel.queue_delete(queue_name(name))
 
 
 def worker_argv(queue: str, *, concurrency: int, grace: float) -> list[str]:

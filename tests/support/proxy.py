@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 from types import TracebackType
+from urllib.parse import urlsplit, urlunsplit
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,14 @@ class FaultProxy:
         """A proxy in front of ``"host:port"``."""
         host, _, port = endpoint.rpartition(":")
         return cls(host, int(port), **kwargs)  # type: ignore[arg-type]
+
+    def route(self, url: str) -> str:
+        """``url`` (postgresql://, amqp://) with its host:port replaced by the proxy's;
+        user, password, path and query kept."""
+        parts = urlsplit(url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        netloc = f"{userinfo}@{self.endpoint}" if userinfo else self.endpoint
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
     @property
     def endpoint(self) -> str:
