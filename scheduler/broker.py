@@ -24,6 +24,7 @@ from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnectio
 from scheduler.config import redact_url
 from scheduler.errors import InvalidInput, ServiceUnavailable
 from scheduler.jobspec import validate_queue
+from scheduler.startup import is_permanent_cause
 
 QUEUE_PREFIX = "duetime."
 DEAD_LETTER_EXCHANGE = "duetime.dlx"
@@ -68,7 +69,8 @@ async def connect(
         )
     except (OSError, TimeoutError, aiormq.exceptions.AMQPError) as exc:
         raise ServiceUnavailable(
-            f"cannot connect to RabbitMQ at {redact_url(url)}: {type(exc).__name__}: {exc}"
+            f"cannot connect to RabbitMQ at {redact_url(url)}: {type(exc).__name__}: {exc}",
+            transient=not is_permanent_cause(exc),
         ) from None
 
 

@@ -14,6 +14,7 @@ import asyncpg
 
 from scheduler.config import Settings, redact_url
 from scheduler.errors import ServiceUnavailable
+from scheduler.startup import is_permanent_cause
 
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
@@ -60,6 +61,13 @@ def _server_settings(application_name: str, extra: dict[str, str] | None) -> dic
     return settings
 
 
+def _unavailable(dsn: str, exc: BaseException) -> ServiceUnavailable:
+    return ServiceUnavailable(
+        f"cannot connect to PostgreSQL at {redact_url(dsn)}: {type(exc).__name__}: {exc}",
+        transient=not is_permanent_cause(exc),
+    )
+
+
 async def connect(
     dsn: str,
     *,
@@ -75,9 +83,7 @@ async def connect(
             server_settings=_server_settings(application_name, server_settings),
         )
     except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
-        raise ServiceUnavailable(
-            f"cannot connect to PostgreSQL at {redact_url(dsn)}: {type(exc).__name__}: {exc}"
-        ) from None
+        raise _unavailable(dsn, exc) from None
     await init_connection(conn)
     return conn
 
@@ -104,9 +110,7 @@ async def create_pool(
             **kwargs,
         )
     except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
-        raise ServiceUnavailable(
-            f"cannot connect to PostgreSQL at {redact_url(dsn)}: {type(exc).__name__}: {exc}"
-        ) from None
+        raise _unavailable(dsn, exc) from None
     assert pool is not None
     return pool
 

@@ -60,4 +60,15 @@ class LeadershipLost(DuetimeError):
 
 
 class ServiceUnavailable(DuetimeError):
+    """A service (PostgreSQL, RabbitMQ, etcd) could not be used.
+
+    ``transient`` is False when waiting will not help (credentials refused, database or
+    vhost missing, certificate not verified): long-running services retry their start
+    only on transient failures (``scheduler.startup``).
+    """
+
     exit_code = 1
+
+    def __init__(self, message: str, *, transient: bool = True) -> None:
+        super().__init__(message)
+        self.transient = transient

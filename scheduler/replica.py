@@ -57,6 +57,7 @@ from scheduler.etcd_client import etcd_tls
 from scheduler.fence import FenceStore
 from scheduler.log import get_logger
 from scheduler.metrics import IS_LEADER, LEADER_EPOCH, LEADER_TRANSITIONS
+from scheduler.startup import start_with_retry
 
 __all__ = [
     "STEP_DOWN_REASONS",
@@ -225,11 +226,13 @@ class Replica:
         """Campaign and lead until ``stop`` is set; then resign and close everything.
 
         ``on_ready`` is called once the database pool is up and the duties are built
-        (systemd ``READY=1``). Raises ``ServiceUnavailable`` if PostgreSQL cannot be
-        reached at start.
+        (systemd ``READY=1``). PostgreSQL being unreachable at start is retried with
+        back-off until ``stop`` (``scheduler.startup``); a permanent refusal (bad
+        password, no such database) raises ``ServiceUnavailable`` at once.
         """
         with structlog.contextvars.bound_contextvars(node_id=self.node_id):
-            await self._open()
+            if not await start_with_retry(self._open, stop, service="scheduler"):
+                return
             stop_waiter = asyncio.create_task(stop.wait(), name="replica:stop")
             try:
                 if on_ready is not None:

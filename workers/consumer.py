@@ -117,6 +117,16 @@ class Consumer:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         return len(pending)
 
+    async def abort(self) -> None:
+        """A start that failed half-way: cancel whatever deliveries already began (their
+        transactions roll back; the broker requeues them when the channel closes)."""
+        self.stopping = True
+        self._consumers = []
+        for task in list(self._tasks):
+            task.cancel()
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
     # -- deliveries ------------------------------------------------------------------
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:

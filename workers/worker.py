@@ -27,6 +27,7 @@ from scheduler import broker, db
 from scheduler.config import Settings
 from scheduler.jobspec import validate_queue
 from scheduler.log import get_logger
+from scheduler.startup import start_with_retry
 from workers.consumer import Consumer
 from workers.ledger import Ledger
 from workers.registry import Registry, default_registry
@@ -37,7 +38,10 @@ HEARTBEAT_CONNECTIONS = 2
 
 
 class Worker:
-    """One worker: ``start()``, then ``stop()`` (safe before start and twice)."""
+    """One worker: ``start()``, then ``stop()`` (safe before start and twice).
+
+    A ``start()`` that raises has closed what it opened, so it can be called again.
+    """
 
     def __init__(
         self,
@@ -89,6 +93,9 @@ class Worker:
             self.channel = await asyncio.wait_for(self.connection.channel(), s.amqp_timeout)
             await self.consumer.start(self.channel, self.queues, delivery_limit=s.delivery_limit)
         except BaseException:
+            consumer, self.consumer = self.consumer, None
+            if consumer is not None:
+                await consumer.abort()
             await self._close()
             raise
         log.info(
@@ -158,7 +165,9 @@ async def run_worker(
     )
     async with Service("worker", metrics_port=settings.metrics_port) as service:
         try:
-            await worker.start()
+            # a broker or database blip at start is retried, not fatal (scheduler.startup)
+            if not await start_with_retry(worker.start, service.stop_event, service="worker"):
+                return 0
             service.ready()
             service.status(f"consuming {', '.join(worker.queues)}")
             await service.stop_event.wait()

@@ -1,0 +1,120 @@
+"""Starting a long-running service whose dependencies are not ready (yet).
+
+Why this exists: a worker or replica that dies because RabbitMQ answered one
+``queue.declare`` with ``INTERNAL_ERROR`` (a quorum queue's Raft group still starting on
+a loaded broker), or because PostgreSQL was restarting at that moment, turns a blip into
+a process restart at best (systemd, ``RestartSec=2s``) and a silent outage at worst (any
+supervisor that gives up, or none). Long-running services therefore retry their start
+on *transient* errors with a jittered, bounded back-off, log every failed attempt with
+the reason and the delay, and stay stoppable throughout (SIGTERM while retrying is a
+clean exit).
+
+What is *not* transient fails at once, with its one-line error: bad credentials, a
+missing database or vhost, a TLS certificate that does not verify, a queue declared
+with other arguments (``InvalidInput``), bad configuration. Retrying those would only
+hide the mistake behind a log line that repeats forever.
+
+One-shot commands (``duetime migrate``, ``jobs``, ``status``) do not retry: they report
+the error and exit 1, so scripts see it immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import Awaitable, Callable
+
+import aiormq.exceptions
+import asyncpg
+
+from scheduler.backoff import bounded_jitter
+from scheduler.errors import DuetimeError, ServiceUnavailable
+from scheduler.log import get_logger
+
+log = get_logger(__name__)
+
+START_RETRY_BASE = 0.5
+START_RETRY_CAP = 10.0
+
+# Refusals that will not change by waiting: the broker or database said "no" to us.
+_PERMANENT_AMQP = (
+    aiormq.exceptions.ProbableAuthenticationError,
+    aiormq.exceptions.AuthenticationError,
+    aiormq.exceptions.ConnectionNotAllowed,  # vhost missing or not permitted
+    aiormq.exceptions.IncompatibleProtocolError,
+)
+_PERMANENT_PG = (
+    asyncpg.exceptions.InvalidAuthorizationSpecificationError,  # incl. bad password
+    asyncpg.exceptions.InvalidCatalogNameError,  # database does not exist
+)
+
+
+def is_permanent_cause(exc: BaseException) -> bool:
+    """True for a connection failure that waiting will not fix (credentials, missing
+    database or vhost, TLS verification)."""
+    return isinstance(exc, (*_PERMANENT_AMQP, *_PERMANENT_PG, ssl.SSLCertVerificationError))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed start is worth retrying."""
+    if isinstance(exc, ServiceUnavailable):
+        return exc.transient
+    if isinstance(exc, DuetimeError) or is_permanent_cause(exc):
+        return False
+    return isinstance(
+        exc,
+        (
+            TimeoutError,
+            OSError,  # connection refused/reset; aiormq connection errors are OSErrors too
+            aiormq.exceptions.ChannelInvalidStateError,  # channel closed under our feet
+            asyncpg.exceptions.PostgresConnectionError,
+            asyncpg.exceptions.CannotConnectNowError,
+            asyncpg.exceptions.TooManyConnectionsError,
+            asyncpg.exceptions.ConnectionDoesNotExistError,
+        ),
+    )
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def start_with_retry(
+    start: Callable[[], Awaitable[None]],
+    stop: asyncio.Event,
+    *,
+    service: str,
+    base: float = START_RETRY_BASE,
+    cap: float = START_RETRY_CAP,
+) -> bool:
+    """Run ``start`` until it succeeds (True) or ``stop`` is set while waiting (False).
+
+    ``start`` must clean up after itself when it raises (close what it opened), so that
+    it can simply be called again. A non-transient error propagates unchanged.
+    """
+    failures = 0
+    while True:
+        try:
+            await start()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            failures += 1
+            delay = bounded_jitter(failures, base=base, cap=cap)
+            log.warning(
+                "service_start_failed",
+                service=service,
+                attempt=failures,
+                error=describe(exc),
+                retry_in=round(delay, 3),
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+                log.info("service_start_abandoned", service=service, attempts=failures)
+                return False
+            continue
+        if failures:
+            log.info("service_start_recovered", service=service, attempts=failures + 1)
+        return True
