@@ -99,7 +99,17 @@ async def test_three_node_example_forms_a_cluster(tmp_path: Path) -> None:
         assert got is not None and got.value == b"v1"
 
         members[0].kill()  # lose one member: 2 of 3 still form a quorum
-        await clients[1].put(b"duetime-example/k", b"v2")
+
+        async def wrote_v2() -> bool:
+            # If the killed member led raft, writes stall until the two survivors elect
+            # a new leader (ELECTION_TIMEOUT 1 s, more on a loaded machine): retry.
+            try:
+                await asyncio.wait_for(clients[1].put(b"duetime-example/k", b"v2"), 5)
+            except (aetcd.exceptions.ClientError, TimeoutError):
+                return False
+            return True
+
+        await wait_for(wrote_v2, timeout=30, message="a write accepted by the 2 survivors")
         got = await clients[2].get(b"duetime-example/k")
         assert got is not None and got.value == b"v2"
 
