@@ -27,7 +27,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) services lint
-	$(BIN)/pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP) services
 	$(BIN)/pytest -q -x -m 'not chaos and not slow' $(PYTEST_ARGS)
