@@ -45,15 +45,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import asyncpg
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.duty import LoopDuty
-from scheduler.errors import LeadershipLost
+from scheduler.duties.publishing import PublishingDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import (
     BACKLOG,
@@ -70,11 +68,7 @@ from scheduler.publisher import (
 )
 from scheduler.rows import ClaimedJob
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
-from scheduler.store.dispatch import DispatchStore
 from scheduler.store.listener import KeptListener
-
-if TYPE_CHECKING:
-    from scheduler.replica import ReplicaContext
 
 #: Errors after which a claim is simply tried again (another transaction won a race).
 RETRYABLE = (
@@ -137,7 +131,7 @@ class BatchReport:
     failed: int = 0
 
 
-class Dispatcher(LoopDuty):
+class Dispatcher(PublishingDuty):
     name = "dispatcher"
 
     def __init__(
@@ -150,16 +144,16 @@ class Dispatcher(LoopDuty):
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
-        super().__init__(clock=clock)
-        self._is_leader = is_leader
-        self.settings = settings
-        self.pool = pool
-        self.store = DispatchStore(pool)
-        self.config = config or DispatcherConfig.from_settings(settings)
-        self._owns_publisher = publisher is None
-        self.publisher = publisher or Publisher.from_settings(
-            settings, name="duetime-dispatcher", publish_timeout=self.config.publish_timeout
+        config = config or DispatcherConfig.from_settings(settings)
+        super().__init__(
+            settings,
+            pool,
+            publish_timeout=config.publish_timeout,
+            publisher=publisher,
+            clock=clock,
+            is_leader=is_leader,
         )
+        self.config = config
         self._wakeups = KeptListener(
             settings.database_url,
             JOBS_CHANNEL,
@@ -176,26 +170,15 @@ class Dispatcher(LoopDuty):
         self._failed_passes = 0
         self._throttled = False
 
-    @classmethod
-    def from_context(cls, ctx: ReplicaContext) -> Dispatcher:
-        """The dispatcher a replica runs: its pool, clock and lease check."""
-        return cls(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader)
-
-    def _check_leader(self) -> None:
-        """Fail closed: no claim once the lease can no longer be proven alive."""
-        if self._is_leader is not None and not self._is_leader():
-            raise LeadershipLost("lease not provably alive before a fenced claim")
-
     # -- lifecycle -------------------------------------------------------------------
 
     async def setup(self) -> None:
-        await self.publisher.open()
+        await super().setup()
         await self._ensure_listener()
 
     async def teardown(self) -> None:
         await self._wakeups.close()
-        if self._owns_publisher:
-            await self.publisher.close()
+        await super().teardown()
         self._in_backlog = False
 
     @property

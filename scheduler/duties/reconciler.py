@@ -42,22 +42,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import asyncpg
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.duty import LoopDuty
-from scheduler.errors import LeadershipLost
+from scheduler.duties.publishing import PublishingDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
-from scheduler.store.dispatch import DispatchStore, StalledJob
-
-if TYPE_CHECKING:
-    from scheduler.replica import ReplicaContext
+from scheduler.store.dispatch import StalledJob
 
 MAX_IDS_LOGGED = 100
 #: Re-publish counts are remembered for this many jobs (oldest forgotten first).
@@ -111,7 +106,7 @@ class ReconcileReport:
     failed: int = 0
 
 
-class Reconciler(LoopDuty):
+class Reconciler(PublishingDuty):
     name = "reconciler"
 
     def __init__(
@@ -124,36 +119,19 @@ class Reconciler(LoopDuty):
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
-        super().__init__(clock=clock)
-        self._is_leader = is_leader
-        self.settings = settings
-        self.pool = pool
-        self.store = DispatchStore(pool)
-        self.config = config or ReconcilerConfig.from_settings(settings)
-        self._owns_publisher = publisher is None
-        self.publisher = publisher or Publisher.from_settings(
-            settings, name="duetime-reconciler", publish_timeout=self.config.publish_timeout
+        config = config or ReconcilerConfig.from_settings(settings)
+        super().__init__(
+            settings,
+            pool,
+            publish_timeout=config.publish_timeout,
+            publisher=publisher,
+            clock=clock,
+            is_leader=is_leader,
         )
+        self.config = config
         self._deferred_until: dict[str, float] = {}
         self._republished: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._broker_failures = 0
-
-    @classmethod
-    def from_context(cls, ctx: ReplicaContext) -> Reconciler:
-        """The reconciler a replica runs: its pool, clock and lease check."""
-        return cls(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader)
-
-    def _check_leader(self) -> None:
-        """Fail closed: no claim once the lease can no longer be proven alive."""
-        if self._is_leader is not None and not self._is_leader():
-            raise LeadershipLost("lease not provably alive before a fenced claim")
-
-    async def setup(self) -> None:
-        await self.publisher.open()
-
-    async def teardown(self) -> None:
-        if self._owns_publisher:
-            await self.publisher.close()
 
     async def run_once(self) -> float:
         throttle = self.publisher.throttle_delay()
