@@ -8,6 +8,7 @@ claim is planned once per connection (planning costs more than executing it, DES
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,6 +22,15 @@ from scheduler.rows import ClaimedJob
 from scheduler.sql import load
 
 Q = load("dispatch")
+
+
+@functools.cache
+def claim_sql(limit: int) -> str:
+    """The claim with ``limit`` as a literal (why: the comment on ``claim`` in
+    dispatch.sql); one text per batch size, so asyncpg prepares it once per connection."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"claim limit must be a positive integer (got {limit!r})")
+    return Q["claim"].replace("{limit}", str(limit))
 log = get_logger(__name__)
 
 #: A connection of its own or one borrowed from a pool.
@@ -53,7 +63,7 @@ class DispatchStore:
 
     async def claim(self, conn: Conn, limit: int) -> list[ClaimedJob]:
         """Lock up to ``limit`` due pending jobs, earliest run time first."""
-        records = await conn.fetch(Q["claim"], limit)
+        records = await conn.fetch(claim_sql(limit))
         return [ClaimedJob.from_record(r) for r in records]
 
     async def mark_dispatched(
