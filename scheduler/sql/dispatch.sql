@@ -9,12 +9,14 @@
 -- Runs inside the dispatcher's fenced transaction. SKIP LOCKED: rows held by a concurrent
 -- claimer, a canceller or a worker (FOR KEY SHARE) are left for a later pass.
 -- The LIMIT placeholder is the batch size, spliced in as an integer literal by
--- DispatchStore (never text from outside): with `LIMIT $1` PostgreSQL judged the generic plan costlier
--- (an unknown LIMIT is estimated as 10 % of the rows) and re-planned the claim on every
--- execution, ~2.5-3 ms of planning across 17 partitions, more than the claim itself
--- (1.4-2 ms). Without parameters the statement is planned once per connection; now()
--- still prunes the partitions at executor start. Measured: claim of 500 p50 3.5-8.1 ms
--- -> 2.3-2.8 ms, at 10k and 10M stored jobs alike (docs/benchmarks.md, "scale").
+-- DispatchStore (never text from outside): with `LIMIT $1` PostgreSQL judged the
+-- generic plan costlier (an unknown LIMIT is estimated as 10 % of the rows) and
+-- re-planned the claim on every execution: ~2.5-3 ms of planning across 17
+-- partitions, more than the claim itself (1.4-2 ms), and planning grew with the table
+-- (10M/10k claim 1.42x in `bench scale`; 1.02x with the literal). Without parameters
+-- the statement is planned once per connection; now() still prunes the partitions at
+-- executor start. Raw claim of 500, interleaved A/B: p50 5.8 -> 2.4 ms at 10k stored,
+-- 6.2 -> 2.5 ms at 10M.
 SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key
   FROM duetime.jobs
  WHERE status = 'pending'
