@@ -20,14 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.errors import Fenced, LeadershipLost
 from scheduler.log import get_logger
 from scheduler.metrics import DUTY_FAILURES
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from scheduler.config import Settings
+    from scheduler.replica import ReplicaContext
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,3 +159,38 @@ class LoopDuty:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=delay)
         self._wake.clear()
+
+
+class LeaderDuty(LoopDuty):
+    """A duty that writes through fenced transactions (dispatcher, reconciler, planner,
+    maintainer): the replica's settings and pool, and the lease check before each write.
+
+    ``_check_leader()`` fails closed: once the lease can no longer be proven alive the
+    duty raises ``LeadershipLost`` before it opens a fenced transaction, although the
+    fence would refuse a stale commit anyway (an early stop saves a doomed round trip).
+    ``fenced_write`` names the write in that error.
+    """
+
+    fenced_write = "fenced write"
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: asyncpg.Pool,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        is_leader: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__(clock=clock)
+        self.settings = settings
+        self.pool = pool
+        self._is_leader = is_leader
+
+    @classmethod
+    def from_context(cls, ctx: ReplicaContext) -> Self:
+        """The duty a replica runs: its settings, pool, clock and lease check."""
+        return cls(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader)
+
+    def _check_leader(self) -> None:
+        if self._is_leader is not None and not self._is_leader():
+            raise LeadershipLost(f"lease not provably alive before a {self.fenced_write}")

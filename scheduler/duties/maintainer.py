@@ -60,20 +60,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import date
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
-from scheduler.duty import LoopDuty
-from scheduler.errors import LeadershipLost
+from scheduler.duty import LeaderDuty
 from scheduler.fence import fenced_transaction
 from scheduler.store.maintenance import MaintenanceStore
-
-if TYPE_CHECKING:
-    from scheduler.replica import ReplicaContext
 
 T = TypeVar("T")
 
@@ -181,8 +177,9 @@ class MaintenanceReport:
         }
 
 
-class Maintainer(LoopDuty):
+class Maintainer(LeaderDuty):
     name = "maintainer"
+    fenced_write = "fenced maintenance write"
 
     def __init__(
         self,
@@ -193,22 +190,10 @@ class Maintainer(LoopDuty):
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
-        super().__init__(clock=clock)
-        self.settings = settings
-        self.pool = pool
+        super().__init__(settings, pool, clock=clock, is_leader=is_leader)
         self.store = MaintenanceStore(pool)
         self.config = config or MaintainerConfig.from_settings(settings)
-        self._is_leader = is_leader
         self.last_report: MaintenanceReport | None = None
-
-    @classmethod
-    def from_context(cls, ctx: ReplicaContext) -> Maintainer:
-        """The maintainer a replica runs: its pool, clock and lease check."""
-        return cls(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader)
-
-    def _check_leader(self) -> None:
-        if self._is_leader is not None and not self._is_leader():
-            raise LeadershipLost("lease not provably alive before a fenced maintenance write")
 
     # -- one pass --------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
 
@@ -55,17 +55,13 @@ from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
-from scheduler.duty import LoopDuty
-from scheduler.errors import LeadershipLost
+from scheduler.duty import LeaderDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.schedules import PlanConfig, PlanDecision, invalid_decision, plan_schedule
 from scheduler.store.listener import KeptListener
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
 from scheduler.store.schedules import ClaimedSchedule, ScheduleStore
-
-if TYPE_CHECKING:
-    from scheduler.replica import ReplicaContext
 
 #: Errors after which a batch is simply tried again.
 RETRYABLE = (
@@ -177,8 +173,9 @@ class PlanReport:
         self.write_seconds += other.write_seconds
 
 
-class Planner(LoopDuty):
+class Planner(LeaderDuty):
     name = "planner"
+    fenced_write = "fenced planner batch"
 
     def __init__(
         self,
@@ -189,13 +186,10 @@ class Planner(LoopDuty):
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
-        super().__init__(clock=clock)
-        self.settings = settings
-        self.pool = pool
+        super().__init__(settings, pool, clock=clock, is_leader=is_leader)
         self.store = ScheduleStore(pool)
         self.config = config or PlannerConfig.from_settings(settings)
         self._plan_config = self.config.plan_config()
-        self._is_leader = is_leader
         self._wakeups = KeptListener(
             settings.database_url,
             SCHEDULES_CHANNEL,
@@ -207,15 +201,6 @@ class Planner(LoopDuty):
         )
         self._isolate = False  # the last batch was refused: apply the next one row by row
         self.invalid_total = 0  # schedules paused for an error, since start
-
-    @classmethod
-    def from_context(cls, ctx: ReplicaContext) -> Planner:
-        """The planner a replica runs: its pool, clock and lease check."""
-        return cls(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader)
-
-    def _check_leader(self) -> None:
-        if self._is_leader is not None and not self._is_leader():
-            raise LeadershipLost("lease not provably alive before a fenced planner batch")
 
     # -- lifecycle -------------------------------------------------------------------
 
