@@ -8,14 +8,14 @@ results in a temporary directory so the committed bench/results stay untouched.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from tests.support.procs import REPO_ROOT, duetime_argv
+from tests.support.cli import run_duetime
+from tests.support.procs import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,25 +27,13 @@ async def test_bench_all_quick_is_complete(
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUETIME_")}
     env.update(DUETIME_AMQP_URL=amqp_url, DUETIME_ETCD_ENDPOINTS=etcd_endpoints)
-    argv = duetime_argv(
-        "bench", "all", "--quick", "--results-dir", str(tmp_path), "--server-url", server_dsn
-    )
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=150)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    detail = f"stdout:\n{out.decode()[-3000:]}\nstderr:\n{err.decode()[-3000:]}"
-    assert proc.returncode == 0, detail
-    results = {r["scenario"]: r for r in map(json.loads, out.decode().splitlines())}
+    code, out, err = await run_duetime(
+        env, "bench", "all", "--quick", "--results-dir", str(tmp_path),
+        "--server-url", server_dsn, timeout=150, cwd=REPO_ROOT,
+    )  # fmt: skip
+    detail = f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    assert code == 0, detail
+    results = {r["scenario"]: r for r in map(json.loads, out.splitlines())}
     assert set(results) == SCENARIOS, detail
     assert all(r["quick"] for r in results.values())
 

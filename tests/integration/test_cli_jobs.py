@@ -8,11 +8,7 @@ tests' dispatchers.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -21,27 +17,9 @@ import pytest
 
 from scheduler import db
 from tests.conftest import own_database
+from tests.support.cli import run_duetime as duetime
 
-DUETIME = str(Path(sys.executable).with_name("duetime"))
 UNKNOWN_ID = 987_654_321
-
-
-@dataclass
-class Run:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> object:
-        return json.loads(self.out)
-
-    def error_line(self) -> str:
-        """The single stderr line of a failed command (asserts there is exactly one)."""
-        lines = self.err.strip().splitlines()
-        assert len(lines) == 1, f"expected one stderr line, got:\n{self.err}"
-        assert "Traceback" not in self.err
-        assert lines[0].startswith("duetime: error: "), lines[0]
-        return lines[0][len("duetime: error: ") :]
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +38,6 @@ async def pool(cli_dsn: str) -> AsyncIterator[asyncpg.Pool]:
 @pytest.fixture
 def env(test_env: dict[str, str], cli_dsn: str) -> dict[str, str]:
     return {**test_env, "DUETIME_DATABASE_URL": cli_dsn}
-
-
-async def duetime(env: dict[str, str], *args: str, timeout: float = 30.0) -> Run:
-    proc = await asyncio.create_subprocess_exec(
-        DUETIME, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode is not None
-    return Run(proc.returncode, out.decode(), err.decode())
 
 
 async def add(env: dict[str, str], *args: str) -> dict:

@@ -8,38 +8,15 @@ URL nobody listens on, where touching it would exit 1 instead.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
 
 from tests.conftest import own_database
+from tests.support.cli import run_duetime as duetime
 from tests.support.etcd import free_port
-
-DUETIME = str(Path(sys.executable).with_name("duetime"))
-
-
-@dataclass
-class Run:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> object:
-        return json.loads(self.out)
-
-    def error_line(self) -> str:
-        lines = self.err.strip().splitlines()
-        assert len(lines) == 1, f"expected one stderr line, got:\n{self.err}"
-        assert "Traceback" not in self.err
-        assert lines[0].startswith("duetime: error: "), lines[0]
-        return lines[0][len("duetime: error: ") :]
 
 
 @pytest.fixture(scope="module")
@@ -57,20 +34,6 @@ def env(test_env: dict[str, str], cli_dsn: str) -> dict[str, str]:
 def offline_env(test_env: dict[str, str]) -> dict[str, str]:
     """A database URL with nothing behind it: a command that connects exits 1."""
     return {**test_env, "DUETIME_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{free_port()}/x"}
-
-
-async def duetime(env: dict[str, str], *args: str, timeout: float = 30.0) -> Run:
-    proc = await asyncio.create_subprocess_exec(
-        DUETIME, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode is not None
-    return Run(proc.returncode, out.decode(), err.decode())
 
 
 async def add_json(env: dict[str, str], *args: str) -> dict:

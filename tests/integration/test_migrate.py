@@ -5,16 +5,14 @@ applied (issue 2 item 6)."""
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import asyncpg
 import pytest
 
 from scheduler.migrate import MigrationError, migrate
 from scheduler.sql import migrations
+from tests.support.cli import run_duetime
 
-DUETIME = str(Path(sys.executable).with_name("duetime"))
 LATEST = max(version for version, _, _ in migrations())
 ALL_APPLIED = [f"{version:04d}_{name}" for version, name, _ in migrations()]
 
@@ -50,20 +48,6 @@ async def _schema_facts(dsn: str) -> dict[str, object]:
         await conn.close()
 
 
-async def _run_cli(env: dict[str, str], *args: str, timeout: float = 60.0) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        DUETIME, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 async def test_migrate_empty_database(fresh_dsn: str) -> None:
     result = await migrate(fresh_dsn)
     assert result.applied == ALL_APPLIED
@@ -91,7 +75,7 @@ async def test_four_concurrent_processes_make_one_schema(
     fresh_dsn: str, test_env: dict[str, str]
 ) -> None:
     env = {**test_env, "DUETIME_DATABASE_URL": fresh_dsn}
-    results = await asyncio.gather(*(_run_cli(env, "migrate") for _ in range(4)))
+    results = await asyncio.gather(*(run_duetime(env, "migrate", timeout=60) for _ in range(4)))
     for code, out, err in results:
         assert code == 0, (out, err)
         assert "Traceback" not in err
@@ -121,7 +105,9 @@ async def test_changed_migration_is_refused(fresh_dsn: str, test_env: dict[str, 
     assert message.startswith("migration 0001_jobs was changed after it was applied")
     assert "feedfacefeedface" in message and "write a new migration instead" in message
 
-    code, out, err = await _run_cli({**test_env, "DUETIME_DATABASE_URL": fresh_dsn}, "migrate")
+    code, out, err = await run_duetime(
+        {**test_env, "DUETIME_DATABASE_URL": fresh_dsn}, "migrate", timeout=60
+    )
     assert code == 1
     assert out == ""
     assert err.strip().splitlines() == [f"duetime: error: {message}"]
@@ -139,7 +125,7 @@ async def test_changed_migration_is_refused(fresh_dsn: str, test_env: dict[str, 
 
 async def test_unreachable_database_is_one_line(test_env: dict[str, str]) -> None:
     env = {**test_env, "DUETIME_DATABASE_URL": "postgresql://postgres:pw-s3cret@127.0.0.1:1/x"}
-    code, _out, err = await _run_cli(env, "migrate", timeout=30)
+    code, _out, err = await run_duetime(env, "migrate", timeout=30)
     assert code == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1, err

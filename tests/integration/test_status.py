@@ -12,11 +12,9 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import aetcd
 import asyncpg
@@ -24,8 +22,7 @@ import pytest
 
 from scheduler import db
 from scheduler.status import StatusStore, election_key
-
-DUETIME = str(Path(sys.executable).with_name("duetime"))
+from tests.support.cli import Run, run_duetime
 
 
 @dataclass
@@ -56,20 +53,8 @@ class Cluster:
     async def resign(self) -> None:
         await self.etcd.delete(election_key(self.prefix).encode())
 
-    async def run(self, *args: str, timeout: float = 30.0) -> tuple[int, str, str]:
-        proc = await asyncio.create_subprocess_exec(
-            DUETIME, "status", *args, env=self.env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            async with asyncio.timeout(timeout):
-                out, err = await proc.communicate()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        assert proc.returncode is not None
-        return proc.returncode, out.decode(), err.decode()
+    async def run(self, *args: str, timeout: float = 30.0) -> Run:
+        return await run_duetime(self.env, "status", *args, timeout=timeout)
 
     async def status_json(self, *args: str) -> tuple[int, dict]:
         code, out, err = await self.run("--json", *args)
@@ -260,14 +245,10 @@ async def test_schedules_summary(cluster: Cluster) -> None:
     assert report["schedules"]["upcoming"][0]["name"] == "minutely"
 
 
-def test_help_documents_exit_codes() -> None:
-    import subprocess
-
-    out = subprocess.run(
-        [DUETIME, "status", "--help"], capture_output=True, text=True, timeout=30,
-        env={k: v for k, v in os.environ.items() if not k.startswith("DUETIME_")},
-    )  # fmt: skip
-    assert out.returncode == 0
-    assert "exit codes:" in out.stdout
+async def test_help_documents_exit_codes() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUETIME_")}
+    out = await run_duetime(env, "status", "--help")
+    assert out.code == 0
+    assert "exit codes:" in out.out
     for line in ("0  healthy", "1  unhealthy", "2  bad flags"):
-        assert line in out.stdout
+        assert line in out.out
