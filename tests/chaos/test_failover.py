@@ -19,12 +19,12 @@ import asyncio
 import os
 import statistics
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from tests.chaos.cluster import Node, SchedulerCluster, parse_ts
+from tests.chaos.harness import TTL
 from tests.support.etcd import PrivateEtcd
 from tests.support.procs import Processes
 from tests.support.proxy import FaultProxy
@@ -32,7 +32,6 @@ from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.chaos
 
-TTL = 2.0
 SOAK = os.environ.get("DUETIME_TEST_SOAK") == "1"
 ROUNDS = int(os.environ.get("DUETIME_TEST_FAILOVER_ROUNDS", "5" if SOAK else "1"))
 START_TIMEOUT = 20.0  # three Python processes importing grpc on a loaded CI box
@@ -44,25 +43,6 @@ def report(what: str, samples: list[float]) -> None:
         f"min {min(samples):.3f} median {statistics.median(samples):.3f} max {max(samples):.3f}"
     )
     print(f"\n[failover] {what}: {summary} s over {len(samples)} run(s) [{values}]")
-
-
-@pytest.fixture
-async def cluster(
-    tmp_path: Path, test_env: dict[str, str], migrated_dsn: str, etcd_endpoints: str, unique: str
-) -> AsyncIterator[SchedulerCluster]:
-    procs = Processes(tmp_path)
-    try:
-        async with SchedulerCluster(
-            procs,
-            test_env,
-            dsn=migrated_dsn,
-            etcd_endpoint=etcd_endpoints.split(",")[0],
-            prefix=f"duetime-test/{unique}",
-            ttl=TTL,
-        ) as group:
-            yield group
-    finally:
-        procs.kill_all()
 
 
 def spawn_three(cluster: SchedulerCluster, unique: str) -> list[Node]:

@@ -15,44 +15,23 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import asyncpg
 import pytest
 
 from tests.chaos.cluster import Node, SchedulerCluster
+from tests.chaos.harness import TTL
 from tests.support.etcd import free_port
-from tests.support.procs import Processes, duetime_argv
+from tests.support.procs import duetime_argv
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.chaos
 
-TTL = 2.0
 SCHEDULES = 500
 WINDOW = 20  # seconds of fire times checked
 KILL_AFTER = 5  # seconds into the window
 START_TIMEOUT = 30.0
-
-
-@pytest.fixture
-async def cluster(
-    tmp_path: Path, test_env: dict[str, str], migrated_dsn: str, etcd_endpoints: str, unique: str
-) -> AsyncIterator[SchedulerCluster]:
-    procs = Processes(tmp_path)
-    try:
-        async with SchedulerCluster(
-            procs,
-            test_env,
-            dsn=migrated_dsn,
-            etcd_endpoint=etcd_endpoints.split(",")[0],
-            prefix=f"duetime-test/{unique}",
-            ttl=TTL,
-        ) as group:
-            yield group
-    finally:
-        procs.kill_all()
 
 
 def spawn_replica(cluster: SchedulerCluster, name: str) -> Node:
