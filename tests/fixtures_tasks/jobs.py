@@ -19,6 +19,7 @@ from aio_pika.abc import AbstractChannel
 
 from scheduler.broker import declare_job_queue, queue_name
 from scheduler.messages import CONTENT_TYPE, JobMessage
+from tests.support.wait import wait_for
 
 
 @dataclass(frozen=True)
@@ -139,3 +140,24 @@ async def job_row(pool: asyncpg.Pool, job: DispatchedJob) -> asyncpg.Record:
 
 async def effects(pool: asyncpg.Pool, job: DispatchedJob, table: str) -> int:
     return int(await pool.fetchval(f"SELECT count(*) FROM {table} WHERE job_id = $1", job.id))
+
+
+async def drain(
+    url: str, queue: str, *, expect: int, timeout: float = 15.0
+) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    """Get every message of ``duetime.<queue>`` (at least ``expect``), acking them."""
+    got: list[aio_pika.abc.AbstractIncomingMessage] = []
+    connection = await aio_pika.connect(url, timeout=10)
+    try:
+        channel = await connection.channel()
+        q = await channel.declare_queue(queue_name(queue), passive=True)
+
+        async def take() -> bool:
+            while (message := await q.get(no_ack=True, fail=False, timeout=5)) is not None:
+                got.append(message)
+            return len(got) >= expect
+
+        await wait_for(take, timeout=timeout, message=f"{expect} messages on {queue}")
+    finally:
+        await connection.close()
+    return got

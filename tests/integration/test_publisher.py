@@ -22,6 +22,7 @@ from scheduler import broker, messages
 from scheduler.config import Settings
 from scheduler.publisher import Publisher
 from scheduler.rows import ClaimedJob
+from tests.fixtures_tasks.jobs import drain
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
 
@@ -45,25 +46,6 @@ def make_jobs(queue: str, n: int, *, attempt: int = 1) -> list[ClaimedJob]:
             )
         )
     return jobs
-
-
-async def drain(url: str, queue: str, *, expect: int, timeout: float = 15.0) -> list:
-    """Get every message of ``duetime.<queue>`` (at least ``expect``), acking them."""
-    got: list[aio_pika.abc.AbstractIncomingMessage] = []
-    connection = await aio_pika.connect(url, timeout=10)
-    try:
-        channel = await connection.channel()
-        q = await channel.declare_queue(broker.queue_name(queue), passive=True)
-
-        async def take() -> bool:
-            while (message := await q.get(no_ack=True, fail=False, timeout=5)) is not None:
-                got.append(message)
-            return len(got) >= expect
-
-        await wait_for(take, timeout=timeout, message=f"{expect} messages on {queue}")
-    finally:
-        await connection.close()
-    return got
 
 
 @pytest.fixture

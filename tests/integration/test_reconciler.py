@@ -25,6 +25,7 @@ from scheduler.duties.reconciler import Reconciler, ReconcilerConfig
 from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced
 from scheduler.fence import FenceStore
+from tests.fixtures_tasks.jobs import drain
 from tests.support.wait import wait_for
 
 
@@ -69,24 +70,6 @@ async def insert_stalled(
         silent,
     )
     return [r["id"] for r in rows]
-
-
-async def drain(url: str, queue: str, *, expect: int, timeout: float = 10.0) -> list[Any]:
-    got: list[aio_pika.abc.AbstractIncomingMessage] = []
-    connection = await aio_pika.connect(url, timeout=10)
-    try:
-        channel = await connection.channel()
-        q = await channel.declare_queue(broker.queue_name(queue), passive=True)
-
-        async def take() -> bool:
-            while (message := await q.get(no_ack=True, fail=False, timeout=5)) is not None:
-                got.append(message)
-            return len(got) >= expect
-
-        await wait_for(take, timeout=timeout, message=f"{expect} messages on {queue}")
-    finally:
-        await connection.close()
-    return got
 
 
 def reconciled_total() -> float:
