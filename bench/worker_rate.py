@@ -121,7 +121,7 @@ async def _drain(
         **{k: v for k, v in os.environ.items() if not k.startswith("DUETIME_")},
         "DUETIME_DATABASE_URL": dsn,
         "DUETIME_AMQP_URL": amqp_url,
-        "DUETIME_LOG_LEVEL": "warning",
+        "DUETIME_LOG_LEVEL": os.environ.get("BENCH_WORKER_LOG_LEVEL", "warning"),
         "DUETIME_NODE_ID": f"bench-{queue}",
     }
     argv = [
@@ -131,7 +131,7 @@ async def _drain(
     conn = await db.connect(dsn)
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *argv, env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL
+        *argv, env=env, cwd=REPO, stdout=None if "BENCH_WORKER_LOG_LEVEL" in os.environ else asyncio.subprocess.DEVNULL
     )
     try:
         while True:

@@ -188,6 +188,7 @@ class Settings:
     retention_days: float = 7.0
     worker_concurrency: int = 16
     worker_grace_period: float = 30.0
+    task_timeout: float = 1800.0
     delivery_limit: int = 20
 
     def redacted(self) -> dict[str, Any]:
@@ -268,6 +269,11 @@ FIELDS: dict[str, Field] = {
             "worker_grace_period",
             _number(float, minimum=0.0),
             "seconds in-flight handlers get after SIGTERM",
+        ),
+        Field(
+            "task_timeout",
+            _number(float, minimum=0.0, exclusive=True),
+            "seconds a handler may run when its task sets no timeout",
         ),
         Field("delivery_limit", _number(int, minimum=1), "broker redeliveries before dead-letter"),
     ]

@@ -8,6 +8,7 @@ connecting; ``command_timeout`` bounds each statement on the client side.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import asyncpg
@@ -96,8 +97,17 @@ async def create_pool(
     timeout: float = 10.0,
     application_name: str = "duetime",
     server_settings: dict[str, str] | None = None,
+    prepare: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
     **kwargs: Any,
 ) -> asyncpg.Pool:
+    """A pool whose connections get the codecs, then ``prepare`` (once per connection:
+    e.g. preparing the statements its users run, so the first ones are not slow)."""
+
+    async def init(conn: asyncpg.Connection) -> None:
+        await init_connection(conn)
+        if prepare is not None:
+            await prepare(conn)
+
     try:
         pool = await asyncpg.create_pool(
             dsn,
@@ -105,7 +115,7 @@ async def create_pool(
             max_size=max_size,
             timeout=timeout,
             command_timeout=timeout * 3,
-            init=init_connection,
+            init=init,
             server_settings=_server_settings(application_name, server_settings),
             **kwargs,
         )

@@ -1,10 +1,19 @@
-"""The job message (contract, DESIGN §5), encoded by the dispatcher, decoded by workers.
+"""The job message (contract, docs/architecture.md), encoded by the dispatcher, decoded
+by workers.
 
-Body: persistent JSON ``{job_id, due_at, attempt, task, payload, idempotency_key,
-epoch}``; ``message_id`` is ``<job_id>:<attempt>``. Decoding is strict about the
-contract fields (types, ranges) and tolerant of extra fields, so a newer producer can
-add fields without breaking older workers. Nothing in a message is ever executed,
-imported or unpickled: ``task`` is only a key into the worker's registry.
+The message is a **pointer**: persistent JSON ``{job_id, due_at, attempt, epoch, task}``;
+``message_id`` is ``<job_id>:<attempt>``. The worker reads the task, the payload and the
+idempotency key from the job row, in the statement that locks it (the row is
+authoritative), so the payload no longer travels through the broker: smaller messages,
+and no copy of a payload's personal data in RabbitMQ. ``task`` stays for operators
+reading a queue and as a cross-check: a worker that finds another task in the row logs a
+security event and runs the row's.
+
+Decoding accepts the older full body too (``payload`` and ``idempotency_key`` present),
+so messages already queued during an upgrade still run; they are validated and ignored.
+It is strict about the fields it uses (types, ranges) and tolerant of extra fields, so a
+newer producer can add fields without breaking older workers. Nothing in a message is
+ever executed, imported or unpickled.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ CONTENT_TYPE = "application/json"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 BIGINT_MAX = 2**63 - 1
 INT_MAX = 2**31 - 1
-FIELDS = ("job_id", "due_at", "attempt", "task", "payload", "idempotency_key", "epoch")
+FIELDS = ("job_id", "due_at", "attempt", "epoch")
+OPTIONAL_FIELDS = ("task", "payload", "idempotency_key")
 
 
 class MalformedMessage(DuetimeError):
@@ -32,32 +42,39 @@ class MalformedMessage(DuetimeError):
 
 @dataclass(frozen=True, slots=True)
 class JobMessage:
+    """One delivery's pointer at a job attempt. ``task`` (the dispatcher always sets it),
+    ``payload`` and ``idempotency_key`` (older bodies only) are informational: the
+    worker runs what the row says."""
+
     job_id: int
     due_at: datetime
     attempt: int
-    task: str
-    payload: dict[str, Any]
-    idempotency_key: str
     epoch: int
+    task: str | None = None
+    payload: dict[str, Any] | None = None
+    idempotency_key: str | None = None
 
     @property
     def message_id(self) -> str:
-        return f"{self.job_id}:{self.attempt}"
+        return message_id(self.job_id, self.attempt)
 
     def encode(self) -> bytes:
-        return json.dumps(
-            {
-                "job_id": self.job_id,
-                "due_at": self.due_at.isoformat(),
-                "attempt": self.attempt,
-                "task": self.task,
-                "payload": self.payload,
-                "idempotency_key": self.idempotency_key,
-                "epoch": self.epoch,
-            },
-            separators=(",", ":"),
-            ensure_ascii=False,
-        ).encode("utf-8")
+        body: dict[str, Any] = {
+            "job_id": self.job_id,
+            "due_at": self.due_at.isoformat(),
+            "attempt": self.attempt,
+            "epoch": self.epoch,
+        }
+        for name in OPTIONAL_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                body[name] = value
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def message_id(job_id: int, attempt: int) -> str:
+    """The AMQP ``message_id`` of an attempt's message (contract)."""
+    return f"{job_id}:{attempt}"
 
 
 def _int(body: dict[str, Any], key: str, minimum: int, maximum: int) -> int:
@@ -97,12 +114,16 @@ def decode(body: bytes) -> JobMessage:
     missing = [f for f in FIELDS if f not in data]
     if missing:
         raise MalformedMessage(f"missing field(s): {', '.join(missing)}")
-    task, key, payload = data["task"], data["idempotency_key"], data["payload"]
-    if not isinstance(task, str) or not task.strip() or len(task) > 200 or not _text_ok(task):
+    task, key, payload = data.get("task"), data.get("idempotency_key"), data.get("payload")
+    if task is not None and (
+        not isinstance(task, str) or not task.strip() or len(task) > 200 or not _text_ok(task)
+    ):
         raise MalformedMessage(f"field 'task' must be a non-empty string, got {task!r:.60}")
-    if not isinstance(key, str) or not 1 <= len(key) <= 500 or not _text_ok(key):
+    if key is not None and (
+        not isinstance(key, str) or not 1 <= len(key) <= 500 or not _text_ok(key)
+    ):
         raise MalformedMessage("field 'idempotency_key' must be a string of 1-500 characters")
-    if not isinstance(payload, dict):
+    if payload is not None and not isinstance(payload, dict):
         raise MalformedMessage(f"field 'payload' must be an object, got {type(payload).__name__}")
     raw_due = data["due_at"]
     try:
@@ -122,8 +143,8 @@ def decode(body: bytes) -> JobMessage:
         job_id=_int(data, "job_id", 1, BIGINT_MAX),
         due_at=due_at,
         attempt=_int(data, "attempt", 1, INT_MAX),
+        epoch=_int(data, "epoch", 0, BIGINT_MAX),
         task=task,
         payload=payload,
         idempotency_key=key,
-        epoch=_int(data, "epoch", 0, BIGINT_MAX),
     )

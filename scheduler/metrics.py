@@ -70,3 +70,8 @@ DELIVERIES_REQUEUED = Counter(
     "duetime_deliveries_requeued_total",
     "deliveries nacked back to the queue because no outcome could be recorded",
 )
+MESSAGE_ROW_MISMATCH = Counter(
+    "duetime_message_row_mismatch_total",
+    "deliveries whose message named another task than the job row (security event; the row "
+    "is run)",
+)

@@ -44,7 +44,7 @@ from scheduler import broker
 from scheduler.config import Settings
 from scheduler.errors import DuetimeError
 from scheduler.log import get_logger
-from scheduler.messages import CONTENT_TYPE, JobMessage
+from scheduler.messages import CONTENT_TYPE, JobMessage, message_id
 from scheduler.rows import ClaimedJob
 
 log = get_logger(__name__)
@@ -84,20 +84,15 @@ class PublishResult:
 
 
 def encode_job(job: ClaimedJob, epoch: int) -> tuple[bytes, spec.Basic.Properties]:
-    """The contract message for one job: JSON body, persistent, ``message_id``
-    ``<job_id>:<attempt>``; ``type`` carries the task name for operators' tools."""
+    """The contract message for one job: a JSON pointer body (``scheduler.messages``),
+    persistent, ``message_id`` ``<job_id>:<attempt>``; ``type`` carries the task name for
+    operators' tools."""
     body = JobMessage(
-        job_id=job.id,
-        due_at=job.due_at,
-        attempt=job.attempt,
-        task=job.task,
-        payload=job.payload,
-        idempotency_key=job.idempotency_key,
-        epoch=epoch,
+        job_id=job.id, due_at=job.due_at, attempt=job.attempt, epoch=epoch, task=job.task
     ).encode()
     properties = spec.Basic.Properties(
         delivery_mode=PERSISTENT,
-        message_id=f"{job.id}:{job.attempt}",
+        message_id=message_id(job.id, job.attempt),
         content_type=CONTENT_TYPE,
         message_type=job.task,
         app_id="duetime",

@@ -7,7 +7,10 @@ queues a few deliveries may wait for a slot, unacked, which is harmless.
 
 Settlement rules (DESIGN §6):
 
-- ack only after the ledger committed an outcome (``Ledger.execute`` returned);
+- ack only after an outcome committed (``Executor.execute`` returned). Acks that become
+  due together go out as few frames as possible (``AckCoalescer``): one
+  ``basic.ack(multiple=True)`` covers a run of settled deliveries with no unsettled one
+  below it, so a batch completed by one statement is acked by one frame;
 - a body that is not a job (``MalformedMessage``) → ``reject(requeue=False)``: the
   queue's dead-letter exchange moves it to ``duetime.dead-letter``; counted and logged
   with its ``message_id``;
@@ -37,7 +40,7 @@ from scheduler.broker import declare_job_queue
 from scheduler.log import get_logger
 from scheduler.messages import MalformedMessage, decode
 from scheduler.metrics import DELIVERIES_REQUEUED, MALFORMED_MESSAGES
-from workers.ledger import DatabaseUnavailable, Ledger
+from workers.executor import DatabaseUnavailable, Executor
 
 log = get_logger("duetime.worker")
 
@@ -46,11 +49,11 @@ DB_RETRY_CAP = 10.0
 
 
 class Consumer:
-    """Consumes job queues on one channel and runs each delivery through the ledger."""
+    """Consumes job queues on one channel and runs each delivery through the executor."""
 
     def __init__(
         self,
-        ledger: Ledger,
+        executor: Executor,
         *,
         concurrency: int,
         timeout: float = 10.0,
@@ -58,7 +61,8 @@ class Consumer:
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1 (got {concurrency})")
-        self._ledger = ledger
+        self._executor = executor
+        self._acks = AckCoalescer()
         self.concurrency = concurrency
         self._timeout = timeout
         self._db_retry_cap = db_retry_cap
@@ -71,6 +75,11 @@ class Consumer:
         self.active = 0  # deliveries holding a slot right now
         self.peak = 0  # most deliveries ever holding a slot at once
         self.requeued = 0  # deliveries nacked back because no outcome could be recorded
+
+    @property
+    def ack_frames(self) -> int:
+        """basic.ack frames sent so far (one may settle many deliveries)."""
+        return self._acks.frames
 
     @property
     def in_flight(self) -> int:
@@ -131,8 +140,9 @@ class Consumer:
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         if self.stopping:  # arrived between our cancel and the broker's CancelOk
-            await _Settlement(message)("nack", requeue=True)
+            await _Settlement(message, self._acks)("nack", requeue=True)
             return
+        self._acks.received(message)
         task = asyncio.create_task(self._handle(message), name=f"delivery:{message.message_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -152,7 +162,7 @@ class Consumer:
                 self._running.discard(task)
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
-        settle = _Settlement(message)
+        settle = _Settlement(message, self._acks)
         job: dict[str, Any] = {}  # job_id/attempt/task for log lines, once decoded
         committed = False
         try:
@@ -174,7 +184,7 @@ class Consumer:
                 if self.stopping:
                     await settle("nack", requeue=True)
                     return
-                await self._ledger.execute(msg)
+                await self._executor.execute(msg)
                 committed = True
             self._db_failures = 0
             await settle("ack")
@@ -210,6 +220,107 @@ class Consumer:
             await settle("nack", requeue=True)
 
 
+class AckCoalescer:
+    """Sends the acks that become due in one event-loop turn as few frames as possible.
+
+    ``received`` records each delivery's tag on its channel; ``ack`` queues one and
+    returns once its frame was written. The flush, per channel: the lowest tag still
+    unsettled is the barrier; every queued tag below it is covered by one
+    ``basic.ack(multiple=True)`` on the highest of them, the rest are acked one by one.
+    Nacks and rejects are never coalesced (``done`` removes their tag). Tags belong to a
+    channel: after a reconnect old deliveries' acks fail and are only logged (the broker
+    redelivers them, the executor finds them settled).
+    """
+
+    def __init__(self) -> None:
+        self._unsettled: dict[int, set[int]] = {}  # channel key -> delivery tags
+        self._channel_of: dict[int, int] = {}  # id(message) -> its channel key
+        self._queued: list[tuple[AbstractIncomingMessage, asyncio.Future[None]]] = []
+        self._flushing = False
+        self.frames = 0  # ack frames sent (tests, benchmarks)
+
+    def received(self, message: AbstractIncomingMessage) -> None:
+        # the channel is read now: aio-pika raises on ``message.channel`` once it closed
+        if message.delivery_tag is None:
+            return
+        try:
+            key = id(message.channel)
+        except Exception:
+            return
+        self._channel_of[id(message)] = key
+        self._unsettled.setdefault(key, set()).add(message.delivery_tag)
+
+    def done(self, message: AbstractIncomingMessage) -> None:
+        key = self._channel_of.pop(id(message), None)
+        tags = self._unsettled.get(key) if key is not None else None
+        if tags is not None:
+            tags.discard(message.delivery_tag or 0)
+            if not tags:
+                del self._unsettled[key]  # type: ignore[arg-type]
+
+    async def ack(self, message: AbstractIncomingMessage) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queued.append((message, future))
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._start_flush)
+        await future
+
+    def _start_flush(self) -> None:
+        task = asyncio.create_task(self._flush(), name="acks:flush")
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _flush(self) -> None:
+        queued, self._queued = self._queued, []
+        self._flushing = False
+        try:
+            by_channel: dict[int | None, list[tuple[AbstractIncomingMessage, Any]]] = {}
+            for message, future in queued:
+                key = self._channel_of.get(id(message))
+                by_channel.setdefault(key, []).append((message, future))
+            for key, items in by_channel.items():
+                items.sort(key=lambda item: item[0].delivery_tag or 0)
+                acking = {m.delivery_tag for m, _ in items}
+                others = self._unsettled.get(key, set()) - acking if key is not None else {0}
+                barrier = min(others) if others else None
+                below = [i for i in items if barrier is None or (i[0].delivery_tag or 0) < barrier]
+                above = items[len(below) :]
+                for message, _ in items:
+                    self.done(message)
+                if len(below) > 1:
+                    await self._send(below[-1][0], below, multiple=True)
+                    below = []
+                for item in below + above:
+                    await self._send(item[0], [item], multiple=False)
+        finally:  # whatever happened, nobody waits forever for an ack
+            for _, future in queued:
+                if not future.done():
+                    future.set_result(None)
+
+    async def _send(
+        self,
+        message: AbstractIncomingMessage,
+        covered: list[tuple[AbstractIncomingMessage, asyncio.Future[None]]],
+        *,
+        multiple: bool,
+    ) -> None:
+        self.frames += 1
+        try:
+            await message.ack(multiple=multiple)
+        except Exception as exc:
+            log.warning(
+                "settle_failed",
+                action="ack",
+                message_id=message.message_id,
+                covered=len(covered),
+                error=repr(exc),
+            )
+        finally:
+            for _, future in covered:
+                if not future.done():
+                    future.set_result(None)
+
+
 class _Settlement:
     """Settles one delivery (ack, nack or reject) exactly once.
 
@@ -220,16 +331,21 @@ class _Settlement:
     and the ledger recognises the delivery as settled.
     """
 
-    __slots__ = ("done", "message")
+    __slots__ = ("acks", "done", "message")
 
-    def __init__(self, message: AbstractIncomingMessage) -> None:
+    def __init__(self, message: AbstractIncomingMessage, acks: AckCoalescer) -> None:
         self.message = message
+        self.acks = acks
         self.done = False
 
     async def __call__(self, action: str, **kwargs: Any) -> None:
         if self.done or self.message.processed:
             return
         self.done = True
+        if action == "ack":
+            await self.acks.ack(self.message)
+            return
+        self.acks.done(self.message)
         try:
             await getattr(self.message, action)(**kwargs)
         except Exception as exc:

@@ -1,11 +1,12 @@
 """``JobContext``: what a handler knows about the job it runs, and how it writes.
 
-``ctx.db`` is the asyncpg connection *inside the delivery's ledger transaction*: what a
-handler writes through it commits together with the ledger row and the job's
-``succeeded`` status, or not at all (exception, timeout, crash), which is what makes
-effects exactly-once. Use ``async with ctx.db.transaction():`` for a savepoint; never
-commit or roll back the outer transaction yourself. For effects outside this database
-pass ``ctx.idempotency_key`` on (it is stable across every delivery of the job).
+``ctx.db`` is the attempt's transaction (``workers.lazydb.LazyTransaction``, opened at
+its first statement): what a handler writes through it commits together with the ledger
+row and the job's ``succeeded`` status, or not at all (exception, timeout, crash), which
+is what makes effects exactly-once. Use ``async with ctx.db.transaction():`` for a
+savepoint; never commit or roll back the outer transaction yourself. For effects outside
+this database pass ``ctx.idempotency_key`` on (it is stable across every delivery of the
+job).
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
+from scheduler.db import Conn
 from scheduler.log import get_logger
-from scheduler.store.execution import Conn
+from workers.lazydb import LazyTransaction
 
 
 class JobContext:
     """Read-only facts about the running job, ``db``, ``log`` and ``heartbeat()``.
 
-    ``db`` is a pooled connection inside the delivery's transaction (ledger row, your
-    writes and the job's outcome commit together). Connections are not reset between
-    jobs (one round trip saved per delivery), so keep session state transaction-scoped:
-    ``SET LOCAL`` rather than ``SET``, ``pg_advisory_xact_lock`` rather than
+    ``db`` is the attempt's transaction on a pooled connection, opened on first use
+    (ledger row, your writes and the job's outcome commit together). Connections are not
+    reset between jobs (one round trip saved per delivery), so keep session state
+    transaction-scoped: ``SET LOCAL`` rather than ``SET``, ``pg_advisory_xact_lock`` rather than
     ``pg_advisory_lock``, no ``LISTEN``.
     """
 
@@ -51,7 +53,7 @@ class JobContext:
         task: str,
         queue: str,
         idempotency_key: str,
-        db: Conn,
+        db: LazyTransaction | Conn,
         beat: Callable[[], Awaitable[bool]],
     ) -> None:
         self.job_id = job_id

@@ -11,8 +11,14 @@ A handler that raises gets, in a new transaction after its own was rolled back:
 - any other exception (a timeout included) → ``pending`` with the next attempt after
   the task's ``RetryPolicy`` delay: exponential with full jitter, capped.
 
+Every delay is bounded by ``MAX_RETRY_DELAY`` (366 days): a handler asking for
+``Retry(in_=1e13)`` waits that long at most instead of overflowing the database's
+interval arithmetic, which once made the failure unrecordable and requeued the delivery
+forever.
+
 ``last_error`` is ``"ExcType: message"`` cut to ``MAX_ERROR_CHARS``; the traceback
-goes to the log, not the database.
+goes to the log, not the database. An exception whose ``str()`` raises is described by
+its type alone.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from datetime import timedelta
 from scheduler.backoff import exponential_delay
 
 MAX_ERROR_CHARS = 2000
+#: The longest delay any retry gets (seconds); also bounded again in execution.sql.
+MAX_RETRY_DELAY = 366 * 86400.0
 
 
 class Retry(Exception):
@@ -71,6 +79,10 @@ class RetryPolicy:
             raise ValueError(f"RetryPolicy.factor must be >= 1 (got {self.factor})")
         if self.cap < self.base:
             raise ValueError(f"RetryPolicy.cap ({self.cap}) must be >= base ({self.base})")
+        if self.cap > MAX_RETRY_DELAY:
+            raise ValueError(
+                f"RetryPolicy.cap ({self.cap}) must be <= {MAX_RETRY_DELAY:g} s (366 days)"
+            )
 
     def delay(self, failures: int, *, rng: random.Random | None = None) -> float:
         return exponential_delay(
@@ -97,13 +109,21 @@ Decision = RetryLater | GiveUp
 
 def describe(exc: BaseException) -> str:
     """``"ExcType: message"`` (just the type when the message is empty), truncated."""
-    message = str(exc)
+    try:
+        message = str(exc)
+    except Exception as failed:  # a hostile __str__: never let it stop the outcome
+        message = f"<str() raised {type(failed).__name__}>"
     text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     return truncate(text)
 
 
 def truncate(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """Cut to ``limit`` characters and make it storable: PostgreSQL text holds no NUL and
+    only valid UTF-8 (a lone surrogate would fail the outcome's UPDATE)."""
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def decide(
@@ -119,5 +139,5 @@ def decide(
     if isinstance(exc, Fail) or attempt >= max_attempts:
         return GiveUp(error)
     if isinstance(exc, Retry):
-        return RetryLater(exc.delay, error)
-    return RetryLater(policy.delay(attempt, rng=rng), error)
+        return RetryLater(min(exc.delay, MAX_RETRY_DELAY), error)
+    return RetryLater(min(policy.delay(attempt, rng=rng), MAX_RETRY_DELAY), error)

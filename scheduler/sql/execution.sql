@@ -1,75 +1,97 @@
--- The worker's side of duetime.jobs and duetime.job_ledger (DESIGN §6).
+-- The worker's side of duetime.jobs and duetime.job_ledger (DESIGN §6; workers/executor.py).
 -- Every statement matches (id, due_at): the pair is the primary key, and due_at (carried
 -- in the message) prunes the lookup to one partition. Outcome updates also match
--- status = 'dispatched' AND attempt = $3, so a stale or duplicate delivery can never
--- overwrite a newer attempt's outcome.
+-- status = 'dispatched' AND attempt, so a stale or duplicate delivery can never
+-- overwrite a newer attempt's outcome. Why due_at is matched as
+-- `$2::timestamptz + interval '0'` (generic plans that still prune): docs/benchmarks.md,
+-- "Worker statements and plan caching".
 --
--- due_at is matched as `$2::timestamptz + interval '0'`, which is $2 itself, on purpose:
--- `timestamptz + interval` is only STABLE, so no plan can prune partitions on it at plan
--- time and a custom plan is no cheaper than the generic one; asyncpg's prepared
--- statements then settle on the generic plan, pruned at executor start ("Subplans
--- Removed"). With a plain `due_at = $2` PostgreSQL keeps choosing custom plans (they
--- prune, so they look cheaper) and re-plans every execution: measured (bench/worker
--- statements, 32 connections, 17 partitions) 590 → 415 µs of server CPU per delivery,
--- +35 % deliveries/s; with 57 partitions 545 → 475 µs. The plan-cache setting
--- (plan_cache_mode) would do the same for the whole session, including handlers' own
--- statements on ctx.db: not ours to change.
+-- Every statement here is safe to run with job id 0 (matches nothing, changes nothing):
+-- the worker prepares them all that way when a pooled connection opens.
 
--- name: lock_job
--- First statement of every delivery's transaction. FOR KEY SHARE waits for the
--- dispatcher's claim transaction (it publishes before it commits), so the worker sees
--- the claim's committed outcome; held while the handler runs, it makes the reconciler's
--- FOR UPDATE SKIP LOCKED leave an executing job alone, while heartbeats (FOR NO KEY
--- UPDATE) do not conflict with it.
-SELECT status, attempt, max_attempts, queue, idempotency_key,
-       coalesce(run_at, due_at) AS run_time
-  FROM duetime.jobs
- WHERE id = $1 AND due_at = $2::timestamptz + interval '0'
-   FOR KEY SHARE;
+-- name: begin_deliveries
+-- First statement for a batch of deliveries that arrived together, in autocommit. For each
+-- (id, due_at) it returns the row as it is *after* any in-flight claim: FOR KEY SHARE waits
+-- for the dispatcher's claim transaction (it publishes before it commits) and is released
+-- when this statement ends. The row is authoritative: task and payload are read here, in
+-- the statement that locks the row, never taken from the message. `effective_key` is the
+-- one definition of a job's idempotency key (the row's, else 'job:<id>'); `done` says the
+-- ledger already holds it (the effect was applied by an earlier delivery). `i` is the
+-- position in the input arrays; missing jobs return no row.
+SELECT w.i, j.status, j.attempt, j.max_attempts, j.queue, j.task, j.payload,
+       j.effective_key, j.run_time,
+       EXISTS (SELECT 1 FROM duetime.job_ledger l WHERE l.idempotency_key = j.effective_key)
+           AS done
+  FROM unnest($1::bigint[], $2::timestamptz[]) WITH ORDINALITY AS w(id, due_at, i)
+ CROSS JOIN LATERAL (
+        -- LATERAL: one primary-key lookup per delivery, pruned to its partition at run
+        -- time, whatever the statistics say (a join let the planner scan whole buckets)
+        SELECT status, attempt, max_attempts, queue, task, payload,
+               coalesce(nullif(idempotency_key, ''), 'job:' || id) AS effective_key,
+               coalesce(run_at, due_at) AS run_time
+          FROM duetime.jobs
+         WHERE id = w.id AND due_at = w.due_at
+           FOR KEY SHARE
+       ) j;
 
--- name: begin_delivery
--- First statement of a delivery's transaction for a registered task: lock_job and the
--- ledger row in one round trip. The `job` CTE is lock_job (it waits for the claim
--- the same way); the ledger row is inserted only when the locked row is this attempt,
--- still dispatched, under the row's own key ($4 when it has none). `claimed_key` is the
--- key when this delivery inserted it, NULL when the ledger already held it (a duplicate)
--- or when no insert was due (missing/stale: then status/attempt tell why). No row: the
--- job does not exist. A concurrent duplicate delivery blocks on the ledger's primary key
--- until the first one's transaction ends, then inserts nothing.
-WITH job AS (
-    SELECT status, attempt, max_attempts, queue, idempotency_key,
-           coalesce(run_at, due_at) AS run_time
-      FROM duetime.jobs
-     WHERE id = $1 AND due_at = $2::timestamptz + interval '0'
-       FOR KEY SHARE
+-- name: complete_deliveries
+-- Batched completion of attempts whose handler never used ctx.db (and of duplicates whose
+-- key the ledger already holds): one statement, one commit, for the whole batch. The ledger
+-- rows and the succeeded updates commit together; a key already in the ledger (an earlier
+-- delivery, or another job with the same key) inserts nothing and the job is still
+-- settled as succeeded. Returns the ids that were still this attempt's and dispatched.
+WITH done AS (
+    SELECT * FROM unnest($1::bigint[], $2::timestamptz[], $3::int[], $4::text[], $5::text[])
+        AS d(id, due_at, attempt, key, task)
+), settled AS (
+    -- the `= ANY` predicates repeat the join's on purpose: they give the planner a
+    -- primary-key index scan pruned to the batch's partitions, instead of a hash join
+    -- over whole buckets when statistics are thin
+    UPDATE duetime.jobs j
+       SET status = 'succeeded', finished_at = now()
+      FROM done d
+     WHERE j.id = ANY($1::bigint[]) AND j.due_at = ANY($2::timestamptz[])
+       AND j.id = d.id AND j.due_at = d.due_at
+       AND j.status = 'dispatched' AND j.attempt = d.attempt
+    RETURNING j.id, d.attempt, d.key, d.task
 ), ledger AS (
     INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task, worker)
-    SELECT coalesce(nullif(job.idempotency_key, ''), $4), $1, $3, $5, $6
-      FROM job
-     WHERE job.status = 'dispatched' AND job.attempt = $3
+    SELECT s.key, s.id, s.attempt, s.task, $6 FROM settled s
     ON CONFLICT (idempotency_key) DO NOTHING
-    RETURNING idempotency_key
 )
-SELECT job.status, job.attempt, job.max_attempts, job.queue, job.idempotency_key,
-       job.run_time, (SELECT idempotency_key FROM ledger) AS claimed_key
-  FROM job;
+SELECT coalesce(array_agg(id), '{}') FROM settled;
 
--- name: mark_succeeded
--- Also settles a duplicate whose key the ledger already holds. last_error is kept: it
--- says why earlier attempts failed.
-UPDATE duetime.jobs
-   SET status = 'succeeded', finished_at = now()
- WHERE id = $1 AND due_at = $2::timestamptz + interval '0'
-   AND status = 'dispatched' AND attempt = $3
-RETURNING 1;
+-- name: finish_delivery
+-- Last statement of an attempt whose handler used ctx.db, inside that transaction (then
+-- COMMIT): the job becomes succeeded and the ledger row is inserted, atomically with the
+-- handler's own writes. `settled` false: the row moved on (another delivery finished it,
+-- or a newer attempt exists): the caller rolls back. `recorded` false with `settled`
+-- true: the key is already in the ledger (the effect was applied by a delivery that
+-- committed first, waited for on the key's primary key): the caller rolls back too, so the
+-- effect is applied once.
+WITH settled AS (
+    UPDATE duetime.jobs
+       SET status = 'succeeded', finished_at = now()
+     WHERE id = $1 AND due_at = $2::timestamptz + interval '0'
+       AND status = 'dispatched' AND attempt = $3
+    RETURNING id
+), ledger AS (
+    INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task, worker)
+    SELECT $4, s.id, $3, $5, $6 FROM settled s
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM settled) AS settled, EXISTS (SELECT 1 FROM ledger) AS recorded;
 
 -- name: schedule_retry
 -- Back to pending with the next attempt, runnable after $4 seconds (never before due_at,
--- the table's CHECK). dispatched_at/heartbeat_at are cleared so the reconciler's
--- "no sign of life" clock starts again at the next dispatch.
+-- the table's CHECK). The delay is bounded by workers.retry.MAX_RETRY_DELAY before it gets
+-- here; least() is the second bound, so no value can overflow make_interval.
+-- dispatched_at/heartbeat_at are cleared so the reconciler's "no sign of life" clock
+-- starts again at the next dispatch.
 UPDATE duetime.jobs
    SET status = 'pending', attempt = attempt + 1,
-       run_at = greatest(now() + make_interval(secs => $4::float8), due_at),
+       run_at = greatest(now() + make_interval(secs => least($4::float8, 31622400)), due_at),
        last_error = $5, dispatched_at = NULL, heartbeat_at = NULL, dispatch_epoch = NULL
  WHERE id = $1 AND due_at = $2::timestamptz + interval '0'
    AND status = 'dispatched' AND attempt = $3
@@ -83,9 +105,8 @@ UPDATE duetime.jobs
 RETURNING 1;
 
 -- name: heartbeat
--- Autocommit, on its own connection: a sign of life for the reconciler. Takes FOR NO KEY
--- UPDATE on the row, which does not conflict with the executing transaction's FOR KEY
--- SHARE. No row means the job is no longer this attempt's (finished or superseded).
+-- Autocommit, on its own connection: a sign of life for the reconciler. No row means the
+-- job is no longer this attempt's (finished or superseded).
 UPDATE duetime.jobs
    SET heartbeat_at = now()
  WHERE id = $1 AND due_at = $2::timestamptz + interval '0'

@@ -75,13 +75,13 @@ CREATE POLICY "{producer}_own_schedules" ON duetime.schedules FOR SELECT TO "{pr
     USING (created_by = current_user);
 
 -- name: grant_worker
--- execution.sql: lock_job (SELECT ... FOR KEY SHARE, which needs UPDATE on a column),
--- mark_succeeded, schedule_retry, mark_dead, heartbeat; the ledger insert. Not the
--- payload column (it arrives in the message), not DELETE, not the fence, not INSERT
--- into jobs, not schedules. Handlers' own tables (ctx.db) are the application's to
--- grant to the worker login user.
+-- execution.sql: begin_deliveries (SELECT ... FOR KEY SHARE, which needs UPDATE on a
+-- column; it reads task and payload: the row, not the message, says what runs),
+-- complete/finish, schedule_retry, mark_dead, heartbeat; the ledger insert. Not
+-- DELETE, not the fence, not INSERT into jobs, not schedules, not created_by. Handlers'
+-- own tables (ctx.db) are the application's to grant to the worker login user.
 GRANT SELECT (id, due_at, run_at, status, attempt, max_attempts, queue, idempotency_key,
-              task)
+              task, payload)
     ON duetime.jobs TO "{worker}";
 GRANT UPDATE (status, attempt, run_at, last_error, dispatched_at, heartbeat_at,
               dispatch_epoch, finished_at)

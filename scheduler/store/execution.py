@@ -1,15 +1,18 @@
 """ExecutionStore: every statement a worker runs (DESIGN §6; SQL in ``execution.sql``).
 
-The worker owns its transactions (one per delivery: lock-read, ledger row, handler
-work through ``ctx.db``, outcome), so the methods that belong to that transaction take
-the caller's connection; only ``heartbeat`` runs on its own pooled connection, in
-autocommit, so a sign of life is visible while the handler's transaction is still open.
+Deliveries are read and completed in batches (``begin``/``complete``: one statement for
+many jobs, in autocommit); an attempt whose handler used ``ctx.db`` finishes inside its
+own transaction (``finish``), on the caller's connection. Failure outcomes
+(``schedule_retry``, ``mark_dead``) and ``heartbeat`` run on pooled connections of their
+own: a failure is rare, and a sign of life must be visible while a handler still runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import asyncpg
 
@@ -20,24 +23,45 @@ Q = load("execution")
 
 
 @dataclass(frozen=True, slots=True)
+class JobRef:
+    """Which attempt of which job a delivery is about (what the message points at)."""
+
+    job_id: int
+    due_at: datetime
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
 class LockedJob:
-    """The job row as the delivery's transaction saw it (locked FOR KEY SHARE)."""
+    """The job row as ``begin`` read it, after waiting for any in-flight claim."""
 
     status: str
     attempt: int
     max_attempts: int
     queue: str
-    idempotency_key: str | None
+    task: str
+    payload: dict[str, Any]
+    key: str  # the effective idempotency key: the row's, else job:<id>
     run_time: datetime  # coalesce(run_at, due_at): when this attempt was meant to run
+    done: bool  # the ledger already holds the key: the effect was applied before
 
 
 @dataclass(frozen=True, slots=True)
-class Delivery:
-    """What a delivery's first statement found: the locked row, and whether this
-    delivery inserted the ledger row (``claimed_key``, None if not)."""
+class Completion:
+    """A successful attempt to settle in a batch (``complete``)."""
 
-    job: LockedJob
-    claimed_key: str | None
+    ref: JobRef
+    key: str
+    task: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """What ``finish`` found: ``settled`` (the row was this attempt's and is now
+    succeeded) and ``recorded`` (this attempt inserted the ledger row)."""
+
+    settled: bool
+    recorded: bool
 
 
 def _locked(record: asyncpg.Record) -> LockedJob:
@@ -46,8 +70,11 @@ def _locked(record: asyncpg.Record) -> LockedJob:
         attempt=record["attempt"],
         max_attempts=record["max_attempts"],
         queue=record["queue"],
-        idempotency_key=record["idempotency_key"],
+        task=record["task"],
+        payload=record["payload"],
+        key=record["effective_key"],
         run_time=record["run_time"],
+        done=record["done"],
     )
 
 
@@ -56,62 +83,68 @@ class ExecutionStore:
         self._pool = pool
         self._timeout = timeout
 
-    async def lock_job(self, conn: Conn, job_id: int, due_at: datetime) -> LockedJob | None:
-        """Read the job FOR KEY SHARE (waits for an in-flight claim); None if missing."""
-        record = await conn.fetchrow(Q["lock_job"], job_id, due_at)
-        return None if record is None else _locked(record)
+    async def begin(self, refs: Sequence[JobRef]) -> list[LockedJob | None]:
+        """Read the rows of ``refs`` (one statement; waits for in-flight claims). The
+        result is aligned with ``refs``: None where the job does not exist."""
+        async with self._pool.acquire(timeout=self._timeout) as conn:
+            records = await conn.fetch(
+                Q["begin_deliveries"],
+                [r.job_id for r in refs],
+                [r.due_at for r in refs],
+            )
+        found: list[LockedJob | None] = [None] * len(refs)
+        for record in records:
+            found[record["i"] - 1] = _locked(record)
+        return found
 
-    async def begin_delivery(
-        self,
-        conn: Conn,
-        *,
-        job_id: int,
-        due_at: datetime,
-        attempt: int,
-        default_key: str,
-        task: str,
-        worker: str,
-    ) -> Delivery | None:
-        """``lock_job`` and, when the row is this attempt and still dispatched, the
-        ledger row under the row's key (else ``default_key``), in one round trip.
-        None if the job does not exist."""
+    async def complete(self, items: Sequence[Completion], worker: str) -> set[int]:
+        """Settle ``items`` as succeeded with their ledger rows, in one statement. Returns
+        the job ids that were still this attempt's (the others moved on meanwhile)."""
+        async with self._pool.acquire(timeout=self._timeout) as conn:
+            ids = await conn.fetchval(
+                Q["complete_deliveries"],
+                [c.ref.job_id for c in items],
+                [c.ref.due_at for c in items],
+                [c.ref.attempt for c in items],
+                [c.key for c in items],
+                [c.task for c in items],
+                worker,
+            )
+        return set(ids)
+
+    async def finish(self, conn: Conn, completion: Completion, worker: str) -> Finish:
+        """Succeeded + ledger row inside the caller's transaction (see ``Finish``)."""
+        ref = completion.ref
         record = await conn.fetchrow(
-            Q["begin_delivery"], job_id, due_at, attempt, default_key, task, worker
+            Q["finish_delivery"],
+            ref.job_id,
+            ref.due_at,
+            ref.attempt,
+            completion.key,
+            completion.task,
+            worker,
         )
-        if record is None:
-            return None
-        return Delivery(_locked(record), record["claimed_key"])
+        assert record is not None
+        return Finish(settled=record["settled"], recorded=record["recorded"])
 
-    async def mark_succeeded(self, conn: Conn, job_id: int, due_at: datetime, attempt: int) -> bool:
-        """dispatched → succeeded for this attempt; False if the row moved on meanwhile."""
-        return await conn.fetchval(Q["mark_succeeded"], job_id, due_at, attempt) == 1
-
-    async def schedule_retry(
-        self,
-        conn: Conn,
-        job_id: int,
-        due_at: datetime,
-        attempt: int,
-        *,
-        delay: float,
-        error: str,
-    ) -> datetime | None:
+    async def schedule_retry(self, ref: JobRef, *, delay: float, error: str) -> datetime | None:
         """dispatched → pending with attempt + 1, runnable after ``delay`` seconds.
         Returns the new run time, or None if the row is no longer this attempt's.
 
         No NOTIFY: the dispatcher's probe finds the new run time ahead of it, and a
         NOTIFY here would serialise worker commits on PostgreSQL's notify lock exactly
         when a failure storm retries thousands of jobs (migrations/0004_wakeups.sql)."""
-        run_at = await conn.fetchval(
-            Q["schedule_retry"], job_id, due_at, attempt, float(delay), error
-        )
+        async with self._pool.acquire(timeout=self._timeout) as conn:
+            run_at = await conn.fetchval(
+                Q["schedule_retry"], ref.job_id, ref.due_at, ref.attempt, float(delay), error
+            )
         return run_at  # type: ignore[no-any-return, unused-ignore]
 
-    async def mark_dead(
-        self, conn: Conn, job_id: int, due_at: datetime, attempt: int, error: str
-    ) -> bool:
+    async def mark_dead(self, ref: JobRef, error: str) -> bool:
         """dispatched → dead with ``error``; False if the row moved on meanwhile."""
-        return await conn.fetchval(Q["mark_dead"], job_id, due_at, attempt, error) == 1
+        async with self._pool.acquire(timeout=self._timeout) as conn:
+            value = await conn.fetchval(Q["mark_dead"], ref.job_id, ref.due_at, ref.attempt, error)
+        return value == 1
 
     async def heartbeat(self, job_id: int, due_at: datetime, attempt: int) -> bool:
         """Set heartbeat_at = now() on a connection of its own (autocommit). False when
@@ -121,3 +154,24 @@ class ExecutionStore:
                 Q["heartbeat"], job_id, due_at, attempt, timeout=self._timeout
             )
         return value == 1
+
+
+def _epoch() -> datetime:
+    return datetime.fromtimestamp(0).astimezone()
+
+
+async def prepare_store_connection(conn: asyncpg.Connection) -> None:
+    """Prepare the worker's own statements on a new connection of its store pool, so the
+    first deliveries after start-up pay for no parsing or planning (each runs once with
+    job id 0, which matches nothing and changes nothing)."""
+    await conn.fetch(Q["begin_deliveries"], [0], [_epoch()])
+    await conn.fetchval(Q["complete_deliveries"], [0], [_epoch()], [0], [""], [""], "")
+    await conn.fetchval(Q["schedule_retry"], 0, _epoch(), 0, 0.0, "")
+    await conn.fetchval(Q["mark_dead"], 0, _epoch(), 0, "")
+    await conn.fetchval(Q["heartbeat"], 0, _epoch(), 0)
+
+
+async def prepare_handler_connection(conn: asyncpg.Connection) -> None:
+    """The same for a handler connection: the statement that finishes an attempt in the
+    handler's transaction."""
+    await conn.fetchrow(Q["finish_delivery"], 0, _epoch(), 0, "", "", "")

@@ -37,7 +37,7 @@ from scheduler.schedules import ScheduleSpec
 from scheduler.store import DispatchStore, ExecutionStore, JobStore, ScheduleStore
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
-from workers.ledger import Ledger, Outcome
+from workers.executor import Executor, Outcome
 
 pytestmark = pytest.mark.timeout(90)
 DENIED = asyncpg.InsufficientPrivilegeError
@@ -124,7 +124,15 @@ async def _dispatched(owner: asyncpg.Pool, task: str, queue: str = "default") ->
         "dispatch_epoch = 1 WHERE id = $1",
         row["id"],
     )
-    return JobMessage(row["id"], row["due_at"], 1, task, {"a": 1}, f"job:{row['id']}", 1)
+    return JobMessage(
+        row["id"],
+        row["due_at"],
+        1,
+        1,
+        task=task,
+        payload={"a": 1},
+        idempotency_key=f"job:{row['id']}",
+    )
 
 
 # -- producer ------------------------------------------------------------------------
@@ -250,15 +258,15 @@ def _registry(calls: list[int]) -> Registry:
 async def test_worker_runs_the_execution_path(world: World) -> None:
     calls: list[int] = []
     store = ExecutionStore(world.worker)
-    ledger = Ledger(world.worker, _registry(calls), worker_name="w1", heartbeat_interval=5)
+    executor = Executor(world.worker, _registry(calls), worker_name="w1", heartbeat_interval=5)
     ok = await _dispatched(world.owner, "w.ok")
-    assert await ledger.execute(ok) is Outcome.SUCCEEDED
+    assert await executor.execute(ok) is Outcome.SUCCEEDED
     assert calls == [ok.job_id]
-    assert await ledger.execute(ok) is Outcome.SKIPPED  # duplicate delivery
+    assert await executor.execute(ok) is Outcome.SKIPPED  # duplicate delivery
     failing = await _dispatched(world.owner, "w.fail")
-    assert await ledger.execute(failing) is Outcome.RETRIED
+    assert await executor.execute(failing) is Outcome.RETRIED
     unknown = await _dispatched(world.owner, "os.system")
-    assert await ledger.execute(unknown) is Outcome.DEAD
+    assert await executor.execute(unknown) is Outcome.RETRIED  # a rolling deploy: not dead yet
     beat = await _dispatched(world.owner, "w.ok")
     assert await store.heartbeat(beat.job_id, beat.due_at, 1)
     rows = {
@@ -267,7 +275,7 @@ async def test_worker_runs_the_execution_path(world: World) -> None:
     }
     assert rows[ok.job_id]["status"] == "succeeded"
     assert (rows[failing.job_id]["status"], rows[failing.job_id]["attempt"]) == ("pending", 2)
-    assert rows[unknown.job_id]["status"] == "dead"
+    assert (rows[unknown.job_id]["status"], rows[unknown.job_id]["attempt"]) == ("pending", 2)
     assert await world.owner.fetchval("SELECT count(*) FROM duetime.job_ledger") == 1
 
 
@@ -277,7 +285,7 @@ async def test_worker_is_refused_everything_else(world: World) -> None:
     for sql in (
         "DELETE FROM duetime.jobs",
         "INSERT INTO duetime.jobs (task) VALUES ('x')",
-        "SELECT payload FROM duetime.jobs",
+        "SELECT created_by FROM duetime.jobs",
         "UPDATE duetime.jobs SET payload = '{}'",
         "UPDATE duetime.leader_fence SET epoch = 999",
         "SELECT * FROM duetime.leader_fence",

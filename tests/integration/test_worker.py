@@ -225,20 +225,28 @@ async def test_timeout_rolls_back_partial_writes_and_retries(
     assert await effects(db_pool, job, effects_table) == 0  # the INSERT before the sleep
 
 
-async def test_unknown_task_is_dead_with_the_registered_names(
+async def test_unknown_task_is_retried_then_dead_with_the_registered_names(
     settings: Settings,
     db_pool: asyncpg.Pool,
     channel: AbstractChannel,
     queue: str,
 ) -> None:
+    """A rolling deploy: a worker that does not know a task yet must not kill its jobs.
+    The attempt counts (retried with back-off, the error names this worker's tasks), and
+    the job is dead only when its attempts are spent."""
     registry = recording_registry("t.b")
     registry.register("t.a", registry.get("t.b").handler)  # type: ignore[union-attr]
-    job = await dispatched_job(db_pool, "t.nope", queue=queue)
+    retried = await dispatched_job(db_pool, "t.nope", queue=queue, max_attempts=3)
+    last = await dispatched_job(db_pool, "t.nope", queue=queue, max_attempts=1)
     async with running(settings, registry, queue):
-        await publish(channel, queue, job.message(1))
-        await wait_for(lambda: status_is(db_pool, job, "dead", 1), timeout=10)
-    row = await job_row(db_pool, job)
-    assert row["last_error"] == "unknown task 't.nope' (registered: t.a, t.b)"
+        await publish(channel, queue, retried.message(1))
+        await publish(channel, queue, last.message(1))
+        await wait_for(lambda: status_is(db_pool, retried, "pending", 2), timeout=10)
+        await wait_for(lambda: status_is(db_pool, last, "dead", 1), timeout=10)
+    for job in (retried, last):
+        row = await job_row(db_pool, job)
+        assert row["last_error"] == "unknown task 't.nope' (registered: t.a, t.b)"
+    assert (await job_row(db_pool, retried))["run_at"] > (await job_row(db_pool, retried))["due_at"]
     assert await queue_depth(channel, queue) == (0, 0)
 
 

@@ -1,0 +1,366 @@
+"""Running one delivery: where at-least-once delivery becomes exactly-once effects.
+
+A delivery's way through the worker (DESIGN §6)::
+
+    begin      one statement for every delivery that arrived together (autocommit):
+               lock-read each row FOR KEY SHARE — waits for an in-flight claim — and
+               read the task, the payload and the ledger's verdict from the row
+      missing / not 'dispatched' / other attempt   → skipped (stale or duplicate)
+      key already in the ledger (effect applied)    → settled as succeeded, handler not run
+      task not registered here                      → a failed attempt (retried, rolling
+                                                      deploys), dead when attempts run out
+    handler(ctx, payload)   under the task's timeout (else the worker's task_timeout)
+      used ctx.db   → in that transaction: UPDATE succeeded + INSERT ledger (one
+                      statement, ``finish``), COMMIT — effects, ledger row and status,
+                      all or nothing; a key that another delivery recorded first rolls
+                      the effects back
+      no ctx.db     → succeeded + ledger rows for many attempts in one statement
+                      (``complete``, batched with the others that finished meanwhile)
+    failure        → ctx.db work rolled back; then ``pending`` with the next attempt, or
+                      ``dead`` (``workers.retry.decide``), on a connection of its own
+
+The caller acks only after ``execute`` returned: every return value means "an outcome is
+committed". ``DatabaseUnavailable`` means none could be recorded; the caller requeues.
+
+**The row is authoritative.** The message only points at a job (id, due time, attempt);
+the handler that runs and its payload come from the row read by ``begin``. A message
+whose ``task`` disagrees with its row is a security event (logged, counted) and runs as
+the row says, never as the message says.
+
+Round trips per delivery (counted in docs/benchmarks.md): a handler without ctx.db pays
+its share of two batched statements and of one multiple-ack; one with a ctx.db statement
+pays BEGIN, its statement, ``finish`` and COMMIT. Connections are not reset between jobs
+(``scheduler.db.keep_session``): handlers keep session state transaction-scoped
+(``SET LOCAL``, ``pg_advisory_xact_lock``).
+
+Why the row lock is not held while the handler runs: holding it needed the handler's
+transaction open from the first statement, i.e. two round trips for every delivery even
+when the handler never writes. A running job is kept from the reconciler by its
+heartbeats (every visibility_timeout / 3); a re-publish it could still cause is absorbed
+by the ledger like any duplicate delivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import asyncpg
+
+from scheduler.log import get_logger
+from scheduler.messages import JobMessage
+from scheduler.metrics import FIRE_LAG, JOB_DURATION, JOBS_FINISHED, MESSAGE_ROW_MISMATCH
+from scheduler.store.execution import Completion, ExecutionStore, JobRef, LockedJob
+from workers.batching import Coalescer
+from workers.context import JobContext
+from workers.heartbeat import Heartbeat
+from workers.lazydb import LazyTransaction
+from workers.registry import Registry, TaskSpec
+from workers.retry import DEFAULT_RETRY, GiveUp, RetryLater, RetryPolicy, decide, describe
+
+log = get_logger("duetime.worker")
+
+#: Deliveries read or completed per statement.
+BATCH_SIZE = 256
+#: Default bound on a handler's run time when its task sets none (``task_timeout``).
+DEFAULT_TASK_TIMEOUT = 1800.0
+
+
+class Outcome(StrEnum):
+    """What a delivery ended as; every value means it is settled and may be acked."""
+
+    SUCCEEDED = "succeeded"
+    RETRIED = "retried"
+    DEAD = "dead"
+    SKIPPED = "skipped"  # stale, duplicate, or superseded: nothing to do
+
+
+class DatabaseUnavailable(Exception):
+    """No outcome could be recorded (PostgreSQL unreachable, or a bug): requeue."""
+
+
+class UnknownTask(Exception):
+    """The row names a task this worker has not registered (a rolling deploy, a typo)."""
+
+
+#: Errors with which PostgreSQL refuses a *value* (out of range, violates a CHECK):
+#: recording the same outcome again cannot succeed, so the job is parked as dead instead
+#: of being requeued forever.
+_REFUSED_VALUE = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+
+
+class Executor:
+    """Runs deliveries against the database. Stateless between deliveries apart from the
+    two batching queues (``begin``, ``complete``), which ``close()`` stops.
+
+    ``pool`` serves the handlers' transactions (``ctx.db``); ``store`` runs the worker's
+    own statements, by default on the same pool. ``duetime worker`` gives the store a
+    small pool of its own whose sessions always use generic plans: the batched
+    statements carry arrays, and with custom plans PostgreSQL re-planned them on every
+    execution (~5 ms each for 17 partitions, more than they take to run), while a
+    handler's statements keep PostgreSQL's default plan choice.
+    """
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        registry: Registry,
+        *,
+        worker_name: str,
+        heartbeat_interval: float,
+        acquire_timeout: float = 10.0,
+        task_timeout: float = DEFAULT_TASK_TIMEOUT,
+        store: ExecutionStore | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._pool = pool
+        self._registry = registry
+        self._store = store or ExecutionStore(pool, timeout=acquire_timeout)
+        self._worker = worker_name
+        self._heartbeat_interval = heartbeat_interval
+        self._acquire_timeout = acquire_timeout
+        self._task_timeout = task_timeout
+        self._rng = rng
+        self._begins: Coalescer[JobRef, LockedJob | None] = Coalescer(
+            self._store.begin, name="begin", max_batch=BATCH_SIZE
+        )
+        self._completions: Coalescer[Completion, bool] = Coalescer(
+            self._complete, name="complete", max_batch=BATCH_SIZE
+        )
+
+    @property
+    def registry(self) -> Registry:
+        return self._registry
+
+    def batching(self) -> dict[str, float]:
+        """Deliveries per batched statement so far (logged when the worker stops)."""
+        return {
+            "begin_batches": self._begins.batches,
+            "begin_per_batch": round(self._begins.items / max(1, self._begins.batches), 1),
+            "complete_batches": self._completions.batches,
+            "complete_per_batch": round(
+                self._completions.items / max(1, self._completions.batches), 1
+            ),
+        }
+
+    async def close(self) -> None:
+        await self._begins.close()
+        await self._completions.close()
+
+    async def execute(self, msg: JobMessage) -> Outcome:
+        """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be."""
+        ref = JobRef(msg.job_id, msg.due_at, msg.attempt)
+        try:
+            job = await self._begins.submit(ref)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        if job is None or job.status != "dispatched" or job.attempt != msg.attempt:
+            return _skipped(job, msg)
+        if msg.task is not None and msg.task != job.task:
+            MESSAGE_ROW_MISMATCH.inc()
+            log.error(
+                "message_row_mismatch",
+                job_id=msg.job_id,
+                attempt=msg.attempt,
+                task=job.task,
+                message_task=msg.task[:200],
+                action="running the row's task and payload",
+            )
+        outcome = await self._settle(ref, job)
+        label = job.task if job.task in self._registry else "unknown"
+        JOBS_FINISHED.labels(label, outcome.value).inc()
+        return outcome
+
+    async def _settle(self, ref: JobRef, job: LockedJob) -> Outcome:
+        fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}
+        if job.done:  # the ledger holds the key: the effect was applied before
+            settled = await self._complete_one(ref, job)
+            log.info("delivery_duplicate", idempotency_key=job.key, settled=settled, **fields)
+            return Outcome.SKIPPED
+        spec = self._registry.get(job.task)
+        if spec is None:
+            unknown = UnknownTask(self._registry.unknown_message(job.task))
+            return await self._record_failure(
+                ref, job, unknown, DEFAULT_RETRY, job.max_attempts, error=str(unknown)
+            )
+        db = LazyTransaction(self._pool, timeout=self._acquire_timeout)
+        try:
+            failure = await self._run_handler(ref, job, spec, db)
+            if failure is None and db.opened:
+                result = await self._finish_in_transaction(ref, job, db)
+                if isinstance(result, Outcome):
+                    return result
+                failure = result
+        finally:
+            await db.close()
+        if failure is None:
+            if await self._complete_one(ref, job):
+                log.debug("job_succeeded", **fields)
+                return Outcome.SUCCEEDED
+            log.warning("attempt_superseded", **fields)
+            return Outcome.SKIPPED
+        return await self._record_failure(
+            ref, job, failure, spec.retry, spec.attempts_allowed(job.max_attempts)
+        )
+
+    async def _finish_in_transaction(
+        self, ref: JobRef, job: LockedJob, db: LazyTransaction
+    ) -> Outcome | BaseException:
+        """Succeeded + ledger row + COMMIT in the handler's transaction. Returns the
+        outcome, or the exception that makes this attempt a failure."""
+        fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}
+        try:
+            conn = await db.connection()
+            found = await self._store.finish(conn, Completion(ref, job.key, job.task), self._worker)
+            if not found.settled:
+                log.warning("attempt_superseded", **fields)
+                return Outcome.SKIPPED
+            if not found.recorded:  # another delivery recorded the key first: undo ours
+                await db.close()
+                settled = await self._complete_one(ref, job)
+                log.info("delivery_duplicate", idempotency_key=job.key, settled=settled, **fields)
+                return Outcome.SKIPPED
+            await db.commit()
+        except asyncio.CancelledError:
+            raise
+        except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
+            raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        except asyncpg.PostgresError as exc:  # the server refused: the handler's fault
+            return exc
+        log.debug("job_succeeded", **fields)
+        return Outcome.SUCCEEDED
+
+    async def _complete_one(self, ref: JobRef, job: LockedJob) -> bool:
+        try:
+            return await self._completions.submit(Completion(ref, job.key, job.task))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def _complete(self, items: list[Completion]) -> list[bool]:
+        settled = await self._store.complete(items, self._worker)
+        return [c.ref.job_id in settled for c in items]
+
+    async def _run_handler(
+        self, ref: JobRef, job: LockedJob, spec: TaskSpec, db: LazyTransaction
+    ) -> BaseException | None:
+        """Run the handler under its timeout; return its exception, or None."""
+        beat_log = get_logger(
+            "duetime.worker", job_id=ref.job_id, attempt=ref.attempt, task=job.task
+        )
+        heartbeat = Heartbeat(
+            self._store,
+            job_id=ref.job_id,
+            due_at=ref.due_at,
+            attempt=ref.attempt,
+            interval=self._heartbeat_interval,
+            log=beat_log,
+        )
+        ctx = JobContext(
+            job_id=ref.job_id,
+            attempt=ref.attempt,
+            max_attempts=spec.attempts_allowed(job.max_attempts),
+            due_at=ref.due_at,
+            task=job.task,
+            queue=job.queue,
+            idempotency_key=job.key,
+            db=db,
+            beat=heartbeat.beat,
+        )
+        FIRE_LAG.observe(max(0.0, (datetime.now(UTC) - job.run_time).total_seconds()))
+        timeout = spec.timeout if spec.timeout is not None else self._task_timeout
+        started = time.monotonic()
+        heartbeat.start()
+        try:
+            async with asyncio.timeout(timeout) as deadline:
+                await spec.handler(ctx, job.payload)
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                return TimeoutError(f"handler exceeded its timeout of {timeout:g}s")
+            return exc
+        finally:
+            await heartbeat.stop()
+            JOB_DURATION.labels(spec.name).observe(time.monotonic() - started)
+        return None
+
+    async def _record_failure(
+        self,
+        ref: JobRef,
+        job: LockedJob,
+        exc: BaseException,
+        policy: RetryPolicy,
+        max_attempts: int,
+        *,
+        error: str | None = None,
+    ) -> Outcome:
+        decision = decide(
+            exc, attempt=ref.attempt, max_attempts=max_attempts, policy=policy, rng=self._rng
+        )
+        if error is not None:
+            decision = dataclasses.replace(decision, error=error)
+        fields: dict[str, Any] = {
+            "job_id": ref.job_id,
+            "attempt": ref.attempt,
+            "task": job.task,
+            "error": decision.error,
+        }
+        # a traceback is logged when it can be: an exception whose str() raised or is
+        # huge is summarised by ``describe`` instead (it must not break the log line)
+        exc_info = exc if len(decision.error) < 2000 and not isinstance(exc, UnknownTask) else None
+        run_at: datetime | None = None
+        try:
+            if isinstance(decision, RetryLater):
+                try:
+                    run_at = await self._store.schedule_retry(
+                        ref, delay=decision.delay, error=decision.error
+                    )
+                except _REFUSED_VALUE as refused:
+                    decision = GiveUp(
+                        f"{decision.error} (the retry could not be recorded: {describe(refused)})"
+                    )
+                    fields["error"] = decision.error
+                    recorded = await self._store.mark_dead(ref, decision.error)
+                else:
+                    recorded = run_at is not None
+            else:
+                recorded = await self._store.mark_dead(ref, decision.error)
+        except asyncio.CancelledError:
+            raise
+        except Exception as failed:
+            log.error("failure_not_recorded", exc_info=exc_info, **fields)
+            raise DatabaseUnavailable(f"{type(failed).__name__}: {failed}") from failed
+        if not recorded:
+            log.warning("attempt_superseded", **fields)
+            return Outcome.SKIPPED
+        if isinstance(decision, GiveUp):
+            log.error("job_dead", exc_info=exc_info, **fields)
+            return Outcome.DEAD
+        log.warning(
+            "job_retry_scheduled",
+            exc_info=exc_info,
+            retry_in=round(decision.delay, 3),
+            run_at=run_at.isoformat() if run_at else None,
+            **fields,
+        )
+        return Outcome.RETRIED
+
+
+def _skipped(job: LockedJob | None, msg: JobMessage) -> Outcome:
+    log.info(
+        "delivery_skipped",
+        job_id=msg.job_id,
+        attempt=msg.attempt,
+        task=msg.task if job is None else job.task,
+        status=None if job is None else job.status,
+        current_attempt=None if job is None else job.attempt,
+        reason="missing" if job is None else "stale",
+    )
+    return Outcome.SKIPPED

@@ -1,0 +1,148 @@
+"""``ctx.db``: the attempt's transaction, opened on first use.
+
+Most handlers of a storm never touch the database (they call an API, send a mail); the
+ones that do need their writes to commit with the ledger row. So ``ctx.db`` is a
+``LazyTransaction``: nothing is acquired until the handler's first statement, which
+takes a pooled connection and opens the transaction. The executor then finishes the
+attempt inside that same transaction (``ExecutionStore.finish``: job ``succeeded`` +
+ledger row) and commits, so those effects are applied exactly once; an attempt that never
+used it is settled in a batch with others (``workers.completer``), one statement for many.
+
+The common ``asyncpg.Connection`` calls are here (``execute``, ``fetch*``,
+``executemany``, ``copy_*``, ``prepare``, ``transaction()`` for a savepoint). Anything
+else: ``conn = await ctx.db.connection()`` returns the connection itself (already inside
+the transaction). Never commit or roll back the outer transaction yourself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import Any
+
+import asyncpg
+
+from scheduler.db import Conn
+
+
+class LazyTransaction:
+    __slots__ = ("_conn", "_lock", "_pool", "_timeout", "_tx")
+
+    def __init__(self, pool: asyncpg.Pool, *, timeout: float) -> None:
+        self._pool = pool
+        self._timeout = timeout
+        self._conn: Conn | None = None
+        self._tx: Any = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def opened(self) -> bool:
+        """True once the handler used the database (a transaction is open)."""
+        return self._conn is not None
+
+    async def connection(self) -> Conn:
+        """The pooled connection, inside the attempt's transaction (opened now if needed)."""
+        if self._conn is not None:
+            return self._conn
+        async with self._lock:
+            if self._conn is None:
+                conn = await self._pool.acquire(timeout=self._timeout)
+                try:
+                    tx = conn.transaction()
+                    await tx.start()
+                except BaseException:
+                    await self._pool.release(conn)
+                    raise
+                self._conn, self._tx = conn, tx
+        return self._conn
+
+    # -- the Connection calls handlers use -----------------------------------------
+
+    async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
+        return await (await self.connection()).execute(query, *args, timeout=timeout)
+
+    async def executemany(self, command: str, args: Any, *, timeout: float | None = None) -> None:
+        await (await self.connection()).executemany(command, args, timeout=timeout)
+
+    async def fetch(self, query: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return await (await self.connection()).fetch(query, *args, **kwargs)
+
+    async def fetchrow(self, query: str, *args: Any, **kwargs: Any) -> Any:
+        return await (await self.connection()).fetchrow(query, *args, **kwargs)
+
+    async def fetchval(self, query: str, *args: Any, **kwargs: Any) -> Any:
+        return await (await self.connection()).fetchval(query, *args, **kwargs)
+
+    async def copy_records_to_table(self, table_name: str, **kwargs: Any) -> str:
+        return await (await self.connection()).copy_records_to_table(table_name, **kwargs)
+
+    async def copy_to_table(self, table_name: str, **kwargs: Any) -> str:
+        return await (await self.connection()).copy_to_table(table_name, **kwargs)
+
+    async def copy_from_query(self, query: str, *args: Any, **kwargs: Any) -> str:
+        return await (await self.connection()).copy_from_query(query, *args, **kwargs)
+
+    async def copy_from_table(self, table_name: str, **kwargs: Any) -> str:
+        return await (await self.connection()).copy_from_table(table_name, **kwargs)
+
+    async def prepare(self, query: str, **kwargs: Any) -> Any:
+        return await (await self.connection()).prepare(query, **kwargs)
+
+    def transaction(self, **kwargs: Any) -> _Savepoint:
+        """``async with ctx.db.transaction():`` — a savepoint inside the attempt's
+        transaction (asyncpg nests it on the open transaction)."""
+        return _Savepoint(self, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        conn = object.__getattribute__(self, "_conn")
+        if conn is not None:
+            return getattr(conn, name)
+        raise AttributeError(
+            f"ctx.db.{name}: open the connection first with `conn = await ctx.db.connection()`"
+        )
+
+    # -- the executor's side ---------------------------------------------------------
+
+    async def commit(self) -> None:
+        assert self._conn is not None and self._tx is not None
+        await self._tx.commit()
+
+    async def close(self) -> None:
+        """Roll back what is still open and give the connection back; safe twice. If the
+        rollback is impossible (connection broken, a query still cancelling), drop the
+        connection: the server then aborts the transaction itself."""
+        conn, tx = self._conn, self._tx
+        self._conn = self._tx = None
+        if conn is None:
+            return
+        try:
+            if conn.is_in_transaction():
+                await tx.rollback()
+        except Exception:
+            if not conn.is_closed() and conn.is_in_transaction():
+                conn.terminate()
+        finally:
+            await self._pool.release(conn)  # type: ignore[arg-type]
+
+
+class _Savepoint:
+    __slots__ = ("_inner", "_kwargs", "_owner")
+
+    def __init__(self, owner: LazyTransaction, kwargs: dict[str, Any]) -> None:
+        self._owner = owner
+        self._kwargs = kwargs
+        self._inner: Any = None
+
+    async def __aenter__(self) -> _Savepoint:
+        conn = await self._owner.connection()
+        self._inner = conn.transaction(**self._kwargs)
+        await self._inner.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._inner.__aexit__(exc_type, exc, tb)
