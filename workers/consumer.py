@@ -237,6 +237,10 @@ class AckCoalescer:
         self._channel_of: dict[int, int] = {}  # id(message) -> its channel key
         self._queued: list[tuple[AbstractIncomingMessage, asyncio.Future[None]]] = []
         self._flushing = False
+        # one flush at a time: a multiple-ack computed by one flush must reach the broker
+        # before the next flush computes (else a later frame could cover a tag first and
+        # the broker would close the channel on the now unknown tag)
+        self._send_lock = asyncio.Lock()
         self.frames = 0  # ack frames sent (tests, benchmarks)
 
     def received(self, message: AbstractIncomingMessage) -> None:
@@ -271,6 +275,10 @@ class AckCoalescer:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _flush(self) -> None:
+        async with self._send_lock:
+            await self._flush_queued()
+
+    async def _flush_queued(self) -> None:
         queued, self._queued = self._queued, []
         self._flushing = False
         try:
@@ -345,7 +353,6 @@ class _Settlement:
         if action == "ack":
             await self.acks.ack(self.message)
             return
-        self.acks.done(self.message)
         try:
             await getattr(self.message, action)(**kwargs)
         except Exception as exc:
@@ -355,3 +362,5 @@ class _Settlement:
                 message_id=self.message.message_id,
                 error=repr(exc),
             )
+        finally:  # only now: until the frame is out, no multiple-ack may cover this tag
+            self.acks.done(self.message)

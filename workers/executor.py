@@ -58,6 +58,7 @@ from scheduler.metrics import FIRE_LAG, JOB_DURATION, JOBS_FINISHED, MESSAGE_ROW
 from scheduler.store.execution import Completion, ExecutionStore, JobRef, LockedJob
 from workers.batching import Coalescer
 from workers.context import JobContext
+from workers.groups import Groups, Verdict
 from workers.heartbeat import Heartbeat
 from workers.lazydb import LazyTransaction
 from workers.registry import Registry, TaskSpec
@@ -116,6 +117,7 @@ class Executor:
         acquire_timeout: float = 10.0,
         task_timeout: float = DEFAULT_TASK_TIMEOUT,
         store: ExecutionStore | None = None,
+        group_transactions: bool = True,
         rng: random.Random | None = None,
     ) -> None:
         self._pool = pool
@@ -132,6 +134,11 @@ class Executor:
         self._completions: Coalescer[Completion, bool] = Coalescer(
             self._complete, name="complete", max_batch=BATCH_SIZE
         )
+        self._groups = (
+            Groups(pool, self._store, worker=worker_name, timeout=acquire_timeout)
+            if group_transactions
+            else None
+        )
 
     @property
     def registry(self) -> Registry:
@@ -142,6 +149,8 @@ class Executor:
         return {
             "begin_batches": self._begins.batches,
             "begin_per_batch": round(self._begins.items / max(1, self._begins.batches), 1),
+            "groups": self._groups.groups if self._groups else 0,
+            "group_members": self._groups.members if self._groups else 0,
             "complete_batches": self._completions.batches,
             "complete_per_batch": round(
                 self._completions.items / max(1, self._completions.batches), 1
@@ -151,6 +160,8 @@ class Executor:
     async def close(self) -> None:
         await self._begins.close()
         await self._completions.close()
+        if self._groups is not None:
+            await self._groups.close()
 
     async def execute(self, msg: JobMessage) -> Outcome:
         """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be."""
@@ -190,16 +201,32 @@ class Executor:
             return await self._record_failure(
                 ref, job, unknown, DEFAULT_RETRY, job.max_attempts, error=str(unknown)
             )
-        db = LazyTransaction(self._pool, timeout=self._acquire_timeout)
+        return await self._run(
+            ref, job, spec, grouped=self._groups is not None and not spec.isolated
+        )
+
+    async def _run(self, ref: JobRef, job: LockedJob, spec: TaskSpec, *, grouped: bool) -> Outcome:
+        fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}
+        db = LazyTransaction(
+            self._pool,
+            timeout=self._acquire_timeout,
+            groups=self._groups if grouped else None,
+            completion=Completion(ref, job.key, job.task),
+        )
+        verdict: Verdict | None = None
         try:
             failure = await self._run_handler(ref, job, spec, db)
-            if failure is None and db.opened:
+            if db.member is not None:
+                verdict = await db.member.report(failure)
+            elif failure is None and db.opened:
                 result = await self._finish_in_transaction(ref, job, db)
                 if isinstance(result, Outcome):
                     return result
                 failure = result
         finally:
             await db.close()
+        if verdict is not None:
+            return await self._after_group(ref, job, spec, verdict, failure)
         if failure is None:
             if await self._complete_one(ref, job):
                 log.debug("job_succeeded", **fields)
@@ -209,6 +236,33 @@ class Executor:
         return await self._record_failure(
             ref, job, failure, spec.retry, spec.attempts_allowed(job.max_attempts)
         )
+
+    async def _after_group(
+        self,
+        ref: JobRef,
+        job: LockedJob,
+        spec: TaskSpec,
+        verdict: Verdict,
+        failure: BaseException | None,
+    ) -> Outcome:
+        fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}
+        if verdict is Verdict.COMMITTED:
+            log.debug("job_succeeded", **fields)
+            return Outcome.SUCCEEDED
+        if verdict is Verdict.FAILED and failure is not None:
+            return await self._record_failure(
+                ref, job, failure, spec.retry, spec.attempts_allowed(job.max_attempts)
+            )
+        if verdict is Verdict.SUPERSEDED:
+            log.warning("attempt_superseded", **fields)
+            return Outcome.SKIPPED
+        if verdict is Verdict.DUPLICATE:
+            settled = await self._complete_one(ref, job)
+            log.info("delivery_duplicate", idempotency_key=job.key, settled=settled, **fields)
+            return Outcome.SKIPPED
+        # rolled back with its group through no fault of its own: run again, alone
+        log.info("attempt_rerun_alone", **fields)
+        return await self._run(ref, job, spec, grouped=False)
 
     async def _finish_in_transaction(
         self, ref: JobRef, job: LockedJob, db: LazyTransaction

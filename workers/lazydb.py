@@ -23,25 +23,48 @@ from typing import Any
 import asyncpg
 
 from scheduler.db import Conn
+from scheduler.store.execution import Completion
+from workers.groups import Groups, Member
 
 
 class LazyTransaction:
-    __slots__ = ("_conn", "_lock", "_pool", "_timeout", "_tx")
+    __slots__ = ("_completion", "_conn", "_groups", "_lock", "_pool", "_timeout", "_tx", "member")
 
-    def __init__(self, pool: asyncpg.Pool, *, timeout: float) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        timeout: float,
+        groups: Groups | None = None,
+        completion: Completion | None = None,
+    ) -> None:
         self._pool = pool
         self._timeout = timeout
+        self._groups = groups if completion is not None else None
+        self._completion = completion
         self._conn: Conn | None = None
         self._tx: Any = None
         self._lock = asyncio.Lock()
+        self.member: Member | None = None  # set when the attempt joined a group
 
     @property
     def opened(self) -> bool:
         """True once the handler used the database (a transaction is open)."""
-        return self._conn is not None
+        return self._conn is not None or self.member is not None
+
+    def _joined(self) -> Member | None:
+        if self.member is None and self._conn is None and self._groups is not None:
+            assert self._completion is not None
+            self.member = self._groups.join(self._completion)
+        return self.member
 
     async def connection(self) -> Conn:
-        """The pooled connection, inside the attempt's transaction (opened now if needed)."""
+        """The pooled connection, inside the attempt's transaction (opened now if needed).
+        In a transaction group this holds the group's connection for the rest of the
+        attempt (``workers.groups``)."""
+        member = self._joined()
+        if member is not None:
+            return await member.connection()
         if self._conn is not None:
             return self._conn
         async with self._lock:
@@ -56,41 +79,51 @@ class LazyTransaction:
                 self._conn, self._tx = conn, tx
         return self._conn
 
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        member = self._joined()
+        if member is not None:
+            return await member.call(method, *args, **kwargs)
+        return await getattr(await self.connection(), method)(*args, **kwargs)
+
     # -- the Connection calls handlers use -----------------------------------------
 
     async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
-        return await (await self.connection()).execute(query, *args, timeout=timeout)
+        return await self._call("execute", query, *args, timeout=timeout)
 
     async def executemany(self, command: str, args: Any, *, timeout: float | None = None) -> None:
-        await (await self.connection()).executemany(command, args, timeout=timeout)
+        await self._call("executemany", command, args, timeout=timeout)
 
     async def fetch(self, query: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return await (await self.connection()).fetch(query, *args, **kwargs)
+        return await self._call("fetch", query, *args, **kwargs)
 
     async def fetchrow(self, query: str, *args: Any, **kwargs: Any) -> Any:
-        return await (await self.connection()).fetchrow(query, *args, **kwargs)
+        return await self._call("fetchrow", query, *args, **kwargs)
 
     async def fetchval(self, query: str, *args: Any, **kwargs: Any) -> Any:
-        return await (await self.connection()).fetchval(query, *args, **kwargs)
+        return await self._call("fetchval", query, *args, **kwargs)
 
     async def copy_records_to_table(self, table_name: str, **kwargs: Any) -> str:
-        return await (await self.connection()).copy_records_to_table(table_name, **kwargs)
+        return await self._call("copy_records_to_table", table_name, **kwargs)
 
     async def copy_to_table(self, table_name: str, **kwargs: Any) -> str:
-        return await (await self.connection()).copy_to_table(table_name, **kwargs)
+        return await self._call("copy_to_table", table_name, **kwargs)
 
     async def copy_from_query(self, query: str, *args: Any, **kwargs: Any) -> str:
-        return await (await self.connection()).copy_from_query(query, *args, **kwargs)
+        return await self._call("copy_from_query", query, *args, **kwargs)
 
     async def copy_from_table(self, table_name: str, **kwargs: Any) -> str:
-        return await (await self.connection()).copy_from_table(table_name, **kwargs)
+        return await self._call("copy_from_table", table_name, **kwargs)
 
     async def prepare(self, query: str, **kwargs: Any) -> Any:
+        # a prepared statement outlives one call: in a group it needs the connection held
         return await (await self.connection()).prepare(query, **kwargs)
 
-    def transaction(self, **kwargs: Any) -> _Savepoint:
+    def transaction(self, **kwargs: Any) -> Any:
         """``async with ctx.db.transaction():`` — a savepoint inside the attempt's
         transaction (asyncpg nests it on the open transaction)."""
+        member = self._joined()
+        if member is not None:
+            return member.savepoint(**kwargs)
         return _Savepoint(self, kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -110,7 +143,10 @@ class LazyTransaction:
     async def close(self) -> None:
         """Roll back what is still open and give the connection back; safe twice. If the
         rollback is impossible (connection broken, a query still cancelling), drop the
-        connection: the server then aborts the transaction itself."""
+        connection: the server then aborts the transaction itself. A group member that
+        never reported (cancelled) is reported as failed, so its group can finish."""
+        if self.member is not None and not self.member.reported:
+            self.member.mark(asyncio.CancelledError())
         conn, tx = self._conn, self._tx
         self._conn = self._tx = None
         if conn is None:

@@ -41,6 +41,8 @@ class TaskSpec:
     - ``max_attempts``: when set, replaces the job row's ``max_attempts`` (the column
       defaults to 5 for every producer, so the task author's number is the informed one).
     - ``retry``: the back-off policy for this task's failures.
+    - ``isolated``: never share a transaction with other attempts (``workers.groups``):
+      for handlers that hold hot row locks, or need their transaction to themselves.
     """
 
     name: str
@@ -48,6 +50,7 @@ class TaskSpec:
     timeout: float | None = None
     max_attempts: int | None = None
     retry: RetryPolicy = DEFAULT_RETRY
+    isolated: bool = False
 
     def attempts_allowed(self, row_max_attempts: int) -> int:
         return self.max_attempts if self.max_attempts is not None else row_max_attempts
@@ -102,6 +105,7 @@ class Registry:
         timeout: float | timedelta | None = None,
         max_attempts: int | None = None,
         retry: RetryPolicy | None = None,
+        isolated: bool = False,
     ) -> TaskSpec:
         name = _validate_name(name)
         if not inspect.iscoroutinefunction(handler):
@@ -125,6 +129,7 @@ class Registry:
             timeout=_validate_timeout(timeout),
             max_attempts=_validate_attempts(max_attempts),
             retry=retry or DEFAULT_RETRY,
+            isolated=bool(isolated),
         )
         self._tasks[name] = spec
         return spec
@@ -136,11 +141,19 @@ class Registry:
         timeout: float | timedelta | None = None,
         max_attempts: int | None = None,
         retry: RetryPolicy | None = None,
+        isolated: bool = False,
     ) -> Callable[[H], H]:
         """Decorator form of ``register``; returns the handler unchanged."""
 
         def decorate(handler: H) -> H:
-            self.register(name, handler, timeout=timeout, max_attempts=max_attempts, retry=retry)
+            self.register(
+                name,
+                handler,
+                timeout=timeout,
+                max_attempts=max_attempts,
+                retry=retry,
+                isolated=isolated,
+            )
             return handler
 
         return decorate
@@ -178,13 +191,17 @@ def task(
     timeout: float | timedelta | None = None,
     max_attempts: int | None = None,
     retry: RetryPolicy | None = None,
+    isolated: bool = False,
     registry: Registry | None = None,
 ) -> Callable[[H], H]:
     """Register ``async def handler(ctx: JobContext, payload: dict)`` as task ``name``.
 
     ``timeout`` (seconds or timedelta) bounds each run; ``max_attempts`` replaces the
     job row's budget; ``retry`` sets the back-off. Registering a name twice raises
-    ``DuplicateTask`` at import time.
+    ``DuplicateTask`` at import time. ``isolated=True`` keeps its attempts out of shared
+    transactions (``workers.groups``).
     """
     target = registry if registry is not None else default_registry  # empty is falsy
-    return target.task(name, timeout=timeout, max_attempts=max_attempts, retry=retry)
+    return target.task(
+        name, timeout=timeout, max_attempts=max_attempts, retry=retry, isolated=isolated
+    )

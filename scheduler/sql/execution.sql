@@ -112,3 +112,31 @@ UPDATE duetime.jobs
  WHERE id = $1 AND due_at = $2::timestamptz + interval '0'
    AND status = 'dispatched' AND attempt = $3
 RETURNING 1;
+
+-- name: finish_group
+-- finish_delivery for every attempt of a transaction group (workers/groups.py), inside
+-- the group's transaction, then COMMIT. The group holds at most one attempt per key, so
+-- `recorded` can be read per key. Results are aligned with the input by `i`.
+WITH done AS (
+    SELECT * FROM unnest($1::bigint[], $2::timestamptz[], $3::int[], $4::text[], $5::text[])
+        WITH ORDINALITY AS d(id, due_at, attempt, key, task, i)
+), settled AS (
+    -- `= ANY` repeats the join for an index scan pruned to the group's partitions
+    UPDATE duetime.jobs j
+       SET status = 'succeeded', finished_at = now()
+      FROM done d
+     WHERE j.id = ANY($1::bigint[]) AND j.due_at = ANY($2::timestamptz[])
+       AND j.id = d.id AND j.due_at = d.due_at
+       AND j.status = 'dispatched' AND j.attempt = d.attempt
+    RETURNING d.i, d.id, d.attempt, d.key, d.task
+), ledger AS (
+    INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task, worker)
+    SELECT s.key, s.id, s.attempt, s.task, $6 FROM settled s
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key
+)
+SELECT d.i,
+       EXISTS (SELECT 1 FROM settled s WHERE s.i = d.i) AS settled,
+       EXISTS (SELECT 1 FROM ledger l WHERE l.idempotency_key = d.key) AS recorded
+  FROM done d
+ ORDER BY d.i;

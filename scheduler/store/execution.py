@@ -127,6 +127,22 @@ class ExecutionStore:
         assert record is not None
         return Finish(settled=record["settled"], recorded=record["recorded"])
 
+    async def finish_group(
+        self, conn: Conn, completions: Sequence[Completion], worker: str
+    ) -> list[Finish]:
+        """``finish`` for many attempts in one statement, in the caller's transaction;
+        aligned with ``completions`` (which must not repeat a key)."""
+        records = await conn.fetch(
+            Q["finish_group"],
+            [c.ref.job_id for c in completions],
+            [c.ref.due_at for c in completions],
+            [c.ref.attempt for c in completions],
+            [c.key for c in completions],
+            [c.task for c in completions],
+            worker,
+        )
+        return [Finish(settled=r["settled"], recorded=r["recorded"]) for r in records]
+
     async def schedule_retry(self, ref: JobRef, *, delay: float, error: str) -> datetime | None:
         """dispatched → pending with attempt + 1, runnable after ``delay`` seconds.
         Returns the new run time, or None if the row is no longer this attempt's.
@@ -175,3 +191,4 @@ async def prepare_handler_connection(conn: asyncpg.Connection) -> None:
     """The same for a handler connection: the statement that finishes an attempt in the
     handler's transaction."""
     await conn.fetchrow(Q["finish_delivery"], 0, _epoch(), 0, "", "", "")
+    await conn.fetch(Q["finish_group"], [0], [_epoch()], [0], [""], [""], "")
