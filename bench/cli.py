@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.report import DEFAULT_RESULTS_DIR, emit, latest, load_average, machine, plot_bars
 
-SCENARIOS = ("baseline", "storm", "steady", "recurring", "scale")
+SCENARIOS = ("baseline", "worker", "storm", "steady", "coldstart", "recurring", "scale")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +75,7 @@ def _decorate(result: dict[str, Any], args: argparse.Namespace, ref: str | None)
 
 async def run(args: argparse.Namespace, settings: Any) -> int:
     # imported here: ``duetime --help`` and every other command build this parser
-    from bench import baseline, recurring, scale, steady, storm
+    from bench import baseline, coldstart, recurring, scale, steady, storm, worker
     from bench.harness import Services
     from scheduler.log import configure_logging
 
@@ -113,6 +113,19 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
                 },
             ),
             out_dir / f"storm{suffix}.png",
+            base,
+        ),
+        "worker": lambda: worker.run(
+            services,
+            _params(worker.WorkerParams, args, {"jobs": "jobs", "concurrency": "concurrency"}),
+            base,
+        ),
+        "coldstart": lambda: coldstart.run(
+            services,
+            _params(
+                coldstart.ColdStartParams, args, {"rate": "rate", "concurrency": "concurrency"}
+            ),
+            out_dir / f"coldstart{suffix}.png",
             base,
         ),
         "steady": lambda: steady.run(
@@ -178,6 +191,20 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
                         },
                     },
                 )
+        elif name == "worker":
+            result = await runners[name]()
+            record(result)
+            plot_bars(
+                out_dir / f"worker{suffix}.png",
+                f"worker alone, jobs/s (pipeline {result['baseline_pipeline_jobs_per_s']}; "
+                f"load {result['load_avg_start'][0]})",
+                {
+                    "noop (no ctx.db)": result["noop"]["jobs_per_s"] or 0,
+                    "insert (one ctx.db INSERT)": result["insert"]["jobs_per_s"] or 0,
+                    "io (INSERT + 200 ms, c=64)": result["io"]["jobs_per_s"] or 0,
+                    "bare pipeline": result["baseline_pipeline_jobs_per_s"] or 0,
+                },
+            )
         elif name == "recurring" and (why := recurring.available()) is not None:
             emit({"scenario": "recurring", "quick": args.quick, "skipped": why}, out_dir)
         else:

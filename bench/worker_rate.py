@@ -1,9 +1,11 @@
-"""Jobs per second through one ``duetime worker`` process (issue 5's note).
+"""Jobs per second through one ``duetime worker`` process.
 
-For each handler (a no-op, and one INSERT through ``ctx.db``): create N jobs in a
-database of our own, mark them ``dispatched`` and publish their messages (playing the
-dispatcher, so only the worker is measured), then start one worker process and time
-the drain until every job is ``succeeded``. Prints JSON.
+For each handler (a no-op, one INSERT through ``ctx.db``, and an I/O-bound one that
+writes then awaits 200 ms): create N jobs in a database of our own, mark them
+``dispatched`` and publish their messages (playing the dispatcher, so only the worker is
+measured), then start one worker process and time the drain until every job is
+``succeeded``. Prints JSON. ``duetime bench worker`` runs the same measurement
+(``measure``) against the baseline of the same run.
 
 The rate is taken between the first and the last ``finished_at`` (database clock), so
 process start-up and imports are not counted; ``wall_s`` includes them.
@@ -43,6 +45,17 @@ async def noop(ctx: JobContext, payload: dict[str, Any]) -> None:
 @task("bench.insert")
 async def insert_one(ctx: JobContext, payload: dict[str, Any]) -> None:
     await ctx.db.execute(f"INSERT INTO {EFFECTS_TABLE} (job_id) VALUES ($1)", ctx.job_id)
+
+
+IO_SECONDS = 0.2
+
+
+@task("bench.io")
+async def io_bound(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """The worst case for shared transactions: a write, then a slow await (an API call)
+    while the transaction stays open."""
+    await ctx.db.execute(f"INSERT INTO {EFFECTS_TABLE} (job_id) VALUES ($1)", ctx.job_id)
+    await asyncio.sleep(IO_SECONDS)
 
 
 # -- the benchmark (not run on import) -------------------------------------------------
@@ -86,14 +99,16 @@ async def _prepare(dsn: str, amqp_url: str, queue: str, task_name: str, jobs: in
         for start in range(0, len(rows), chunk):
             publishes = []
             for row in rows[start : start + chunk]:
+                # the full (pre-pointer) body: older workers need it, newer ones ignore
+                # payload and key, so before/after comparisons run the same preparation
                 msg = JobMessage(
                     job_id=row["id"],
                     due_at=row["due_at"],
                     attempt=1,
+                    epoch=1,
                     task=task_name,
                     payload={},
                     idempotency_key=f"job:{row['id']}",
-                    epoch=1,
                 )
                 publishes.append(
                     channel.default_exchange.publish(
@@ -113,7 +128,14 @@ async def _prepare(dsn: str, amqp_url: str, queue: str, task_name: str, jobs: in
 
 
 async def _drain(
-    dsn: str, amqp_url: str, queue: str, task_name: str, jobs: int, concurrency: int
+    dsn: str,
+    amqp_url: str,
+    queue: str,
+    task_name: str,
+    jobs: int,
+    concurrency: int,
+    *,
+    trace_to: Path | None = None,
 ) -> dict[str, Any]:
     from scheduler import db
 
@@ -130,9 +152,17 @@ async def _drain(
     ]  # fmt: skip
     conn = await db.connect(dsn)
     started = time.monotonic()
+    quiet = "BENCH_WORKER_LOG_LEVEL" not in os.environ
     proc = await asyncio.create_subprocess_exec(
-        *argv, env=env, cwd=REPO, stdout=None if "BENCH_WORKER_LOG_LEVEL" in os.environ else asyncio.subprocess.DEVNULL
+        *argv, env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL if quiet else None
     )
+    tracer = None
+    if trace_to is not None:  # every write syscall of the worker, with its socket
+        tracer = await asyncio.create_subprocess_exec(
+            "strace", "-f", "-qq", "-yy", "-e", "trace=write,writev,sendto,sendmsg",
+            "-o", str(trace_to), "-p", str(proc.pid),
+            stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
     try:
         while True:
             done = await conn.fetchval(
@@ -154,6 +184,9 @@ async def _drain(
         )
         effects = await conn.fetchval(f"SELECT count(*) FROM {EFFECTS_TABLE}")
     finally:
+        if tracer is not None and tracer.returncode is None:
+            tracer.send_signal(signal.SIGINT)
+            await tracer.wait()
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
         try:
@@ -171,6 +204,41 @@ async def _drain(
         "effects_rows": effects,
         "worker_exit": proc.returncode,
     }
+
+
+async def measure(
+    dsn: str,
+    amqp_url: str,
+    label: str,
+    task_name: str,
+    jobs: int,
+    concurrency: int,
+    *,
+    trace_to: Path | None = None,
+) -> dict[str, Any]:
+    """One drain of ``jobs`` pre-published jobs of ``task_name`` by one worker process,
+    on an already migrated database ``dsn``."""
+    queue = f"bench-{label}-{uuid.uuid4().hex[:6]}"
+    await _prepare(dsn, amqp_url, queue, task_name, jobs)
+    try:
+        return await _drain(
+            dsn, amqp_url, queue, task_name, jobs, concurrency, trace_to=trace_to
+        )
+    finally:
+        await _delete_queue(amqp_url, queue)
+
+
+def count_writes(trace: Path) -> dict[str, int]:
+    """Write syscalls in an strace log, by peer: PostgreSQL (5432), RabbitMQ (5672)."""
+    counts = {"postgresql": 0, "rabbitmq": 0, "other": 0}
+    for line in trace.read_text(errors="replace").splitlines():
+        if "->127.0.0.1:5432]" in line or ":5432->" in line:
+            counts["postgresql"] += 1
+        elif "->127.0.0.1:5672]" in line or ":5672->" in line:
+            counts["rabbitmq"] += 1
+        elif "(" in line:
+            counts["other"] += 1
+    return counts
 
 
 async def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -210,14 +278,9 @@ async def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         await migrate(dsn)
         for label, task_name in (("noop", "bench.noop"), ("insert", "bench.insert")):
-            queue = f"bench-{label}-{uuid.uuid4().hex[:6]}"
-            await _prepare(dsn, args.amqp_url, queue, task_name, args.jobs)
-            try:
-                results[label] = await _drain(
-                    dsn, args.amqp_url, queue, task_name, args.jobs, args.concurrency
-                )
-            finally:
-                await _delete_queue(args.amqp_url, queue)
+            results[label] = await measure(
+                dsn, args.amqp_url, label, task_name, args.jobs, args.concurrency
+            )
     finally:
         admin = await asyncpg.connect(args.server_url, timeout=10)
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -17,9 +17,9 @@ import pytest
 from tests.support.cli import run_duetime
 from tests.support.procs import REPO_ROOT
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
-SCENARIOS = {"baseline", "storm", "steady", "recurring", "scale"}
+SCENARIOS = {"baseline", "worker", "storm", "steady", "coldstart", "recurring", "scale"}
 
 
 async def test_bench_all_quick_is_complete(
@@ -29,7 +29,7 @@ async def test_bench_all_quick_is_complete(
     env.update(DUETIME_AMQP_URL=amqp_url, DUETIME_ETCD_ENDPOINTS=etcd_endpoints)
     code, out, err = await run_duetime(
         env, "bench", "all", "--quick", "--results-dir", str(tmp_path),
-        "--server-url", server_dsn, timeout=150, cwd=REPO_ROOT,
+        "--server-url", server_dsn, timeout=270, cwd=REPO_ROOT,
     )  # fmt: skip
     detail = f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     assert code == 0, detail
@@ -44,6 +44,10 @@ async def test_bench_all_quick_is_complete(
         assert r["completed_pct"] == 100.0, r
         assert r["jobs_started"] == r["completed"], r
         assert r["duplicates"] == 0, r
+    work = results["worker"]
+    assert work["targets"]["complete"], work
+    cold = results["coldstart"]
+    assert cold["completed"] == cold["jobs"], cold
     rec = results["recurring"]
     if "skipped" not in rec:
         assert rec["missing"] == 0 and rec["duplicates"] == 0, rec
