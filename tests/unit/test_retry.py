@@ -100,3 +100,29 @@ def test_timeout_is_an_ordinary_failure() -> None:
         policy=RetryPolicy(jitter=False),
     )
     assert decision == RetryLater(5.0, "TimeoutError: handler exceeded its timeout of 2s")
+
+
+# -- bounds: no duration a handler or a policy supplies can overflow the database --------
+
+
+def test_any_requested_delay_is_bounded() -> None:
+    from workers.retry import MAX_RETRY_DELAY
+
+    for seconds in (1e13, 1e300, MAX_RETRY_DELAY * 2):
+        decision = decide(Retry(in_=seconds), attempt=1, max_attempts=3)
+        assert isinstance(decision, RetryLater) and decision.delay == MAX_RETRY_DELAY
+    with pytest.raises(ValueError, match="366 days"):
+        RetryPolicy(base=1.0, cap=MAX_RETRY_DELAY + 1)
+
+
+def test_hostile_exception_texts_become_storable_errors() -> None:
+    from workers.retry import MAX_ERROR_CHARS, describe
+
+    class NoText(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("nope")
+
+    assert describe(NoText()) == "NoText: <str() raised RuntimeError>"
+    text = describe(ValueError("a\x00b\ud800" * 1_000_000))
+    assert len(text) <= MAX_ERROR_CHARS * 4 and "\x00" not in text
+    text.encode("utf-8")  # no lone surrogate left
