@@ -164,12 +164,16 @@ async def _drain(
             stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
     try:
+        cpu_first: tuple[int, float] | None = None  # (jobs done, worker CPU s) at first sight
         while True:
             done = await conn.fetchval(
                 "SELECT count(*) FROM duetime.jobs WHERE task = $1 AND status = 'succeeded'",
                 task_name,
             )
+            if done and cpu_first is None:
+                cpu_first = (done, _cpu_seconds(proc.pid))
             if done >= jobs:
+                cpu_last = (done, _cpu_seconds(proc.pid))
                 break
             if proc.returncode is not None:
                 raise RuntimeError(f"worker exited with {proc.returncode}")
@@ -195,15 +199,29 @@ async def _drain(
             proc.kill()
             await proc.wait()
         await conn.close()
+    cpu_ms = None
+    if cpu_first is not None and cpu_last[0] > cpu_first[0]:
+        cpu_ms = round(1000 * (cpu_last[1] - cpu_first[1]) / (cpu_last[0] - cpu_first[0]), 3)
     return {
         "jobs": jobs,
         "concurrency": concurrency,
+        "worker_cpu_ms_per_job": cpu_ms,
         "jobs_per_s": round((jobs - 1) / span, 1) if span else None,
         "drain_s": round(span, 3),
         "wall_s": round(wall, 3),
         "effects_rows": effects,
         "worker_exit": proc.returncode,
     }
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc): what one delivery costs
+    the worker, which a loaded machine changes far less than the rate."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def measure(

@@ -98,6 +98,7 @@ class Worker:
                 max_inactive_connection_lifetime=0,
                 prepare=prepare_store_connection,
                 server_settings={"plan_cache_mode": "force_generic_plan"},
+                reset=db.keep_session,  # only our statements run here: nothing to reset
             )
             self.executor = Executor(
                 self.pool,
