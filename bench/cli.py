@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.report import DEFAULT_RESULTS_DIR, emit, latest, load_average, machine, plot_bars
 
-SCENARIOS = ("baseline", "worker", "storm", "steady", "coldstart", "recurring", "scale")
+SCENARIOS = ("baseline", "worker", "io", "storm", "steady", "coldstart", "recurring", "scale")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +120,12 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
             _params(worker.WorkerParams, args, {"jobs": "jobs", "concurrency": "concurrency"}),
             base,
         ),
+        "io": lambda: worker.run_io(
+            services,
+            _params(
+                worker.WorkerParams, args, {"jobs": "io_jobs", "concurrency": "io_concurrency"}
+            ),
+        ),
         "coldstart": lambda: coldstart.run(
             services,
             _params(
@@ -196,14 +202,21 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
             record(result)
             plot_bars(
                 out_dir / f"worker{suffix}.png",
-                f"worker alone, jobs/s (pipeline {result['baseline_pipeline_jobs_per_s']}; "
-                f"load {result['load_avg_start'][0]})",
+                f"worker alone, jobs/s (load {result['load_avg_start'][0]})",
                 {
                     "noop (no ctx.db)": result["noop"]["jobs_per_s"] or 0,
                     "insert (one ctx.db INSERT)": result["insert"]["jobs_per_s"] or 0,
-                    "io (INSERT + 200 ms, c=64)": result["io"]["jobs_per_s"] or 0,
-                    "bare pipeline": result["baseline_pipeline_jobs_per_s"] or 0,
+                    "bare pipeline (baseline)": result["baseline_pipeline_jobs_per_s"] or 0,
                 },
+            )
+        elif name == "io":
+            result = await runners[name]()
+            record(result)
+            plot_bars(
+                out_dir / f"io{suffix}.png",
+                f"io: INSERT + {result['params']['await_s']} s await, concurrency "
+                f"{result['params']['concurrency']} (load {result['load_avg_start'][0]})",
+                {"jobs/s": result["jobs_per_s"] or 0, "ideal": result["ideal_jobs_per_s"]},
             )
         elif name == "recurring" and (why := recurring.available()) is not None:
             emit({"scenario": "recurring", "quick": args.quick, "skipped": why}, out_dir)

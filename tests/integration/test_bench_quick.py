@@ -19,7 +19,7 @@ from tests.support.procs import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(300)
 
-SCENARIOS = {"baseline", "worker", "storm", "steady", "coldstart", "recurring", "scale"}
+SCENARIOS = {"baseline", "worker", "io", "storm", "steady", "coldstart", "recurring", "scale"}
 
 
 async def test_bench_all_quick_is_complete(
@@ -46,6 +46,7 @@ async def test_bench_all_quick_is_complete(
         assert r["duplicates"] == 0, r
     work = results["worker"]
     assert work["targets"]["complete"], work
+    assert results["io"]["targets"]["complete"], results["io"]
     cold = results["coldstart"]
     assert cold["completed"] == cold["jobs"], cold
     rec = results["recurring"]
