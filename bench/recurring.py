@@ -21,7 +21,9 @@ from bench.lag import summarize
 from bench.report import load_average, now_iso, plot_lag, ratio
 from bench.tasks import STARTS_TABLE
 
-TARGETS = {"fires_per_s_ratio": 0.99, "lag_p99_ms": 100.0}
+#: lag p99 against the time the bare pipeline of the same run needs to start M jobs
+#: (M / pipeline jobs/s): no design that runs every job can start M of them faster.
+TARGETS = {"fires_per_s_ratio": 0.99, "lag_p99_ms": 100.0, "p99_vs_pipeline_burst": 1.5}
 CREATE_SCHEDULES = (
     "INSERT INTO duetime.schedules (name, task, cron, queue) "
     "SELECT 'bench-' || i, 'bench.record', '* * * * * *', $2 FROM generate_series(1, $1) i"
@@ -102,6 +104,7 @@ async def run(
         "ratio_fires_to_schedules": ratio(fires_per_s, m),
         "baseline_pipeline_jobs_per_s": pipeline,
         "ratio_fires_to_pipeline": ratio(fires_per_s, pipeline),
+        "pipeline_burst_ms": round(1000 * m / pipeline, 1) if pipeline else None,
         "load_avg_start": load_start,
         "load_avg_end": load_average(),
     }
@@ -110,6 +113,9 @@ async def run(
         "complete": summary.jobs == m * d and summary.duplicates == 0,
         "fires_ge_0.99_per_schedule": fires_per_s >= TARGETS["fires_per_s_ratio"] * m,
         "lag_p99_le_100ms": p99 is not None and p99 <= TARGETS["lag_p99_ms"],
+        "lag_p99_le_1.5x_pipeline_burst": p99 is not None
+        and result["pipeline_burst_ms"] is not None
+        and p99 <= TARGETS["p99_vs_pipeline_burst"] * result["pipeline_burst_ms"],
     }
     plot = plot_lag(
         plot_path,
