@@ -52,7 +52,7 @@ from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.duty import LeaderTerm, LoopDuty
 from scheduler.election import Election, Term
-from scheduler.errors import Fenced, LeadershipLost
+from scheduler.errors import Fenced, LeadershipLost, ServiceUnavailable
 from scheduler.etcd_client import etcd_tls
 from scheduler.fence import FenceStore
 from scheduler.log import get_logger
@@ -348,6 +348,8 @@ class Replica:
                     await self._resign(term)
                     return None
                 return term
+            if isinstance(exc, ServiceUnavailable) and not exc.transient:
+                raise exc  # etcd refused our credentials: the process exits with this line
             # campaign() retries etcd errors itself: anything else is a bug; retry slowly
             failures += 1
             delay = bounded_jitter(failures, base=0.5, cap=self.settings.lease_ttl * 4)
