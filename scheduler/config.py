@@ -25,7 +25,11 @@ from urllib.parse import urlsplit, urlunsplit
 from scheduler.errors import ConfigError
 from scheduler.secrets import read_credentials  # systemd credentials (security)
 
-__all__ = ["FIELDS", "Settings", "load_settings", "redact_url"]
+__all__ = ["DEFAULT_DB_TIMEOUT", "FIELDS", "Settings", "load_settings", "redact_url"]
+
+#: Seconds any one wait on PostgreSQL may take by default: connecting, a connection from
+#: a pool, one statement (x3, client side). Stores built without settings use it too.
+DEFAULT_DB_TIMEOUT = 10.0
 
 
 def redact_url(url: str) -> str:
@@ -176,7 +180,7 @@ class Settings:
     metrics_port: int | None = None
     log_level: str = "info"
     log_format: str = "auto"
-    db_timeout: float = 10.0
+    db_timeout: float = DEFAULT_DB_TIMEOUT
     amqp_timeout: float = 10.0
     claim_batch_size: int = 500
     poll_interval: float = 1.0

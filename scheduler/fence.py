@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 
 import asyncpg
 
+from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.db import Conn
 from scheduler.errors import Fenced
 from scheduler.rows import FenceState
@@ -35,26 +36,34 @@ async def fenced_transaction(conn: Conn, epoch: int) -> AsyncIterator[None]:
 
 
 class FenceStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
+    ) -> None:
+        """``acquire_timeout``: the longest wait for a connection from ``pool`` (a full
+        pool raises ``TimeoutError`` instead of queueing forever); callers pass
+        ``Settings.db_timeout``."""
+        if not acquire_timeout > 0:
+            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
         self._pool = pool
+        self._acquire_timeout = acquire_timeout
 
     async def advance(self, epoch: int, node_id: str, *, lock_timeout: float = 5.0) -> bool:
         """Raise the fence to ``epoch``. False when a newer epoch already holds it."""
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn, conn.transaction():
             await conn.execute(f"SET LOCAL lock_timeout = '{int(lock_timeout * 1000)}ms'")
             got = await conn.fetchval(Q["advance"], epoch, node_id)
             return got is not None
 
     async def heartbeat(self, epoch: int) -> None:
         """Record that the leader of ``epoch`` is alive; raises ``Fenced`` if superseded."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             got = await conn.fetchval(Q["heartbeat"], epoch)
             if got is None:
                 state = await conn.fetchrow(Q["read"])
                 raise Fenced(epoch, state["epoch"] if state else None)
 
     async def read(self) -> FenceState:
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             row = await conn.fetchrow(Q["read"])
         if row is None:
             return FenceState(0, None, None, None)

@@ -252,7 +252,7 @@ class Replica:
             settings, max_size=self._pool_size, server_settings=session_settings(settings)
         )
         try:
-            self._fence = FenceStore(self._pool)
+            self._fence = FenceStore(self._pool, acquire_timeout=settings.db_timeout)
             self._election = Election(
                 list(settings.etcd_endpoints),
                 settings.etcd_prefix,
