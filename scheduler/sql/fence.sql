@@ -11,6 +11,22 @@ UPDATE duetime.leader_fence
  WHERE shard = 0 AND epoch <= $1
 RETURNING epoch;
 
+-- name: advance_limits
+-- $1 lock_timeout, $2 statement_timeout of the advancing transaction (SET LOCAL).
+SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true);
+
+-- name: terminate_blockers
+-- The duetime sessions that hold what the advancing backend $1 waits for: transactions
+-- of an older epoch holding the fence row FOR SHARE (only fenced transactions lock it).
+-- Other sessions (an operator's psql, a migration: application_name "duetime") are left
+-- alone. pg_terminate_backend ends even a backend blocked sending to a frozen client.
+SELECT a.pid, a.application_name, a.state, a.wait_event,
+       pg_terminate_backend(a.pid) AS terminated
+  FROM pg_stat_activity AS a
+ WHERE a.pid = ANY(pg_blocking_pids($1))
+   AND a.application_name LIKE 'duetime:%'
+   AND a.pid <> pg_backend_pid();
+
 -- name: heartbeat
 UPDATE duetime.leader_fence SET renewed_at = now()
  WHERE shard = 0 AND epoch = $1
