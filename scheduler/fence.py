@@ -11,11 +11,13 @@ write of a zombie can commit after a newer leader fenced, however long it was pa
 A zombie can also *hold* the fence: frozen while its backend blocks sending a claim's
 result, its transaction keeps the share lock and no server timeout ends it (see
 ``scheduler.replica.session_settings``). So ``advance`` does not only wait: when its
-update has not got the row after ``takeover_grace``, it terminates the duetime sessions
-(``application_name`` ``duetime:<node id>``) that ``pg_blocking_pids`` names as holding
-it, again every ``takeover_grace`` until it gets it. Those are transactions of an older
-epoch by construction (the new leader won etcd after the old lease expired); ending one
-rolls it back, which leaves its claimed rows ``pending`` (nothing is lost, DESIGN §5).
+update has not got the row after ``takeover_grace``, it terminates the sessions that
+``pg_blocking_pids`` names as holding it *and* look like fenced transactions (named
+``duetime:<node id>``, only row-level locks on the fence: never a migration's DDL or an
+operator's session), again every ``takeover_grace`` until it gets it. Those are
+transactions of an older epoch by construction (the new leader won etcd after the old
+lease expired); ending one rolls it back, which leaves its claimed rows ``pending``
+(nothing is lost).
 Terminating another role's session needs that role's privileges or
 ``pg_signal_backend``; without them the takeover is logged and the update waits.
 """

@@ -166,8 +166,11 @@ async def test_zombie_blocked_sending_a_claim_does_not_hold_the_fence(
             claim,
         )
         assert [r["dispatch_epoch"] for r in epochs] == [new_epoch]
-        gone = await db.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid)
-        assert gone == 0  # the zombie's blocked backend was ended
+        async def backend_gone() -> bool:
+            count = await db.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid)
+            return count == 0
+
+        await wait_for(backend_gone, timeout=2, message="the zombie's blocked backend ended")
 
         terminated = new.events("fence_blockers_terminated")
         if path == "terminate":

@@ -94,6 +94,20 @@ async def test_advance_leaves_other_sessions_alone_and_times_out(
         operator.terminate()
 
 
+async def test_advance_leaves_a_migration_alone(fence: FenceStore, takeover_dsn: str) -> None:
+    """A duetime-named session holding more than row locks (DDL) is not a claim."""
+    migration = await db.connect(takeover_dsn, application_name="duetime:migrate")
+    await migration.execute("BEGIN")
+    await migration.execute("LOCK TABLE duetime.leader_fence IN SHARE ROW EXCLUSIVE MODE")
+    await migration.fetchval("SELECT epoch FROM duetime.leader_fence WHERE shard = 0 FOR SHARE")
+    try:
+        with pytest.raises(asyncpg.LockNotAvailableError):
+            await fence.advance(6, "new-leader", lock_timeout=1.0, takeover_grace=GRACE)
+        assert await alive(fence, migration.get_server_pid())
+    finally:
+        migration.terminate()
+
+
 async def test_advance_without_takeover_only_waits(
     fence: FenceStore, takeover_dsn: str
 ) -> None:
