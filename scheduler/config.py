@@ -25,7 +25,11 @@ from urllib.parse import urlsplit, urlunsplit
 from scheduler.errors import ConfigError
 from scheduler.secrets import read_credentials  # systemd credentials (security)
 
-__all__ = ["FIELDS", "Settings", "load_settings", "redact_url"]
+__all__ = ["DEFAULT_DB_TIMEOUT", "FIELDS", "Settings", "load_settings", "redact_url"]
+
+#: Seconds any one wait on PostgreSQL may take by default: connecting, a connection from
+#: a pool, one statement (x3, client side). Stores built without settings use it too.
+DEFAULT_DB_TIMEOUT = 10.0
 
 
 def redact_url(url: str) -> str:
@@ -97,6 +101,16 @@ def _number(kind: type, *, minimum: float | None = None, exclusive: bool = False
             relation = ">" if exclusive else ">="
             raise ValueError(f"must be {relation} {minimum} (got {value!r})")
         return number
+
+    return parse
+
+
+def _optional_seconds(*, minimum: float, exclusive: bool = False) -> Callable[[Any], Any]:
+    """Seconds, or unset (None / empty: the default derived from other settings)."""
+    number = _number(float, minimum=minimum, exclusive=exclusive)
+
+    def parse(value: Any) -> float | None:
+        return None if value in (None, "") else float(number(value))
 
     return parse
 
@@ -176,7 +190,7 @@ class Settings:
     metrics_port: int | None = None
     log_level: str = "info"
     log_format: str = "auto"
-    db_timeout: float = 10.0
+    db_timeout: float = DEFAULT_DB_TIMEOUT
     amqp_timeout: float = 10.0
     claim_batch_size: int = 500
     poll_interval: float = 1.0
@@ -190,6 +204,9 @@ class Settings:
     worker_grace_period: float = 30.0
     task_timeout: float = 1800.0
     delivery_limit: int = 20
+    scheduler_statement_timeout: float | None = None
+    scheduler_tcp_user_timeout: float | None = None
+    fence_takeover_grace: float = 1.0
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict safe to log or print (no passwords)."""
@@ -216,6 +233,21 @@ class Settings:
         if self.lease_safety_margin is not None:
             return self.lease_safety_margin
         return min(max(0.25, self.lease_ttl * 0.2), 2.0)
+
+    @property
+    def effective_statement_timeout(self) -> float:
+        """``statement_timeout`` of scheduler sessions: at most (and by default) one TTL,
+        so a frozen leader's running statement ends before its successor needs the fence."""
+        if self.scheduler_statement_timeout is not None:
+            return self.scheduler_statement_timeout
+        return self.lease_ttl
+
+    @property
+    def effective_tcp_user_timeout(self) -> float:
+        """``tcp_user_timeout`` of scheduler sessions (0: off); default one TTL."""
+        if self.scheduler_tcp_user_timeout is not None:
+            return self.scheduler_tcp_user_timeout
+        return self.lease_ttl
 
 
 FIELDS: dict[str, Field] = {
@@ -276,6 +308,24 @@ FIELDS: dict[str, Field] = {
             "seconds a handler may run when its task sets no timeout",
         ),
         Field("delivery_limit", _number(int, minimum=1), "broker redeliveries before dead-letter"),
+        # Zombie leaders (scheduler/replica.py session_settings, scheduler/fence.py).
+        Field(
+            "scheduler_statement_timeout",
+            _optional_seconds(minimum=0.0, exclusive=True),
+            "statement_timeout of scheduler sessions (default and maximum: lease_ttl)",
+        ),
+        Field(
+            "scheduler_tcp_user_timeout",
+            _optional_seconds(minimum=0.0),
+            "seconds PostgreSQL keeps sending to a scheduler that stopped reading (default "
+            "lease_ttl; 0: off)",
+        ),
+        Field(
+            "fence_takeover_grace",
+            _number(float, minimum=0.0),
+            "seconds a new leader waits for an older epoch's open transactions before it "
+            "terminates their sessions (less than lease_ttl)",
+        ),
     ]
 }
 
@@ -385,9 +435,21 @@ def load_settings(
         errors.append("etcd_cert_file and etcd_key_file must be set together")
     if errors:
         raise _invalid(errors)
+    ttl = settings.lease_ttl
     margin = settings.effective_safety_margin
-    if margin >= settings.lease_ttl:
-        raise _invalid(
-            [f"lease_safety_margin {margin} must be smaller than lease_ttl {settings.lease_ttl}"]
+    if margin >= ttl:
+        errors.append(f"lease_safety_margin {margin} must be smaller than lease_ttl {ttl}")
+    if settings.effective_statement_timeout > ttl:
+        errors.append(
+            f"scheduler_statement_timeout {settings.effective_statement_timeout} must be at "
+            f"most lease_ttl {ttl} (a frozen leader's statement must end before its "
+            "successor needs the fence)"
         )
+    if settings.fence_takeover_grace >= ttl:
+        errors.append(
+            f"fence_takeover_grace {settings.fence_takeover_grace} must be smaller than "
+            f"lease_ttl {ttl}"
+        )
+    if errors:
+        raise _invalid(errors)
     return settings

@@ -142,10 +142,16 @@ class LoopDuty:
             await self._safe_teardown()
 
     async def _safe_teardown(self) -> None:
+        """Run ``teardown`` to its end even when ``stop()`` cancels us meanwhile, then let
+        that cancellation through: swallowed here (teardown after a failed pass), it
+        would keep the loop running until the replica's stop timeout (10 s)."""
+        teardown = asyncio.ensure_future(self.teardown())
         try:
-            await asyncio.shield(self.teardown())
+            await asyncio.shield(teardown)
         except asyncio.CancelledError:
-            pass
+            with contextlib.suppress(Exception):
+                await teardown
+            raise
         except Exception:
             self.log.exception("duty_teardown_failed", duty=self.name)
 

@@ -29,8 +29,11 @@ DELETE from the revision it read (nothing between the read and the watch is miss
 re-reads every TTL in case a stream broke silently. If the key is absent it grants a
 fresh lease and runs the transaction; a lost race revokes that lease at once (no lease
 is held while waiting). etcd errors are retried with jittered exponential back-off, on
-the next endpoint. A candidate never busy-loops: it waits on a watch, a back-off, or a
-call that has a deadline.
+the next endpoint — except a refusal of our credentials (wrong password, no user name
+while auth is on, no permission on the prefix): waiting cannot fix it, so ``campaign()``
+raises ``ServiceUnavailable(transient=False)`` naming the user, never the password, and
+the replica exits with that one line. A candidate never busy-loops: it waits on a watch,
+a back-off, or a call that has a deadline.
 
 **Our own old key.** The key may hold *our* node id on a lease we do not hold: a
 previous process with the same node id (a fast restart), or a transaction whose reply
@@ -90,7 +93,7 @@ import grpc
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK
 from scheduler.errors import ConfigError, DuetimeError, LeadershipLost, ServiceUnavailable
-from scheduler.etcd_client import GRPC_OPTIONS, EtcdTLS, make_client
+from scheduler.etcd_client import GRPC_OPTIONS, EtcdTLS, make_client, refused_credentials
 from scheduler.log import get_logger
 
 __all__ = [
@@ -274,6 +277,8 @@ class Election:
             try:
                 term = await self._campaign_once()
             except _ETCD_ERRORS as exc:
+                if refused_credentials(exc):
+                    raise self._refused(exc) from None
                 failures += 1
                 delay = bounded_jitter(failures, base=0.1, cap=cap, rng=self._rng)
                 self._log.warning(
@@ -486,10 +491,23 @@ class Election:
         try:
             kv = await self._call(lambda c: c.get(self._key))
         except _ETCD_ERRORS as exc:
+            if refused_credentials(exc):
+                raise self._refused(exc) from None
             raise ServiceUnavailable(f"etcd did not answer: {_describe(exc)}") from exc
         if kv is None:
             return None
         return LeaderInfo(bytes(kv.value).decode(errors="replace"), kv.create_revision)
+
+    def _refused(self, exc: BaseException) -> ServiceUnavailable:
+        """The one line for credentials etcd refused (the password is never in it)."""
+        username = self._auth[0]
+        who = f"user {username!r}" if username else "no user name (etcd_username unset)"
+        endpoint = "{}:{}".format(*self._endpoints[self._endpoint_index])
+        return ServiceUnavailable(
+            f"etcd at {endpoint} refused {who} on {self.key}: {exc}; check "
+            "etcd_username/etcd_password and the user's role",
+            transient=False,
+        )
 
     # -- connection -------------------------------------------------------------------
 
@@ -514,7 +532,7 @@ class Election:
 
     async def _discard(self, client: aetcd.Client, error: BaseException) -> None:
         """Drop ``client`` after ``error`` unless etcd merely answered "no"."""
-        if isinstance(error, _ANSWERS) or "not found" in str(error):
+        if isinstance(error, _ANSWERS) or refused_credentials(error) or "not found" in str(error):
             return
         if client is self._client:
             self._client = None

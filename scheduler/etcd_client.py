@@ -14,6 +14,10 @@ The files are read once, when the ``EtcdTLS`` is built, so a missing or unreadab
 stops a process at start with a ``ConfigError`` naming the setting and path, never the
 content — not on its first election attempt.
 
+``refused_credentials`` tells an etcd that said "not you" (wrong password, no user
+name while auth is on, a user without a role on the prefix) from one that did not
+answer: waiting fixes the second, never the first, so a replica exits on it at once.
+
 ``GRPC_OPTIONS`` are the keepalive settings every duetime etcd channel uses (why each
 one is there is said beside it); plain and TLS channels get the same.
 """
@@ -35,7 +39,15 @@ from scheduler.errors import ConfigError
 if TYPE_CHECKING:
     from scheduler.config import Settings
 
-__all__ = ["GRPC_OPTIONS", "EtcdTLS", "TlsClient", "etcd_tls", "make_client", "tls_failure_hint"]
+__all__ = [
+    "GRPC_OPTIONS",
+    "EtcdTLS",
+    "TlsClient",
+    "etcd_tls",
+    "make_client",
+    "refused_credentials",
+    "tls_failure_hint",
+]
 
 GRPC_OPTIONS: dict[str, int] = {
     # etcd's default --grpc-keepalive-min-time is 5 s: pinging more often earns a GOAWAY
@@ -208,6 +220,24 @@ def tls_failure_hint(details: str) -> str | None:
     if "Socket closed" in details or "handshake" in details.lower():
         return "the connection closed during the TLS handshake (is etcd serving TLS here?)"
     return None
+
+
+#: What etcd 3.4/3.5 answer (INVALID_ARGUMENT) to a wrong user or password, and to a
+#: request without credentials while auth is enabled. An expired token ("invalid auth
+#: token") is not among them: a fresh client authenticates again.
+_REFUSED_DETAILS = ("authentication failed", "user name is empty")
+
+
+def refused_credentials(exc: BaseException) -> bool:
+    """True when etcd answered that these credentials may not do this (permanent)."""
+    cause = exc.__cause__
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(cause, grpc.aio.AioRpcError) and cause.code() == denied:
+        return True  # aetcd 1.0 maps PERMISSION_DENIED to a bare ClientError
+    if isinstance(exc, aetcd.InvalidArgumentError):
+        text = str(exc).lower()
+        return any(detail in text for detail in _REFUSED_DETAILS)
+    return False
 
 
 def make_client(

@@ -7,21 +7,42 @@ enforce it. ``advance(epoch)`` raises ``leader_fence.epoch`` when a replica wins
 leader's ``advance`` waits for in-flight claims of the old one to finish, and once it
 has committed, every later fenced transaction of the old leader raises ``Fenced``. So no
 write of a zombie can commit after a newer leader fenced, however long it was paused.
+
+A zombie can also *hold* the fence: frozen while its backend blocks sending a claim's
+result, its transaction keeps the share lock and no server timeout ends it (see
+``scheduler.replica.session_settings``). So ``advance`` does not only wait: when its
+update has not got the row after ``takeover_grace``, it terminates the sessions that
+``pg_blocking_pids`` names as holding it *and* look like fenced transactions (named
+``duetime:<node id>``, only row-level locks on the fence: never a migration's DDL or an
+operator's session), again every ``takeover_grace`` until it gets it. Those are
+transactions of an older epoch by construction (the new leader won etcd after the old
+lease expired); ending one rolls it back, which leaves its claimed rows ``pending``
+(nothing is lost).
+Terminating another role's session needs that role's privileges or
+``pg_signal_backend``; without them the takeover is logged and the update waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 
+from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.db import Conn
 from scheduler.errors import Fenced
+from scheduler.log import get_logger
 from scheduler.rows import FenceState
 from scheduler.sql import load
 
 Q = load("fence")
+log = get_logger(__name__)
+
+#: Shortest pause between two rounds of terminating blockers (a grace of 0 is allowed).
+MIN_TAKEOVER_INTERVAL = 0.05
 
 
 @asynccontextmanager
@@ -35,26 +56,83 @@ async def fenced_transaction(conn: Conn, epoch: int) -> AsyncIterator[None]:
 
 
 class FenceStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
+    ) -> None:
+        """``acquire_timeout``: the longest wait for a connection from ``pool`` (a full
+        pool raises ``TimeoutError`` instead of queueing forever); callers pass
+        ``Settings.db_timeout``."""
+        if not acquire_timeout > 0:
+            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
         self._pool = pool
+        self._acquire_timeout = acquire_timeout
 
-    async def advance(self, epoch: int, node_id: str, *, lock_timeout: float = 5.0) -> bool:
-        """Raise the fence to ``epoch``. False when a newer epoch already holds it."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            await conn.execute(f"SET LOCAL lock_timeout = '{int(lock_timeout * 1000)}ms'")
-            got = await conn.fetchval(Q["advance"], epoch, node_id)
+    async def advance(
+        self,
+        epoch: int,
+        node_id: str,
+        *,
+        lock_timeout: float = 5.0,
+        takeover_grace: float | None = None,
+    ) -> bool:
+        """Raise the fence to ``epoch``. False when a newer epoch already holds it.
+
+        Waits at most ``lock_timeout`` for the row (``LockNotAvailableError`` then);
+        with ``takeover_grace``, sessions still holding it after that long are
+        terminated (module docstring)."""
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn, conn.transaction():
+            # the session's statement_timeout (one TTL) must not cut this wait short
+            await conn.execute(Q["advance_limits"], f"{int(lock_timeout * 1000)}ms",
+                               f"{int(lock_timeout * 1000) + 1000}ms")  # fmt: skip
+            update = asyncio.ensure_future(conn.fetchval(Q["advance"], epoch, node_id))
+            try:
+                if takeover_grace is not None:
+                    await self._take_over(update, conn.get_server_pid(), takeover_grace)
+                got = await update
+            finally:
+                if not update.done():
+                    update.cancel()
+                    await asyncio.gather(update, return_exceptions=True)
             return got is not None
+
+    async def _take_over(self, update: asyncio.Future[Any], pid: int, grace: float) -> None:
+        """Until ``update`` is done: every ``grace`` seconds, terminate what blocks ``pid``."""
+        interval = max(grace, MIN_TAKEOVER_INTERVAL)
+        while not update.done():
+            await asyncio.wait({update}, timeout=interval)
+            if update.done():
+                return
+            try:
+                async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+                    ended = await conn.fetch(Q["terminate_blockers"], pid)
+            except asyncpg.InsufficientPrivilegeError as exc:
+                log.error(
+                    "fence_takeover_refused",
+                    error=str(exc),
+                    hint="grant pg_signal_backend to the scheduler role, or run every "
+                    "replica as the same PostgreSQL user",
+                )
+                return
+            if ended:
+                log.warning(
+                    "fence_blockers_terminated",
+                    sessions=[
+                        {"pid": r["pid"], "application_name": r["application_name"],
+                         "state": r["state"], "wait_event": r["wait_event"]}
+                        for r in ended
+                    ],
+                )  # fmt: skip
 
     async def heartbeat(self, epoch: int) -> None:
         """Record that the leader of ``epoch`` is alive; raises ``Fenced`` if superseded."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             got = await conn.fetchval(Q["heartbeat"], epoch)
             if got is None:
                 state = await conn.fetchrow(Q["read"])
                 raise Fenced(epoch, state["epoch"] if state else None)
 
     async def read(self) -> FenceState:
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             row = await conn.fetchrow(Q["read"])
         if row is None:
             return FenceState(0, None, None, None)

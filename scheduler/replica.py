@@ -52,7 +52,7 @@ from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.duty import LeaderTerm, LoopDuty
 from scheduler.election import Election, Term
-from scheduler.errors import Fenced, LeadershipLost
+from scheduler.errors import Fenced, LeadershipLost, ServiceUnavailable
 from scheduler.etcd_client import etcd_tls
 from scheduler.fence import FenceStore
 from scheduler.log import get_logger
@@ -146,15 +146,37 @@ def term_end_reason(
     raise ValueError("no term task has finished")
 
 
+def _ms(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
 def session_settings(settings: Settings) -> dict[str, str]:
     """PostgreSQL settings of every scheduler session.
 
-    A paused (SIGSTOPped) leader's open transaction holds the fence row FOR SHARE;
-    PostgreSQL ends such a session after about one TTL, so it cannot block the next
-    leader's fence update for longer than that.
+    A paused (SIGSTOPped) leader's open transaction holds the fence row FOR SHARE, and
+    the next leader's fence update waits for it. Where the zombie's backend stands
+    decides what ends it (measured on PostgreSQL 15, Linux 6.x):
+
+    - idle in the transaction (between statements, e.g. waiting for confirms):
+      ``idle_in_transaction_session_timeout``, one TTL;
+    - running a statement or waiting for a lock: ``statement_timeout``, at most one TTL
+      (``Settings.effective_statement_timeout``);
+    - sending a result the frozen client no longer reads (state ``active``, wait event
+      ``ClientWrite``): neither timeout fires there (a 1 s statement_timeout still held
+      the lock after 15 s); ``tcp_user_timeout`` (one TTL by default) makes the kernel
+      drop the connection once the client's window stayed shut that long (2 s: gone
+      after 2.0-2.5 s). Keepalives and ``client_connection_check_interval`` do not help
+      (the frozen client's kernel still answers). Not every kernel enforces the user
+      timeout on a zero window, so the new leader also terminates the sessions that
+      still block its fence update after ``fence_takeover_grace`` (scheduler/fence.py).
     """
-    idle_ms = max(1000, int(settings.lease_ttl * 1000))
-    return {"idle_in_transaction_session_timeout": f"{idle_ms}ms"}
+    out = {
+        "idle_in_transaction_session_timeout": _ms(max(1.0, settings.lease_ttl)),
+        "statement_timeout": _ms(settings.effective_statement_timeout),
+    }
+    if settings.effective_tcp_user_timeout > 0:
+        out["tcp_user_timeout"] = _ms(settings.effective_tcp_user_timeout)
+    return out
 
 
 def recampaign_delay(short_terms: int, ttl: float) -> float:
@@ -252,7 +274,7 @@ class Replica:
             settings, max_size=self._pool_size, server_settings=session_settings(settings)
         )
         try:
-            self._fence = FenceStore(self._pool)
+            self._fence = FenceStore(self._pool, acquire_timeout=settings.db_timeout)
             self._election = Election(
                 list(settings.etcd_endpoints),
                 settings.etcd_prefix,
@@ -348,6 +370,8 @@ class Replica:
                     await self._resign(term)
                     return None
                 return term
+            if isinstance(exc, ServiceUnavailable) and not exc.transient:
+                raise exc  # etcd refused our credentials: the process exits with this line
             # campaign() retries etcd errors itself: anything else is a bug; retry slowly
             failures += 1
             delay = bounded_jitter(failures, base=0.5, cap=self.settings.lease_ttl * 4)
@@ -414,7 +438,12 @@ class Replica:
         # Long enough to outwait a paused predecessor's transaction (killed after ~TTL).
         lock_timeout = self.settings.lease_ttl * 1.5 + 1.0
         advance = asyncio.create_task(
-            fence.advance(term.epoch, self.node_id, lock_timeout=lock_timeout),
+            fence.advance(
+                term.epoch,
+                self.node_id,
+                lock_timeout=lock_timeout,
+                takeover_grace=self.settings.fence_takeover_grace,
+            ),
             name=f"fence:advance:{term.epoch}",
         )
         await asyncio.wait({advance, hold, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)

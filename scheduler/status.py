@@ -30,7 +30,7 @@ from typing import Any
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from scheduler.config import Settings
+from scheduler.config import DEFAULT_DB_TIMEOUT, Settings
 from scheduler.errors import ConfigError
 from scheduler.log import scrub
 from scheduler.sql import load
@@ -155,17 +155,23 @@ def _jsonable(value: Any) -> Any:
 class StatusStore:
     """Read-only queries behind ``duetime status`` and the ``db`` readiness check."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
+    ) -> None:
+        """``acquire_timeout``: the longest wait for a connection from ``pool``."""
+        if not acquire_timeout > 0:
+            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
         self._pool = pool
+        self._acquire_timeout = acquire_timeout
 
     async def ping(self) -> None:
         """Raise unless PostgreSQL answers a trivial query (a readiness check)."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             await conn.fetchval(Q["ping"])
 
     async def snapshot(self, *, dead_window: float = DEAD_WINDOW_SECONDS) -> DbSnapshot:
         async with (
-            self._pool.acquire() as conn,
+            self._pool.acquire(timeout=self._acquire_timeout) as conn,
             conn.transaction(isolation="repeatable_read", readonly=True),
         ):
             fence_row = await conn.fetchrow(Q["fence"])
@@ -356,7 +362,7 @@ async def collect_status(
     """
     etcd_task = asyncio.create_task(read_election_key(settings, timeout=etcd_timeout))
     try:
-        snapshot = await StatusStore(pool).snapshot()
+        snapshot = await StatusStore(pool, acquire_timeout=settings.db_timeout).snapshot()
     except BaseException:
         etcd_task.cancel()
         with contextlib.suppress(BaseException):

@@ -15,7 +15,7 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import asyncpg
@@ -51,7 +51,22 @@ COMMON_FLAGS: tuple[tuple[str, str], ...] = (
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one line (like every other duetime error) that
-    points at ``--help``, exit code 2 — not the whole usage block."""
+    points at ``--help``, exit code 2 — not the whole usage block.
+
+    ``add_arguments_later``, when a sub-command sets it, is called once with the parser
+    right before it parses: only the command actually run pays for (and imports) what
+    its arguments need — ``duetime bench`` loads the benchmarks there and nowhere else.
+    """
+
+    add_arguments_later: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        populate, self.add_arguments_later = self.add_arguments_later, None
+        if populate is not None:
+            populate(self)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"duetime: error: {message} (see: {self.prog} --help)\n")

@@ -65,7 +65,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 async def _store(settings: Settings) -> tuple[Any, JobStore]:
     pool = await db.pool_from_settings(settings, max_size=2)
-    return pool, JobStore(pool)
+    return pool, JobStore(pool, acquire_timeout=settings.db_timeout)
 
 
 def _emit(job: Job, as_json: bool) -> None:

@@ -158,7 +158,7 @@ def spec_from_args(args: argparse.Namespace) -> ScheduleSpec:
 
 async def _with_store(settings: Settings) -> tuple[Any, ScheduleStore]:
     pool = await db.pool_from_settings(settings, max_size=2)
-    return pool, ScheduleStore(pool)
+    return pool, ScheduleStore(pool, acquire_timeout=settings.db_timeout)
 
 
 async def run_add(args: argparse.Namespace, settings: Settings) -> int:

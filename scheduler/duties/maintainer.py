@@ -191,7 +191,7 @@ class Maintainer(LeaderDuty):
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(settings, pool, clock=clock, is_leader=is_leader)
-        self.store = MaintenanceStore(pool)
+        self.store = MaintenanceStore(pool, acquire_timeout=settings.db_timeout)
         self.config = config or MaintainerConfig.from_settings(settings)
         self.last_report: MaintenanceReport | None = None
 

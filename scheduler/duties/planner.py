@@ -187,7 +187,7 @@ class Planner(LeaderDuty):
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(settings, pool, clock=clock, is_leader=is_leader)
-        self.store = ScheduleStore(pool)
+        self.store = ScheduleStore(pool, acquire_timeout=settings.db_timeout)
         self.config = config or PlannerConfig.from_settings(settings)
         self._plan_config = self.config.plan_config()
         self._wakeups = KeptListener(

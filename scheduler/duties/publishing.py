@@ -37,7 +37,7 @@ class PublishingDuty(LeaderDuty):
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(settings, pool, clock=clock, is_leader=is_leader)
-        self.store = DispatchStore(pool)
+        self.store = DispatchStore(pool, acquire_timeout=settings.db_timeout)
         self._owns_publisher = publisher is None
         self.publisher = publisher or Publisher.from_settings(
             settings, name=f"duetime-{self.name}", publish_timeout=publish_timeout

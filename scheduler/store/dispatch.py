@@ -17,6 +17,7 @@ from typing import TypeAlias
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
+from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.log import get_logger
 from scheduler.rows import ClaimedJob
 from scheduler.sql import load
@@ -56,8 +57,16 @@ def _key_arrays(jobs: Sequence[ClaimedJob]) -> tuple[list[int], datetime, dateti
 
 
 class DispatchStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
+    ) -> None:
+        """``acquire_timeout``: the longest wait for a connection from ``pool`` (a full
+        pool raises ``TimeoutError`` instead of queueing forever); callers pass
+        ``Settings.db_timeout``."""
+        if not acquire_timeout > 0:
+            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
         self._pool = pool
+        self._acquire_timeout = acquire_timeout
 
     # -- dispatcher (inside its fenced transaction) ----------------------------------
 
@@ -80,13 +89,13 @@ class DispatchStore:
 
     async def next_run_in(self) -> float | None:
         """Seconds until the earliest pending run time (≤ 0: due now; None: nothing)."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             value = await conn.fetchval(Q["next_run_in"])
         return None if value is None else float(value)
 
     async def backlog(self) -> int:
         """Pending jobs whose run time has passed."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             return int(await conn.fetchval(Q["backlog"]))
 
     # -- reconciler (inside its fenced transaction) ----------------------------------

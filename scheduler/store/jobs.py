@@ -15,6 +15,7 @@ from typing import Any
 
 import asyncpg
 
+from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.db import Conn
 from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound
 from scheduler.jobspec import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec, resolve_due
@@ -32,15 +33,23 @@ MAX_PAGE = 10_000
 
 
 class JobStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
+    ) -> None:
+        """``acquire_timeout``: the longest wait for a connection from ``pool`` (a full
+        pool raises ``TimeoutError`` instead of queueing forever); callers pass
+        ``Settings.db_timeout``."""
+        if not acquire_timeout > 0:
+            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
         self._pool = pool
+        self._acquire_timeout = acquire_timeout
 
     @asynccontextmanager
     async def _conn(self, conn: Conn | None) -> AsyncIterator[Conn]:
         if conn is not None:
             yield conn
         else:
-            async with self._pool.acquire() as acquired:
+            async with self._pool.acquire(timeout=self._acquire_timeout) as acquired:
                 yield acquired
 
     async def enqueue(
@@ -195,7 +204,7 @@ class JobStore:
         )
 
     async def counts_by_status(self) -> dict[str, int]:
-        async with self._pool.acquire() as c:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as c:
             rows = await c.fetch(Q["count_by_status"])
         counts = dict.fromkeys(JOB_STATUSES, 0)
         counts.update({r["status"]: r["n"] for r in rows})

@@ -14,6 +14,7 @@ from datetime import date
 
 import asyncpg
 
+from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.db import Conn
 from scheduler.sql import load
 
@@ -38,24 +39,32 @@ def _rows(status: str) -> int:
 
 
 class MaintenanceStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
+    ) -> None:
+        """``acquire_timeout``: the longest wait for a connection from ``pool`` (a full
+        pool raises ``TimeoutError`` instead of queueing forever); callers pass
+        ``Settings.db_timeout``."""
+        if not acquire_timeout > 0:
+            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
         self._pool = pool
+        self._acquire_timeout = acquire_timeout
 
     # -- reads (pool) ----------------------------------------------------------------
 
     async def missing_days(self, days_ahead: int) -> list[date]:
         """Days from today (UTC, database clock) to today + ``days_ahead`` without a bucket."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             return [r["day"] for r in await conn.fetch(Q["missing_days"], days_ahead)]
 
     async def expired_buckets(self, retention: float) -> list[ExpiredBucket]:
         """Attached buckets whose range ended more than ``retention`` seconds ago."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             rows = await conn.fetch(Q["expired_buckets"], float(retention))
         return [ExpiredBucket(r["day"], r["live"]) for r in rows]
 
     async def detached_leftovers(self) -> list[str]:
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             return [r["name"] for r in await conn.fetch(Q["detached_leftovers"])]
 
     # -- writes (inside the caller's fenced transaction) ------------------------------

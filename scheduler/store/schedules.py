@@ -16,6 +16,7 @@ from datetime import datetime
 
 import asyncpg
 
+from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.db import Conn
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
@@ -44,15 +45,23 @@ class ClaimedSchedule:
 
 
 class ScheduleStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
+    ) -> None:
+        """``acquire_timeout``: the longest wait for a connection from ``pool`` (a full
+        pool raises ``TimeoutError`` instead of queueing forever); callers pass
+        ``Settings.db_timeout``."""
+        if not acquire_timeout > 0:
+            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
         self._pool = pool
+        self._acquire_timeout = acquire_timeout
 
     @asynccontextmanager
     async def _conn(self, conn: Conn | None) -> AsyncIterator[Conn]:
         if conn is not None:
             yield conn
         else:
-            async with self._pool.acquire() as acquired:
+            async with self._pool.acquire(timeout=self._acquire_timeout) as acquired:
                 yield acquired
 
     # -- users -------------------------------------------------------------------------
@@ -119,7 +128,7 @@ class ScheduleStore:
     async def pause(self, ref: str | int) -> tuple[Schedule, int]:
         """Stop planning; jobs planned ahead and not due yet are cancelled.
         Returns the schedule and how many jobs were cancelled."""
-        async with self._pool.acquire() as c, c.transaction():
+        async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             await c.fetchval(Q["lock"], schedule_id)
             record = await c.fetchrow(Q["pause"], schedule_id)
@@ -128,7 +137,7 @@ class ScheduleStore:
 
     async def resume(self, ref: str | int) -> Schedule:
         """Plan again from now (fire times inside the pause are not caught up)."""
-        async with self._pool.acquire() as c, c.transaction():
+        async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             record = await c.fetchrow(Q["resume"], schedule_id)
         return Schedule.from_record(record)
@@ -136,7 +145,7 @@ class ScheduleStore:
     async def remove(self, ref: str | int) -> tuple[Schedule, int]:
         """Delete the schedule and cancel its jobs that are not due yet (its finished
         jobs stay, with ``schedule_id`` pointing at nothing)."""
-        async with self._pool.acquire() as c, c.transaction():
+        async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             await c.fetchval(Q["lock"], schedule_id)
             cancelled = await c.fetchval(Q["cancel_planned"], schedule_id)
@@ -145,7 +154,7 @@ class ScheduleStore:
 
     async def trigger(self, ref: str | int) -> Job:
         """Fire once now, outside the timing (paused or not; no overlap check)."""
-        async with self._pool.acquire() as c, c.transaction():
+        async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             record = await c.fetchrow(Q["trigger"], schedule_id)
             if record is not None:
@@ -155,7 +164,7 @@ class ScheduleStore:
         return Job.from_record(record)
 
     async def recent_runs(self, schedule_id: int, limit: int = 10) -> builtins.list[Job]:
-        async with self._pool.acquire() as c:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as c:
             records = await c.fetch(Q["recent_runs"], schedule_id, limit)
         return [Job.from_record(r) for r in records]
 
@@ -214,12 +223,12 @@ class ScheduleStore:
     async def next_plan_at(self) -> float | None:
         """Epoch seconds of the earliest ``plan_at`` of an active schedule (-inf: now;
         None or inf: nothing to plan)."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             value = await conn.fetchval(Q["next_plan_at"])
         return None if value is None else float(value)
 
     async def prune_fires(self, older_than: datetime) -> int:
         """Forget dedupe rows of fire times before ``older_than`` (for the maintainer)."""
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             status = await conn.execute(Q["prune_fires"], older_than)
         return int(status.split()[-1])

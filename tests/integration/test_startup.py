@@ -30,6 +30,7 @@ from tests.fixtures_tasks.jobs import (
     publish,
     queue_depth,
 )
+from tests.support.etcd import PrivateEtcd
 from tests.support.procs import ChildProcess, Processes, duetime_argv
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
@@ -185,3 +186,46 @@ async def test_scheduler_waits_for_postgresql_then_leads(
         assert fence == events(replica, "leading")[0]["epoch"]
         replica.sigterm()
         assert await replica.wait(15) == 0, replica.tail()
+
+
+@pytest.mark.parametrize(
+    ("credentials", "expected"),
+    [
+        ({"DUETIME_ETCD_USERNAME": "root", "DUETIME_ETCD_PASSWORD": "wrong-etcd-pw"},
+         "refused user 'root'"),
+        ({}, "refused no user name"),
+        ({"DUETIME_ETCD_USERNAME": "norole", "DUETIME_ETCD_PASSWORD": "norole-etcd-pw"},
+         "permission denied"),
+    ],
+    ids=["wrong-password", "no-credentials", "no-role"],
+)  # fmt: skip
+async def test_etcd_refusing_the_credentials_fails_at_once_with_one_line(
+    procs: Processes,
+    test_env: dict[str, str],
+    unique: str,
+    credentials: dict[str, str],
+    expected: str,
+) -> None:
+    async with PrivateEtcd() as etcd:
+        await etcd.enable_auth("root-etcd-pw", norole="norole-etcd-pw")
+        env = {
+            **test_env,
+            "DUETIME_ETCD_ENDPOINTS": etcd.endpoint,
+            "DUETIME_NODE_ID": f"ea-{unique}",
+            **credentials,
+        }
+        replica = procs.spawn(
+            duetime_argv("scheduler"), name="scheduler", env=env, separate_stderr=True
+        )
+        assert await replica.wait(20) == 1, replica.tail()
+    # structlog's JSON lines go to stderr too; the rest is what an operator reads
+    errors = [x for x in replica.errors().strip().splitlines() if not x.startswith("{")]
+    assert len(errors) == 1, replica.tail()
+    assert errors[0].startswith("duetime: error: etcd at "), errors[0]
+    assert expected in errors[0], errors[0]
+    assert "check etcd_username/etcd_password" in errors[0]
+    text = replica.output() + replica.errors()
+    assert "etcd-pw" not in text  # neither password, in any line
+    assert not events(replica, "election_etcd_error")  # not retried: waiting cannot fix it
+    assert not events(replica, "campaign_failed")
+    assert "Traceback" not in text

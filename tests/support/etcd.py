@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -215,6 +216,22 @@ class PrivateEtcd:
     def resume(self) -> None:
         if self._proc is not None:
             self._proc.sigcont()
+
+    async def enable_auth(self, root_password: str, **users: str) -> None:
+        """``auth enable`` with a ``root`` user (all permissions) and ``users`` without
+        any role (etcd then answers "permission denied" to them). Plain (non-TLS) only."""
+        if self.tls:
+            raise ValueError("enable_auth runs etcdctl over plain HTTP")
+
+        def etcdctl(*args: str) -> None:
+            argv = ["etcdctl", f"--endpoints={self.client_url}", "--dial-timeout=3s", *args]
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=15)
+            if proc.returncode != 0:
+                raise RuntimeError(f"etcdctl {' '.join(args)} failed: {proc.stderr}")
+
+        for name, password in {"root": root_password, **users}.items():
+            await asyncio.to_thread(etcdctl, "user", "add", f"{name}:{password}")
+        await asyncio.to_thread(etcdctl, "auth", "enable")
 
     def log(self) -> str:
         return self._proc.tail(200) if self._proc is not None else ""

@@ -1,0 +1,46 @@
+"""``LoopDuty.stop()`` ends the loop even when it lands in a teardown.
+
+A pass that fails is followed by a teardown (shielded, so it completes). A ``stop()``
+arriving during that teardown must still end the task once the teardown is done,
+instead of the loop sleeping and running passes until someone cancels it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from scheduler.duty import LeaderTerm, LoopDuty
+
+
+class FailingDuty(LoopDuty):
+    name = "failing"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_teardown = asyncio.Event()
+        self.release = asyncio.Event()
+        self.passes = 0
+        self.teardowns_done = 0
+
+    async def run_once(self) -> float:
+        self.passes += 1
+        raise RuntimeError("the database went away")
+
+    async def teardown(self) -> None:
+        self.in_teardown.set()
+        await self.release.wait()
+        self.teardowns_done += 1
+
+
+async def test_stop_during_the_teardown_after_a_failed_pass_ends_the_loop() -> None:
+    duty = FailingDuty()
+    task = duty.start(LeaderTerm(1, "n"))
+    await asyncio.wait_for(duty.in_teardown.wait(), 2)
+    stopping = asyncio.ensure_future(duty.stop())
+    await asyncio.sleep(0)  # stop() has cancelled the task; the teardown still runs
+    assert not stopping.done()
+    duty.release.set()
+    await asyncio.wait_for(stopping, 2)
+    assert task.done()
+    assert duty.passes == 1  # no pass ran after stop()
+    assert duty.teardowns_done >= 1
