@@ -147,7 +147,9 @@ class Reconciler(PublishingDuty):
             return bounded_jitter(self._broker_failures, base=0.5, cap=self.config.interval)
         self._broker_failures = 0
         report = await self.reconcile_batch()
-        if report.stalled >= self.config.batch_size and (report.republished or report.deferred):
+        if report.stalled >= self.config.batch_size and (
+            report.republished or report.deferred or report.given_up
+        ):
             return 0.0
         return self.config.interval
 
