@@ -84,7 +84,8 @@ async def _prepare(dsn: str, amqp_url: str, queue: str, task_name: str, jobs: in
         )
         rows = await conn.fetch(
             "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
-            "dispatch_epoch = 1 WHERE task = $1 AND status = 'pending' "
+            "dispatch_epoch = (SELECT epoch FROM duetime.leader_fence WHERE shard = 0) "
+            "WHERE task = $1 AND status = 'pending' "
             "RETURNING id, due_at",
             task_name,
         )

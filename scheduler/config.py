@@ -197,6 +197,7 @@ class Settings:
     probe_interval: float = 0.05
     visibility_timeout: float = 60.0
     reconcile_interval: float = 5.0
+    max_republishes: int = 10
     planner_horizon: float = 10.0
     partition_days_ahead: int = 14
     retention_days: float = 7.0
@@ -293,6 +294,11 @@ FIELDS: dict[str, Field] = {
             "seconds a dispatched job may go without a sign of life before it is re-published",
         ),
         Field("reconcile_interval", _number(float, minimum=0.1), "reconciler period"),
+        Field(
+            "max_republishes",
+            _number(int, minimum=1),
+            "re-publishes of a silent dispatched job before it goes dead",
+        ),
         Field("planner_horizon", _number(float, minimum=1.0), "seconds of fire times planned"),
         Field("partition_days_ahead", _number(int, minimum=1), "daily partitions created ahead"),
         Field("retention_days", _number(float, minimum=0.0), "days finished jobs are kept"),

@@ -8,6 +8,12 @@ leader's ``advance`` waits for in-flight claims of the old one to finish, and on
 has committed, every later fenced transaction of the old leader raises ``Fenced``. So no
 write of a zombie can commit after a newer leader fenced, however long it was paused.
 
+That check only makes a zombie give up early; the database enforces the fence itself.
+The claim's writes carry the epoch predicate (dispatch.sql), and the commit-time trigger
+``jobs_dispatch_fenced`` (migration 0006) refuses any transaction that leaves a job
+newly dispatched under an epoch other than the fence's, whatever path wrote it; its
+refusal, raised at COMMIT, surfaces here as ``Fenced`` too.
+
 A zombie can also *hold* the fence: frozen while its backend blocks sending a claim's
 result, its transaction keeps the share lock and no server timeout ends it (see
 ``scheduler.replica.session_settings``). So ``advance`` does not only wait: when its
@@ -45,14 +51,23 @@ log = get_logger(__name__)
 MIN_TAKEOVER_INTERVAL = 0.05
 
 
+#: The commit-time trigger (and constraint name) that refuses a stale dispatch.
+FENCE_CONSTRAINT = "jobs_dispatch_fenced"
+
+
 @asynccontextmanager
 async def fenced_transaction(conn: Conn, epoch: int) -> AsyncIterator[None]:
     """A transaction that commits only while ``epoch`` is the newest fenced epoch."""
-    async with conn.transaction():
-        current = await conn.fetchval(Q["lock"])
-        if current != epoch:
-            raise Fenced(epoch, current)
-        yield
+    try:
+        async with conn.transaction():
+            current = await conn.fetchval(Q["lock"])
+            if current != epoch:
+                raise Fenced(epoch, current)
+            yield
+    except asyncpg.IntegrityConstraintViolationError as exc:
+        if exc.constraint_name != FENCE_CONSTRAINT:
+            raise
+        raise Fenced(epoch, await conn.fetchval(Q["read"])) from exc
 
 
 class FenceStore:

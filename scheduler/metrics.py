@@ -54,6 +54,11 @@ JOB_DURATION = Histogram(
     "duetime_job_duration_seconds", "handler run time", ["task"], buckets=LAG_BUCKETS
 )
 RECONCILED = Counter("duetime_reconciled_total", "stalled dispatched jobs re-published")
+JOBS_PARKED = Counter(
+    "duetime_jobs_parked_total",
+    "jobs the scheduler made dead itself (unreadable row, re-publish cap)",
+    ["reason"],
+)
 BACKLOG = Gauge("duetime_backlog_jobs", "pending jobs whose run time has passed")
 SCHEDULE_FIRES = Counter("duetime_schedule_fires_total", "fire times materialized as jobs")
 SCHEDULE_MISFIRES = Counter(

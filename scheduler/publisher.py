@@ -59,6 +59,7 @@ MAX_THROTTLE = 2.0
 BLOCKED_RECHECK = 0.25
 
 PERSISTENT = 2  # AMQP delivery_mode: written to disk (quorum queues always are)
+MAX_SHORTSTR = 255  # bytes in an AMQP short string (message properties)
 OUTCOMES = ("nack", "returned", "timeout", "connection", "declare", "error")
 
 
@@ -83,10 +84,21 @@ class PublishResult:
         return groups
 
 
+def _shortstr(text: str) -> str:
+    """``text`` cut to what an AMQP short string holds (255 bytes of UTF-8), on a
+    character boundary. A task may have 200 characters, up to 800 bytes: written whole
+    into ``type`` it failed every publish of its job (TypeError in pamqp), forever."""
+    data = text.encode("utf-8")
+    if len(data) <= MAX_SHORTSTR:
+        return text
+    return data[:MAX_SHORTSTR].decode("utf-8", "ignore")
+
+
 def encode_job(job: ClaimedJob, epoch: int) -> tuple[bytes, spec.Basic.Properties]:
     """The contract message for one job: a JSON pointer body (``scheduler.messages``),
     persistent, ``message_id`` ``<job_id>:<attempt>``; ``type`` carries the task name for
-    operators' tools."""
+    operators' tools (cut to 255 bytes: workers read the task from the row, never from
+    the message)."""
     body = JobMessage(
         job_id=job.id, due_at=job.due_at, attempt=job.attempt, epoch=epoch, task=job.task
     ).encode()
@@ -94,7 +106,7 @@ def encode_job(job: ClaimedJob, epoch: int) -> tuple[bytes, spec.Basic.Propertie
         delivery_mode=PERSISTENT,
         message_id=message_id(job.id, job.attempt),
         content_type=CONTENT_TYPE,
-        message_type=job.task,
+        message_type=_shortstr(job.task),
         app_id="duetime",
     )
     return body, properties

@@ -9,6 +9,10 @@ from typing import Any, Literal
 JobStatus = Literal["pending", "dispatched", "succeeded", "dead", "cancelled"]
 JOB_STATUSES: tuple[str, ...] = ("pending", "dispatched", "succeeded", "dead", "cancelled")
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "dead", "cancelled"})
+#: What decoding a row can raise in the client (asyncpg's codecs, scheduler/db.py's jsonb
+#: decoder) as opposed to the database refusing a statement: a date outside Python's
+#: years 1-9999 (OverflowError), JSON nested deeper than its parser goes (RecursionError).
+UNREADABLE: tuple[type[Exception], ...] = (OverflowError, RecursionError, ValueError)
 
 
 @dataclass(frozen=True, slots=True)

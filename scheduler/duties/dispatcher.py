@@ -33,6 +33,14 @@ When the timer set from the probe fires, the pass claims at once without probing
 under a backlog, full batches run back to back without probing. If the LISTEN
 connection dies it is re-established; nothing else changes.
 
+One row must not stop dispatch: a row the client cannot decode (a date outside years
+1-9999, JSON nested deeper than Python's parser goes) makes the batch's claim raise in
+asyncpg. The database transaction is intact, so the same pass reads the locked rows one
+at a time (``DispatchStore.claim_isolated``), parks each unreadable one as ``dead`` with
+``last_error`` (under a savepoint: a park the database refuses leaves the row pending
+and the batch intact) and dispatches the others. Migration 0006 keeps such dates out;
+this is the backstop for what a CHECK cannot see.
+
 Pipelining (claiming the next batch while the previous commits) was measured as not
 worth it: the commit is ~1-2 % of a batch's time (bench/dispatch_rate.py).
 """
@@ -51,12 +59,14 @@ import asyncpg
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
+from scheduler.db import Conn
 from scheduler.duties.publishing import PublishingDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import (
     BACKLOG,
     DISPATCH_LAG,
     JOBS_CLAIMED,
+    JOBS_PARKED,
     JOBS_PUBLISHED,
     PUBLISH_FAILURES,
 )
@@ -66,7 +76,7 @@ from scheduler.publisher import (
     PublishResult,
     publish_timeout_for,
 )
-from scheduler.rows import ClaimedJob
+from scheduler.rows import UNREADABLE, ClaimedJob
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
 from scheduler.store.listener import KeptListener
 
@@ -272,7 +282,7 @@ class Dispatcher(PublishingDuty):
                 self.pool.acquire(timeout=self.settings.db_timeout) as conn,
                 fenced_transaction(conn, epoch),
             ):
-                jobs = await self.store.claim(conn, self.config.batch_size)
+                jobs = await self._claim(conn)
                 if not jobs:
                     return BatchReport()
                 claimed_at = time.perf_counter()
@@ -306,6 +316,34 @@ class Dispatcher(PublishingDuty):
             commit_ms=round((committed_at - published_at) * 1000, 2),
         )
         return BatchReport(len(jobs), len(result.confirmed), len(result.failed))
+
+    async def _claim(self, conn: Conn) -> list[ClaimedJob]:
+        """The batch's claim; row by row, parking what cannot be read, if it must be."""
+        try:
+            return await self.store.claim(conn, self.config.batch_size)
+        except UNREADABLE as exc:
+            self.log.warning(
+                "claim_unreadable",
+                error=f"{type(exc).__name__}: {exc}",
+                next_step="read the batch row by row and park the unreadable rows",
+            )
+        jobs, unreadable = await self.store.claim_isolated(conn, self.config.batch_size)
+        for row in unreadable:
+            reason = f"the dispatcher cannot read this row ({row.error}); parked as dead"
+            try:
+                async with conn.transaction():  # a savepoint
+                    parked = await self.store.park(conn, row.job_id, reason)
+            except asyncpg.PostgresError as exc:
+                parked = False
+                reason = f"{reason}; the park was refused: {type(exc).__name__}: {exc}"
+            JOBS_PARKED.labels("unreadable").inc(parked)
+            self.log.error(
+                "job_unreadable",
+                job_id=row.job_id,
+                error=reason,
+                outcome="dead" if parked else "left pending",
+            )
+        return jobs
 
     def _account(
         self, jobs: list[ClaimedJob], result: PublishResult, lags: dict[int, float]

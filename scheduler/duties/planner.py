@@ -31,7 +31,10 @@ their fire time, when whether the previous run finished can be known.
 Robustness: a schedule whose cron, zone or interval is invalid (written by plain SQL) is
 paused with ``last_error`` and logged; when the database refuses a batch's rows, the
 next batch applies each schedule under its own savepoint and pauses the refused ones; a
-bug in planning one schedule pauses that schedule. None of them stops the others.
+bug in planning one schedule pauses that schedule; a row the client cannot even decode
+(JSON nested deeper than Python's parser goes, a date migration 0006 did not yet bound)
+makes the claim read the batch one row at a time and pause the unreadable ones. None of
+them stops the others.
 
 Wake-ups: the loop sleeps until the earliest ``plan_at`` (a prepared probe on an index),
 capped by ``poll_interval``; a dedicated connection LISTENs on ``duetime_schedules``
@@ -58,6 +61,7 @@ from scheduler.db import Conn
 from scheduler.duty import LeaderDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
+from scheduler.rows import UNREADABLE
 from scheduler.schedules import PlanConfig, PlanDecision, invalid_decision, plan_schedule
 from scheduler.store.listener import KeptListener
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
@@ -271,7 +275,7 @@ class Planner(LeaderDuty):
         started = time.perf_counter()
         try:
             async with fenced_transaction(conn, epoch):
-                claimed = await self.store.claim_due(conn, now, self.config.batch_size)
+                claimed = await self._claim(conn, now)
                 if not claimed:
                     return PlanReport()
                 claimed_at = time.perf_counter()
@@ -315,6 +319,36 @@ class Planner(LeaderDuty):
             write_ms=round(report.write_seconds * 1000, 2),
         )
         return report
+
+    async def _claim(self, conn: Conn, now: datetime) -> list[ClaimedSchedule]:
+        """The batch's claim; row by row, pausing what cannot be read, if it must be."""
+        try:
+            return await self.store.claim_due(conn, now, self.config.batch_size)
+        except UNREADABLE as exc:
+            self.log.warning(
+                "claim_unreadable",
+                error=f"{type(exc).__name__}: {exc}",
+                next_step="read the batch row by row and pause the unreadable schedules",
+            )
+        claimed, unreadable = await self.store.claim_due_isolated(
+            conn, now, self.config.batch_size
+        )
+        for schedule_id, error in unreadable:
+            reason = f"the planner cannot read this schedule ({error}); paused"
+            try:
+                async with conn.transaction():  # a savepoint
+                    paused = await self.store.pause_unreadable(conn, schedule_id, reason)
+            except ROW_ERRORS as exc:
+                paused = False
+                reason = f"{reason}; the pause was refused: {type(exc).__name__}: {exc}"
+            self.invalid_total += paused
+            self.log.error(
+                "schedule_unreadable",
+                schedule_id=schedule_id,
+                error=reason,
+                outcome="paused" if paused else "left as it is",
+            )
+        return claimed
 
     def _decide(self, claimed: Sequence[ClaimedSchedule], now: datetime) -> list[PlanDecision]:
         """Decisions for a prefix of ``claimed``: the batch stops early once it has spent

@@ -30,17 +30,19 @@ Trade-offs (documented, not hidden):
 - **Dead-lettered messages.** A message dead-lettered by ``x-delivery-limit`` leaves the
   job ``dispatched``; re-publishing it is correct (the ledger makes it safe) and gives
   the job another ``delivery_limit`` deliveries. A job that kills every worker that
-  touches it would cycle forever, one round per visibility timeout, so the reconciler
-  counts how often it re-published each job in this term and logs a warning with the
-  count from ``warn_after`` on; a hard cap needs a persistent counter column (see the
-  issue note).
+  touches it would cycle forever, one round per visibility timeout, so each re-publish
+  is counted in the row (``republish_count``, reset when the dispatcher dispatches the
+  job again, e.g. for a retry): from ``warn_after`` on it is logged, and a stalled job
+  already re-published ``max_republishes`` times (a setting, default 10: about ten
+  visibility timeouts and 10 × ``delivery_limit`` deliveries) goes ``dead`` with a
+  ``last_error`` saying why. The count is in the row, so a new leader continues it.
+  Deferral comes first: a job whose queue has a backlog is never given up on.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -50,13 +52,11 @@ from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.duties.publishing import PublishingDuty
 from scheduler.fence import fenced_transaction
-from scheduler.metrics import PUBLISH_FAILURES, RECONCILED
+from scheduler.metrics import JOBS_PARKED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
 from scheduler.store.dispatch import StalledJob
 
 MAX_IDS_LOGGED = 100
-#: Re-publish counts are remembered for this many jobs (oldest forgotten first).
-MAX_TRACKED_JOBS = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,9 @@ class ReconcilerConfig:
     defer_backlogged_queues: bool = True
     """Skip queues that still hold ready messages (see the module doc)."""
     warn_after: int = 3
-    """Log a warning when a job is re-published this many times in one term."""
+    """Log a warning when a job is re-published this many times since its dispatch."""
+    max_republishes: int = 10
+    """A stalled job re-published this many times since its dispatch goes dead."""
 
     def __post_init__(self) -> None:
         if self.visibility_timeout <= 0:
@@ -85,12 +87,15 @@ class ReconcilerConfig:
             raise ValueError("publish_timeout must be > 0")
         if self.warn_after < 1:
             raise ValueError("warn_after must be >= 1")
+        if isinstance(self.max_republishes, bool) or self.max_republishes < 1:
+            raise ValueError(f"max_republishes must be >= 1 (got {self.max_republishes})")
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: object) -> ReconcilerConfig:
         values: dict[str, object] = {
             "visibility_timeout": settings.visibility_timeout,
             "interval": settings.reconcile_interval,
+            "max_republishes": settings.max_republishes,
             "batch_size": settings.claim_batch_size,
             "publish_timeout": publish_timeout_for(settings),
         }
@@ -104,6 +109,7 @@ class ReconcileReport:
     republished: int = 0
     deferred: int = 0
     failed: int = 0
+    given_up: int = 0  # re-published max_republishes times already: now dead
 
 
 class Reconciler(PublishingDuty):
@@ -130,7 +136,6 @@ class Reconciler(PublishingDuty):
         )
         self.config = config
         self._deferred_until: dict[str, float] = {}
-        self._republished: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._broker_failures = 0
 
     async def run_once(self) -> float:
@@ -142,7 +147,9 @@ class Reconciler(PublishingDuty):
             return bounded_jitter(self._broker_failures, base=0.5, cap=self.config.interval)
         self._broker_failures = 0
         report = await self.reconcile_batch()
-        if report.stalled >= self.config.batch_size and (report.republished or report.deferred):
+        if report.stalled >= self.config.batch_size and (
+            report.republished or report.deferred or report.given_up
+        ):
             return 0.0
         return self.config.interval
 
@@ -162,10 +169,27 @@ class Reconciler(PublishingDuty):
             if not stalled:
                 return ReconcileReport()
             due, deferred = await self._split_backlogged(stalled)
+            exhausted = [s for s in due if s.republish_count >= self.config.max_republishes]
+            due = [s for s in due if s.republish_count < self.config.max_republishes]
+            given_up = await self.store.give_up(
+                conn, [s.job for s in exhausted], self.give_up_error()
+            )
             result = await self.publisher.publish([s.job for s in due], epoch)
             marked = await self.store.mark_redispatched(conn, result.confirmed, epoch)
         self._account(due, marked, result.failures_by_reason())
-        return ReconcileReport(len(stalled), len(marked), len(deferred), len(result.failed))
+        self._account_given_up(exhausted, given_up)
+        return ReconcileReport(
+            len(stalled), len(marked), len(deferred), len(result.failed), len(given_up)
+        )
+
+    def give_up_error(self) -> str:
+        """The last_error of a job the reconciler gives up on."""
+        return (
+            f"re-published {self.config.max_republishes} times (max_republishes) and silent "
+            f"again each time: its message is probably dead-lettered by every worker that "
+            f"takes it (delivery_limit deliveries per publish); look at the dead-letter "
+            f"queue, fix the cause, then `duetime jobs retry`"
+        )
 
     async def _split_backlogged(
         self, stalled: list[StalledJob]
@@ -206,15 +230,11 @@ class Reconciler(PublishingDuty):
         done = [s for s in due if s.job.id in marked]
         if done:
             RECONCILED.inc(len(done))
-            repeats = []
-            for s in done:
-                key = (s.job.id, s.job.attempt)
-                count = self._republished.pop(key, 0) + 1
-                self._republished[key] = count
-                if count >= self.config.warn_after:
-                    repeats.append((s.job.id, count))
-            while len(self._republished) > MAX_TRACKED_JOBS:
-                self._republished.popitem(last=False)
+            repeats = [
+                (s.job.id, s.republish_count + 1)
+                for s in done
+                if s.republish_count + 1 >= self.config.warn_after
+            ]
             self.log.warning(
                 "jobs_reconciled",
                 count=len(done),
@@ -230,6 +250,7 @@ class Reconciler(PublishingDuty):
                     count=len(repeats),
                     jobs=repeats[:MAX_IDS_LOGGED],
                     hint="dead-lettered again and again? look at the dead-letter queue",
+                    max_republishes=self.config.max_republishes,
                 )
         for (reason, queue), ids in failures.items():
             PUBLISH_FAILURES.inc(len(ids))
@@ -241,3 +262,17 @@ class Reconciler(PublishingDuty):
                 job_ids=ids[:MAX_IDS_LOGGED],
                 outcome="still dispatched; retried next pass",
             )
+
+    def _account_given_up(self, exhausted: Sequence[StalledJob], given_up: set[int]) -> None:
+        if not given_up:
+            return
+        JOBS_PARKED.labels("republish_cap").inc(len(given_up))
+        ids = sorted(given_up)
+        self.log.error(
+            "jobs_given_up",
+            count=len(ids),
+            job_ids=ids[:MAX_IDS_LOGGED],
+            tasks=sorted({s.job.task for s in exhausted if s.job.id in given_up}),
+            max_republishes=self.config.max_republishes,
+            outcome="dead",
+        )

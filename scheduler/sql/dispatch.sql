@@ -26,6 +26,33 @@ SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED;
 
+-- name: claim_ids
+-- The claim when a row of it cannot be read by the client (a value outside what Python
+-- holds, JSON nested deeper than its parser goes): the same rows, locked the same way,
+-- by id only, so that each can then be read alone (claimed_row) and the unreadable ones
+-- parked. Only after `claim` failed; never on the hot path.
+SELECT id
+  FROM duetime.jobs
+ WHERE status = 'pending'
+   AND coalesce(run_at, due_at) <= now()
+   AND due_at <= now()
+ ORDER BY coalesce(run_at, due_at)
+ LIMIT {limit}
+   FOR UPDATE SKIP LOCKED;
+
+-- name: claimed_row
+-- One row claim_ids locked (by id alone: jobs_id_idx, one probe per bucket).
+SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key
+  FROM duetime.jobs
+ WHERE id = $1 AND status = 'pending';
+
+-- name: park
+-- A row the dispatcher cannot read goes dead with the reason, instead of failing every
+-- claim it sorts into. By id alone (its due_at may be what cannot be read).
+UPDATE duetime.jobs
+   SET status = 'dead', finished_at = now(), last_error = $2
+ WHERE id = $1 AND status = 'pending';
+
 -- name: mark_dispatched
 -- Only the jobs RabbitMQ confirmed: $1 their ids, $2..$3 the smallest and largest of their
 -- due_at. Ids are unique (one sequence), so `id = ANY($1)` finds exactly them, and the
@@ -34,12 +61,16 @@ SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key
 -- (9.0 ms for 500 rows with 17 partitions, 20.7 ms for 1000), `= ANY` on both columns
 -- filters in O(n²) (10.9 / 25.6 ms); this form takes 6.2 / 12.8 ms. statement_timestamp()
 -- is after the confirms, so dispatched_at and the returned lag include publishing.
+-- The fence predicate makes a stale epoch mark nothing; the commit-time trigger
+-- jobs_dispatch_fenced (migration 0006) refuses it whatever the statement says.
+-- republish_count restarts: the reconciler's cap counts re-publishes of this dispatch.
 UPDATE duetime.jobs AS j
    SET status = 'dispatched', dispatched_at = statement_timestamp(), heartbeat_at = NULL,
-       dispatch_epoch = $4
+       dispatch_epoch = $4, republish_count = 0
  WHERE j.id = ANY($1::bigint[])
    AND j.due_at >= $2 AND j.due_at <= $3
    AND j.status = 'pending'
+   AND EXISTS (SELECT 1 FROM duetime.leader_fence f WHERE f.shard = 0 AND f.epoch = $4)
 RETURNING j.id,
           extract(epoch FROM statement_timestamp() - coalesce(j.run_at, j.due_at))::float8
               AS lag;
@@ -67,7 +98,7 @@ SELECT count(*)
 -- A job a worker is executing is locked FOR KEY SHARE by the worker's transaction, so
 -- SKIP LOCKED leaves it alone however long it runs.
 SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key,
-       dispatch_epoch,
+       dispatch_epoch, republish_count,
        extract(epoch FROM now() - coalesce(heartbeat_at, dispatched_at))::float8 AS silent_for
   FROM duetime.jobs
  WHERE status = 'dispatched'
@@ -82,8 +113,22 @@ SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key,
 -- Reconciler: the jobs it re-published and RabbitMQ confirmed start a new visibility
 -- window under this epoch (same arguments as mark_dispatched). heartbeat_at is cleared,
 -- or coalesce(heartbeat_at, dispatched_at) would keep pointing at the old sign of life.
+-- republish_count counts toward the cap (give_up), in the row so a new leader keeps it.
 UPDATE duetime.jobs AS j
-   SET dispatched_at = statement_timestamp(), heartbeat_at = NULL, dispatch_epoch = $4
+   SET dispatched_at = statement_timestamp(), heartbeat_at = NULL, dispatch_epoch = $4,
+       republish_count = j.republish_count + 1
+ WHERE j.id = ANY($1::bigint[])
+   AND j.due_at >= $2 AND j.due_at <= $3
+   AND j.status = 'dispatched'
+   AND EXISTS (SELECT 1 FROM duetime.leader_fence f WHERE f.shard = 0 AND f.epoch = $4)
+RETURNING j.id;
+
+-- name: give_up
+-- Reconciler, same transaction: stalled jobs re-published max_republishes times since
+-- they were dispatched go dead instead of cycling forever ($1 ids, $2..$3 their due_at
+-- range, $4 the error).
+UPDATE duetime.jobs AS j
+   SET status = 'dead', finished_at = now(), heartbeat_at = NULL, last_error = $4
  WHERE j.id = ANY($1::bigint[])
    AND j.due_at >= $2 AND j.due_at <= $3
    AND j.status = 'dispatched'

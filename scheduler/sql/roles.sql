@@ -102,7 +102,8 @@ CREATE POLICY "{worker}_jobs" ON duetime.jobs FOR ALL TO "{worker}"
 GRANT SELECT, UPDATE (epoch, leader_node, elected_at, renewed_at)
     ON duetime.leader_fence TO "{scheduler}";
 GRANT SELECT ON duetime.jobs TO "{scheduler}";
-GRANT UPDATE (status, dispatched_at, heartbeat_at, dispatch_epoch)
+GRANT UPDATE (status, dispatched_at, heartbeat_at, dispatch_epoch, republish_count,
+              last_error, finished_at)
     ON duetime.jobs TO "{scheduler}";
 GRANT INSERT (id, task, payload, queue, max_attempts, due_at, idempotency_key, schedule_id)
     ON duetime.jobs TO "{scheduler}";

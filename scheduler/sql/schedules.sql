@@ -34,23 +34,14 @@ SELECT *, plan_at = 'infinity' AS finished
 SELECT id FROM duetime.schedules WHERE id = $1 FOR UPDATE;
 
 -- name: pause
+-- The trigger schedules_paused_cancel_planned (migration 0006) cancels the jobs planned
+-- ahead that are not due yet, as it does for `UPDATE ... SET paused = true` by plain SQL.
 UPDATE duetime.schedules SET paused = true WHERE id = $1
 RETURNING *, plan_at = 'infinity' AS finished;
 
--- name: cancel_planned
--- Pause and remove: jobs planned ahead that are not due yet are cancelled, and their
--- fire times forgotten so that a resume can plan them again.
-WITH cancelled AS (
-    UPDATE duetime.jobs
-       SET status = 'cancelled', finished_at = now()
-     WHERE schedule_id = $1 AND status = 'pending' AND due_at > now()
-    RETURNING id
-), forgotten AS (
-    DELETE FROM duetime.schedule_fires f
-     USING cancelled c
-     WHERE f.schedule_id = $1 AND f.job_id = c.id
-)
-SELECT count(*) FROM cancelled;
+-- name: planned_cancelled
+-- How many jobs the pause or delete trigger of this transaction cancelled (0: none ran).
+SELECT coalesce(nullif(current_setting('duetime.planned_jobs_cancelled', true), ''), '0')::bigint;
 
 -- name: resume
 -- The before-update trigger resets next_fire_at: a resumed schedule starts from now
@@ -59,6 +50,7 @@ UPDATE duetime.schedules SET paused = false, last_error = NULL WHERE id = $1
 RETURNING *, plan_at = 'infinity' AS finished;
 
 -- name: delete
+-- The trigger schedules_delete_cancel_planned cancels the jobs planned ahead, as pause.
 DELETE FROM duetime.schedules WHERE id = $1
 RETURNING *, false AS finished;
 
@@ -104,6 +96,32 @@ SELECT s.*, s.plan_at = 'infinity' AS finished,
  ORDER BY coalesce(s.plan_at, '-infinity'::timestamptz)
  LIMIT $2
    FOR UPDATE OF s SKIP LOCKED;
+
+-- name: claim_due_ids
+-- claim_due when a row of it cannot be read by the client: the same rows, locked the
+-- same way, by id only, so that each can be read alone (claimed_schedule).
+SELECT s.id
+  FROM duetime.schedules s
+ WHERE NOT s.paused
+   AND coalesce(s.plan_at, '-infinity'::timestamptz) <= $1
+ ORDER BY coalesce(s.plan_at, '-infinity'::timestamptz)
+ LIMIT $2
+   FOR UPDATE OF s SKIP LOCKED;
+
+-- name: claimed_schedule
+-- One schedule claim_due_ids locked, as claim_due returns it.
+SELECT s.*, s.plan_at = 'infinity' AS finished,
+       CASE WHEN s.overlap_policy <> 'allow' AND s.last_job_id IS NOT NULL THEN
+           EXISTS (SELECT 1 FROM duetime.jobs j
+                    WHERE j.id = s.last_job_id AND j.due_at = s.last_job_due_at
+                      AND j.status IN ('pending', 'dispatched'))
+       ELSE false END AS previous_active
+  FROM duetime.schedules s
+ WHERE s.id = $1 AND NOT s.paused;
+
+-- name: pause_unreadable
+-- A schedule the planner cannot read is paused with the reason (by id alone).
+UPDATE duetime.schedules SET paused = true, last_error = $2 WHERE id = $1 AND NOT paused;
 
 -- name: apply_plan
 -- Planner, same transaction: a batch of decisions in ONE statement (arrays, not a round

@@ -4,6 +4,11 @@ LISTEN connection that wakes the dispatcher (statements in ``sql/dispatch.sql``)
 Methods that must run inside the caller's fenced transaction take ``conn``; the others
 use the pool. Statements go through asyncpg's per-connection statement cache, so the
 claim is planned once per connection (planning costs more than executing it, DESIGN §5).
+
+A row the client cannot read (``UNREADABLE``: a date outside Python's years 1-9999 from
+before migration 0006's bounds, JSON nested deeper than Python's parser goes) fails the
+whole ``claim`` that returns it; ``claim_isolated`` then reads the same locked rows one
+at a time, so the caller can park the bad ones and dispatch the rest.
 """
 
 from __future__ import annotations
@@ -19,19 +24,21 @@ from asyncpg.pool import PoolConnectionProxy
 
 from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.log import get_logger
-from scheduler.rows import ClaimedJob
+from scheduler.rows import UNREADABLE, ClaimedJob
 from scheduler.sql import load
 
 Q = load("dispatch")
 
 
 @functools.cache
-def claim_sql(limit: int) -> str:
+def claim_sql(limit: int, query: str = "claim") -> str:
     """The claim with ``limit`` as a literal (why: the comment on ``claim`` in
     dispatch.sql); one text per batch size, so asyncpg prepares it once per connection."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"claim limit must be a positive integer (got {limit!r})")
-    return Q["claim"].replace("{limit}", str(limit))
+    return Q[query].replace("{limit}", str(limit))
+
+
 log = get_logger(__name__)
 
 #: A connection of its own or one borrowed from a pool.
@@ -48,6 +55,15 @@ class StalledJob:
     job: ClaimedJob
     silent_for: float  # seconds since dispatched_at / heartbeat_at
     dispatch_epoch: int | None
+    republish_count: int = 0  # re-publishes since it was dispatched
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableRow:
+    """A claimed row the client could not decode, and why."""
+
+    job_id: int
+    error: str
 
 
 def _key_arrays(jobs: Sequence[ClaimedJob]) -> tuple[list[int], datetime, datetime]:
@@ -74,6 +90,27 @@ class DispatchStore:
         """Lock up to ``limit`` due pending jobs, earliest run time first."""
         records = await conn.fetch(claim_sql(limit))
         return [ClaimedJob.from_record(r) for r in records]
+
+    async def claim_isolated(
+        self, conn: Conn, limit: int
+    ) -> tuple[list[ClaimedJob], list[UnreadableRow]]:
+        """``claim`` one row at a time, for when ``claim`` raised ``UNREADABLE``: the jobs
+        that could be read, and the rows that could not (still locked, for ``park``)."""
+        jobs: list[ClaimedJob] = []
+        unreadable: list[UnreadableRow] = []
+        for job_id in [r["id"] for r in await conn.fetch(claim_sql(limit, "claim_ids"))]:
+            try:
+                record = await conn.fetchrow(Q["claimed_row"], job_id)
+            except UNREADABLE as exc:
+                unreadable.append(UnreadableRow(job_id, f"{type(exc).__name__}: {exc}"))
+                continue
+            if record is not None:
+                jobs.append(ClaimedJob.from_record(record))
+        return jobs, unreadable
+
+    async def park(self, conn: Conn, job_id: int, reason: str) -> bool:
+        """pending → dead with ``reason`` as last_error, by id alone."""
+        return await conn.execute(Q["park"], job_id, reason) == "UPDATE 1"
 
     async def mark_dispatched(
         self, conn: Conn, jobs: Sequence[ClaimedJob], epoch: int
@@ -113,7 +150,12 @@ class DispatchStore:
             Q["lock_stalled"], float(visibility_timeout), limit, list(skip_queues)
         )
         return [
-            StalledJob(ClaimedJob.from_record(r), r["silent_for"], r["dispatch_epoch"])
+            StalledJob(
+                ClaimedJob.from_record(r),
+                r["silent_for"],
+                r["dispatch_epoch"],
+                r["republish_count"],
+            )
             for r in records
         ]
 
@@ -125,4 +167,12 @@ class DispatchStore:
             return set()
         ids, lo, hi = _key_arrays(jobs)
         records = await conn.fetch(Q["mark_redispatched"], ids, lo, hi, epoch)
+        return {r["id"] for r in records}
+
+    async def give_up(self, conn: Conn, jobs: Sequence[ClaimedJob], error: str) -> set[int]:
+        """dispatched → dead for ``jobs`` (re-published too often); returns their ids."""
+        if not jobs:
+            return set()
+        ids, lo, hi = _key_arrays(jobs)
+        records = await conn.fetch(Q["give_up"], ids, lo, hi, error)
         return {r["id"] for r in records}

@@ -20,7 +20,7 @@ from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.db import Conn
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
-from scheduler.rows import Job
+from scheduler.rows import UNREADABLE, Job
 from scheduler.schedules import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
 from scheduler.sql import load
 from scheduler.store.jobs import NOTIFY_HORIZON
@@ -126,13 +126,14 @@ class ScheduleStore:
         return [Schedule.from_record(r) for r in records]
 
     async def pause(self, ref: str | int) -> tuple[Schedule, int]:
-        """Stop planning; jobs planned ahead and not due yet are cancelled.
-        Returns the schedule and how many jobs were cancelled."""
+        """Stop planning; jobs planned ahead and not due yet are cancelled (by the
+        table's trigger, as for a pause by plain SQL). Returns the schedule and how many
+        jobs were cancelled."""
         async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             await c.fetchval(Q["lock"], schedule_id)
             record = await c.fetchrow(Q["pause"], schedule_id)
-            cancelled = await c.fetchval(Q["cancel_planned"], schedule_id)
+            cancelled = await c.fetchval(Q["planned_cancelled"])
         return Schedule.from_record(record), int(cancelled)
 
     async def resume(self, ref: str | int) -> Schedule:
@@ -143,13 +144,13 @@ class ScheduleStore:
         return Schedule.from_record(record)
 
     async def remove(self, ref: str | int) -> tuple[Schedule, int]:
-        """Delete the schedule and cancel its jobs that are not due yet (its finished
-        jobs stay, with ``schedule_id`` pointing at nothing)."""
+        """Delete the schedule; the table's trigger cancels its jobs that are not due
+        yet (its finished jobs stay, with ``schedule_id`` pointing at nothing)."""
         async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             await c.fetchval(Q["lock"], schedule_id)
-            cancelled = await c.fetchval(Q["cancel_planned"], schedule_id)
             record = await c.fetchrow(Q["delete"], schedule_id)
+            cancelled = await c.fetchval(Q["planned_cancelled"])
         return Schedule.from_record(record), int(cancelled)
 
     async def trigger(self, ref: str | int) -> Job:
@@ -178,6 +179,29 @@ class ScheduleStore:
         return [
             ClaimedSchedule(Schedule.from_record(r), bool(r["previous_active"])) for r in records
         ]
+
+    async def claim_due_isolated(
+        self, conn: Conn, now: datetime, limit: int
+    ) -> tuple[builtins.list[ClaimedSchedule], builtins.list[tuple[int, str]]]:
+        """``claim_due`` one row at a time, for when it raised ``UNREADABLE``: the
+        schedules that could be read, and (id, error) of those that could not."""
+        claimed: builtins.list[ClaimedSchedule] = []
+        unreadable: builtins.list[tuple[int, str]] = []
+        for schedule_id in [r["id"] for r in await conn.fetch(Q["claim_due_ids"], now, limit)]:
+            try:
+                record = await conn.fetchrow(Q["claimed_schedule"], schedule_id)
+                if record is None:
+                    continue
+                claimed.append(
+                    ClaimedSchedule(Schedule.from_record(record), bool(record["previous_active"]))
+                )
+            except UNREADABLE as exc:
+                unreadable.append((schedule_id, f"{type(exc).__name__}: {exc}"))
+        return claimed, unreadable
+
+    async def pause_unreadable(self, conn: Conn, schedule_id: int, reason: str) -> bool:
+        """Pause a schedule with ``reason`` as last_error, by id alone."""
+        return await conn.execute(Q["pause_unreadable"], schedule_id, reason) == "UPDATE 1"
 
     async def apply_plan(
         self, conn: Conn, decisions: Sequence[PlanDecision], *, now: datetime | None = None

@@ -21,6 +21,10 @@ from scheduler.broker import declare_job_queue, queue_name
 from scheduler.messages import CONTENT_TYPE, JobMessage
 from tests.support.wait import wait_for
 
+#: SQL for the fence's epoch: a row a test marks dispatched must carry it, or the
+#: commit-time trigger jobs_dispatch_fenced (migration 0006) refuses the commit.
+FENCE_EPOCH = "(SELECT epoch FROM duetime.leader_fence WHERE shard = 0)"
+
 
 @dataclass(frozen=True)
 class DispatchedJob:
@@ -66,7 +70,7 @@ async def dispatched_job(
         )
         await conn.execute(
             "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
-            "dispatch_epoch = 1 WHERE id = $1 AND due_at = $2",
+            f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1 AND due_at = $2",
             row["id"],
             row["due_at"],
         )
@@ -83,7 +87,8 @@ async def dispatched_job(
 async def redispatch(pool: asyncpg.Pool, job: DispatchedJob) -> int:
     """Claim a retried (pending) job again; return the attempt to publish."""
     attempt = await pool.fetchval(
-        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now() "
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+        f"dispatch_epoch = {FENCE_EPOCH} "
         "WHERE id = $1 AND due_at = $2 AND status = 'pending' RETURNING attempt",
         job.id,
         job.due_at,

@@ -17,6 +17,7 @@ import pytest
 
 from scheduler import db
 from tests.conftest import own_database
+from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.cli import run_duetime as duetime
 
 UNKNOWN_ID = 987_654_321
@@ -242,7 +243,11 @@ async def test_cancel_refuses_dispatched_and_succeeded(
 ) -> None:
     for status in ("dispatched", "succeeded"):
         job = await add(env, "busy")
-        await pool.execute("UPDATE duetime.jobs SET status = $2 WHERE id = $1", job["id"], status)
+        await pool.execute(
+            f"UPDATE duetime.jobs SET status = $2, dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
+            job["id"],
+            status,
+        )
         run = await duetime(env, "jobs", "cancel", str(job["id"]))
         assert run.code == 2
         assert (

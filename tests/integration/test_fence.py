@@ -16,6 +16,7 @@ import pytest
 from scheduler import db
 from scheduler.errors import DuetimeError, Fenced
 from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.store.dispatch import DispatchStore
 from tests.conftest import own_database
 from tests.support.wait import wait_for
 
@@ -169,3 +170,107 @@ async def test_heartbeat(fence: FenceStore) -> None:
     with pytest.raises(Fenced) as info:
         await fence.heartbeat(3)
     assert (info.value.epoch, info.value.fence_epoch) == (3, 4)
+
+
+# -- the fence is the database's (migration 0006, trigger jobs_dispatch_fenced) ---------
+
+
+async def _pending_job(pool: asyncpg.Pool) -> tuple[int, object]:
+    row = await pool.fetchrow(
+        "INSERT INTO duetime.jobs (task) VALUES ('fenced') RETURNING id, due_at"
+    )
+    return row["id"], row["due_at"]
+
+
+async def test_a_stale_dispatch_bypassing_fenced_transaction_fails_at_commit(
+    fence: FenceStore, zombie: asyncpg.Connection, pool: asyncpg.Pool
+) -> None:
+    """A write path that never locks the fence: the statement goes through, the COMMIT
+    is refused, and the row stays pending."""
+    await fence.advance(2, "new")
+    job_id, due_at = await _pending_job(pool)
+    tx = zombie.transaction()
+    await tx.start()
+    updated = await zombie.execute(
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+        "dispatch_epoch = 1 WHERE id = $1 AND due_at = $2",
+        job_id,
+        due_at,
+    )
+    assert updated == "UPDATE 1"
+    with pytest.raises(asyncpg.IntegrityConstraintViolationError) as info:
+        await tx.commit()
+    assert info.value.constraint_name == "jobs_dispatch_fenced"
+    assert "fence holds epoch 2" in str(info.value)
+    assert await pool.fetchval("SELECT status FROM duetime.jobs WHERE id = $1", job_id) == (
+        "pending"
+    )
+    # a NULL epoch is no epoch: refused too, and so is a row inserted as dispatched
+    for statement, args in (
+        ("UPDATE duetime.jobs SET status = 'dispatched' WHERE id = $1", (job_id,)),
+        ("INSERT INTO duetime.jobs (task, status, dispatch_epoch) VALUES ('x', 'dispatched', 1)",
+         ()),
+    ):  # fmt: skip
+        with pytest.raises(asyncpg.IntegrityConstraintViolationError, match="fence holds"):
+            await zombie.execute(statement, *args)
+    # the leader of the fence's epoch dispatches, through any path
+    await zombie.execute(
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatch_epoch = 2 WHERE id = $1", job_id
+    )
+
+
+async def test_a_dispatch_valid_when_written_is_refused_if_the_fence_moves_before_commit(
+    fence: FenceStore, zombie: asyncpg.Connection, pool: asyncpg.Pool
+) -> None:
+    """The check runs at COMMIT, not at the statement: a zombie that wrote under the
+    right epoch but did not hold the fence row cannot commit after a newer leader."""
+    await fence.advance(1, "old")
+    job_id, due_at = await _pending_job(pool)
+    tx = zombie.transaction()
+    await tx.start()
+    await zombie.execute(
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+        "dispatch_epoch = 1 WHERE id = $1 AND due_at = $2",
+        job_id,
+        due_at,
+    )
+    assert await fence.advance(2, "new")  # nothing holds the fence row: no wait
+    with pytest.raises(asyncpg.IntegrityConstraintViolationError, match="fence holds epoch 2"):
+        await tx.commit()
+    assert await pool.fetchval("SELECT status FROM duetime.jobs WHERE id = $1", job_id) == (
+        "pending"
+    )
+
+
+async def test_a_wrong_epoch_inside_a_fenced_transaction_raises_fenced(
+    fence: FenceStore, zombie: asyncpg.Connection, pool: asyncpg.Pool
+) -> None:
+    """Whatever the code inside writes, a commit-time refusal surfaces as ``Fenced``."""
+    await fence.advance(3, "me")
+    job_id, _ = await _pending_job(pool)
+    with pytest.raises(Fenced) as info:
+        async with fenced_transaction(zombie, 3):
+            await zombie.execute(
+                "UPDATE duetime.jobs SET status = 'dispatched', dispatch_epoch = 2 "
+                "WHERE id = $1",
+                job_id,
+            )
+    assert (info.value.epoch, info.value.fence_epoch) == (3, 3)
+    assert await pool.fetchval("SELECT status FROM duetime.jobs WHERE id = $1", job_id) == (
+        "pending"
+    )
+
+
+async def test_mark_dispatched_under_a_stale_epoch_marks_nothing(
+    fence: FenceStore, zombie: asyncpg.Connection, pool: asyncpg.Pool
+) -> None:
+    """The claim's write carries the epoch predicate itself (dispatch.sql)."""
+    await fence.advance(2, "new")
+    await _pending_job(pool)
+    store = DispatchStore(pool)
+    async with zombie.transaction():
+        jobs = await store.claim(zombie, 10)
+        assert len(jobs) == 1
+        assert await store.mark_dispatched(zombie, jobs, 1) == {}
+        assert len(await store.mark_dispatched(zombie, jobs, 2)) == 1
+    assert await pool.fetchval("SELECT dispatch_epoch FROM duetime.jobs") == 2

@@ -28,6 +28,7 @@ from scheduler import db
 from scheduler.broker import DEAD_LETTER_QUEUE, declare_dead_letter, queue_name
 from scheduler.config import Settings
 from scheduler.duties.dispatcher import Dispatcher
+from scheduler.duties.planner import Planner
 from scheduler.duty import LeaderTerm
 from scheduler.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare, dispatched_job, job_row, publish, queue_depth
@@ -57,6 +58,14 @@ REFUSED = [
     ("task 201 chars", "'{}'", "now()", 5, "x" * 201, "jobs_task_too_long"),
     ("blank task", "'{}'", "now()", 5, "   ", "jobs_task_not_empty"),
     ("payload array", "'[1]'", "now()", 5, "t", "jobs_payload_not_object"),
+    # dates Python cannot hold (migration 0006): a BC row used to stop every claim
+    ("due_at BC", "'{}'", "'0044-03-15 BC'", 5, "t", "jobs_due_at_out_of_range"),
+    ("due_at year 294276", "'{}'", "'294276-12-31 23:59:59+00'", 5, "t",
+     "jobs_due_at_out_of_range"),
+    ("due_at 0001-01-01", "'{}'", "'0001-01-01 12:00:00+00'", 5, "t",
+     "jobs_due_at_out_of_range"),
+    ("due_at 9999-12-31", "'{}'", "'9999-12-31 00:00:00+00'", 5, "t",
+     "jobs_due_at_out_of_range"),
 ]  # fmt: skip
 
 
@@ -81,7 +90,7 @@ async def test_year_9999_is_parked_in_default_and_hostile_queue_names_refused(
     pool: asyncpg.Pool,
 ) -> None:
     where = await pool.fetchval(
-        "INSERT INTO duetime.jobs (task, due_at) VALUES ('far', '9999-12-31 23:59:59+00') "
+        "INSERT INTO duetime.jobs (task, due_at) VALUES ('far', '9999-12-30 23:59:59+00') "
         "RETURNING tableoid::regclass::text"
     )
     assert where == "duetime.jobs_default"
@@ -97,6 +106,145 @@ async def test_year_9999_is_parked_in_default_and_hostile_queue_names_refused(
             "VALUES ('big', 't', '* * * * *', jsonb_build_object('a', repeat('x', $1::int)))",
             MIB + 10,
         )
+
+
+SCHEDULES_REFUSED = [
+    ("start_at BC", "start_at", "'0044-03-15 BC'", "schedules_start_at_out_of_range"),
+    ("end_at 294276", "end_at", "'294276-01-01+00'", "schedules_end_at_out_of_range"),
+    ("next_fire_at BC", "next_fire_at", "'0001-01-01 BC'", "schedules_next_fire_at_out_of_range"),
+    ("plan_at BC", "plan_at", "'0001-01-01 BC'", "schedules_planner_state_out_of_range"),
+    ("start_at -infinity", "start_at", "'-infinity'", "schedules_bounds_invalid"),
+]
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "constraint"), [pytest.param(*r[1:], id=r[0]) for r in SCHEDULES_REFUSED]
+)
+async def test_database_refuses_hostile_schedule_dates(
+    pool: asyncpg.Pool, column: str, value: str, constraint: str
+) -> None:
+    with pytest.raises(asyncpg.CheckViolationError) as info:
+        await pool.execute(
+            f"INSERT INTO duetime.schedules (name, task, cron, {column}) "
+            f"VALUES ('s', 't', '* * * * *', {value})"
+        )
+    assert info.value.constraint_name == constraint
+    # an edit by plain SQL is refused the same way
+    await pool.execute(
+        "INSERT INTO duetime.schedules (name, task, cron) VALUES ('e', 't', '@daily')"
+    )
+    with pytest.raises(asyncpg.CheckViolationError) as info:
+        await pool.execute(f"UPDATE duetime.schedules SET {column} = {value} WHERE name = 'e'")
+    assert info.value.constraint_name == constraint
+
+
+async def test_interval_longer_than_the_range_of_dates_is_refused(pool: asyncpg.Pool) -> None:
+    """2e9 days fit PostgreSQL's interval but not Python's timedelta (999,999,999 days)."""
+    with pytest.raises(asyncpg.CheckViolationError) as info:
+        await pool.execute(
+            "INSERT INTO duetime.schedules (name, task, interval) "
+            "VALUES ('long', 't', interval '2000000000 days')"
+        )
+    assert info.value.constraint_name == "schedules_interval_too_long"
+
+
+# -- rows the client cannot read are parked, the rest dispatch --------------------------
+
+#: JSON that PostgreSQL stores but Python's parser cannot read back (RecursionError);
+#: no CHECK can see it, so the dispatcher and the planner must park it themselves.
+DEEP_PAYLOAD = "('{\"a\": ' || repeat('[', 5000) || repeat(']', 5000) || '}')::jsonb"
+
+
+async def test_unreadable_rows_are_parked_and_the_others_dispatched(
+    settings: Settings, migrated_dsn: str, pool: asyncpg.Pool, unique: str
+) -> None:
+    """Before: one such row sorted into every claim and every dispatch_batch raised
+    (OverflowError / RecursionError), so ordinary jobs stayed pending forever."""
+    queue = f"unreadable-{unique}"
+    # a BC row as it could exist before migration 0006 (the bound taken away again)
+    await pool.execute("ALTER TABLE duetime.jobs DROP CONSTRAINT jobs_due_at_out_of_range")
+    bc = await pool.fetchval(
+        "INSERT INTO duetime.jobs (task, queue, due_at) VALUES ('t', $1, '0044-03-15 BC') "
+        "RETURNING id",
+        queue,
+    )
+    deep = await pool.fetchval(
+        f"INSERT INTO duetime.jobs (task, queue, payload, due_at) "
+        f"VALUES ('t', $1, {DEEP_PAYLOAD}, now() - interval '1 minute') RETURNING id",
+        queue,
+    )
+    await pool.execute(
+        "INSERT INTO duetime.jobs (task, queue, payload) "
+        "SELECT 't', $1, jsonb_build_object('i', i) FROM generate_series(1, 20) AS i",
+        queue,
+    )
+    assert await FenceStore(pool).advance(1, "n")
+    dispatcher = Dispatcher(dataclasses.replace(settings, database_url=migrated_dsn), pool)
+    dispatcher.bind(LeaderTerm(epoch=1, node_id="n"))
+    connection = await aio_pika.connect(settings.amqp_url, timeout=10)
+    try:
+        await declare(await connection.channel(), queue)
+        await dispatcher.publisher.open()
+        try:
+            report = await dispatcher.dispatch_batch()
+            assert (report.claimed, report.published) == (20, 20)
+            assert (await dispatcher.dispatch_batch()).claimed == 0  # nothing left stuck
+        finally:
+            await dispatcher.publisher.close()
+        statuses = await pool.fetch(
+            "SELECT status, count(*) AS n FROM duetime.jobs WHERE id NOT IN ($1, $2) "
+            "GROUP BY status",
+            bc,
+            deep,
+        )
+        assert {r["status"]: r["n"] for r in statuses} == {"dispatched": 20}
+        for job_id, error in ((bc, "OverflowError"), (deep, "RecursionError")):
+            row = await pool.fetchrow(
+                "SELECT status, last_error FROM duetime.jobs WHERE id = $1", job_id
+            )
+            assert row["status"] == "dead"
+            assert row["last_error"].startswith(f"the dispatcher cannot read this row ({error}")
+    finally:
+        ch = await connection.channel()
+        with contextlib.suppress(Exception):
+            await ch.queue_delete(queue_name(queue))
+        await connection.close()
+
+
+async def test_unreadable_schedules_are_paused_and_the_others_planned(
+    settings: Settings, migrated_dsn: str, pool: asyncpg.Pool
+) -> None:
+    await pool.execute(
+        "ALTER TABLE duetime.schedules DROP CONSTRAINT schedules_start_at_out_of_range"
+    )
+    await pool.execute(
+        "INSERT INTO duetime.schedules (name, task, cron, start_at) "
+        "VALUES ('bc', 't', '* * * * * *', '0044-03-15 BC')"
+    )
+    await pool.execute(
+        f"INSERT INTO duetime.schedules (name, task, cron, payload) "
+        f"VALUES ('deep', 't', '* * * * * *', {DEEP_PAYLOAD})"
+    )
+    await pool.execute(
+        "INSERT INTO duetime.schedules (name, task, cron) VALUES ('good', 't', '* * * * * *')"
+    )
+    assert await FenceStore(pool).advance(1, "n")
+    planner = Planner(dataclasses.replace(settings, database_url=migrated_dsn), pool)
+    planner.bind(LeaderTerm(epoch=1, node_id="n"))
+    await planner.plan_pass()
+    rows = {
+        r["name"]: r
+        for r in await pool.fetch(
+            "SELECT name, paused, last_error, fired_count FROM duetime.schedules"
+        )
+    }
+    assert not rows["good"].get("paused") and rows["good"]["fired_count"] > 0
+    for name, error in (("bc", "OverflowError"), ("deep", "RecursionError")):
+        assert rows[name]["paused"], name
+        assert rows[name]["last_error"].startswith(
+            f"the planner cannot read this schedule ({error}"
+        )
+    assert (await planner.plan_pass()).claimed == 0  # nothing left stuck
 
 
 # -- the worker ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from scheduler.rows import Job
 from scheduler.store import JobStore
 from scheduler.store.jobs import MAX_PAGE
 from tests.conftest import own_database
+from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.wait import wait_for
 
 UNKNOWN_ID = 2**62
@@ -48,6 +49,8 @@ def store(pool: asyncpg.Pool) -> JobStore:
 async def _set(pool: asyncpg.Pool, job_id: int, status: str, **extra: object) -> None:
     """Put a job in a state the client API cannot reach (the dispatcher/worker's job)."""
     sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(extra, start=3))
+    if status == "dispatched" and "dispatch_epoch" not in extra:
+        sets = ", ".join(filter(None, [sets, f"dispatch_epoch = {FENCE_EPOCH}"]))
     await pool.execute(
         f"UPDATE duetime.jobs SET status = $2{', ' + sets if sets else ''} WHERE id = $1",
         job_id,

@@ -5,12 +5,15 @@ applied (issue 2 item 6)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import asyncpg
 import pytest
 
+from scheduler import db
 from scheduler.migrate import MigrationError, migrate
 from scheduler.sql import migrations
+from scheduler.store.dispatch import DispatchStore
 from tests.support.cli import run_duetime
 
 LATEST = max(version for version, _, _ in migrations())
@@ -133,3 +136,62 @@ async def test_unreachable_database_is_one_line(test_env: dict[str, str]) -> Non
         "duetime: error: cannot connect to PostgreSQL at postgresql://postgres:***@127.0.0.1:1/x"
     )
     assert "pw-s3cret" not in err
+
+
+async def test_0006_parks_existing_rows_it_would_refuse(fresh_dsn: str) -> None:
+    """Rows written before the date bounds existed do not fail the migration: jobs go
+    dead, schedules are paused, each with last_error naming the value, and afterwards
+    every row can be read by the client and claimed past."""
+    conn = await asyncpg.connect(fresh_dsn, timeout=10)
+    try:
+        await conn.execute(
+            "CREATE SCHEMA duetime; CREATE TABLE duetime.schema_migrations ("
+            "version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL, "
+            "applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for version, name, sql in migrations():
+            if version < 6:
+                await conn.execute(sql)
+                await conn.execute(
+                    "INSERT INTO duetime.schema_migrations VALUES ($1, $2, $3)",
+                    version,
+                    name,
+                    hashlib.sha256(sql.encode()).hexdigest()[:16],
+                )
+        await conn.execute(
+            "INSERT INTO duetime.jobs (task, due_at) VALUES ('bc', '0044-03-15 BC'), "
+            "('far', '20000-01-01 00:00:00+00'), ('ok', now())"
+        )
+        await conn.execute(
+            "INSERT INTO duetime.schedules (name, task, cron, start_at) "
+            "VALUES ('bc', 't', '* * * * *', '0044-03-15 BC')"
+        )
+        await conn.execute(
+            "INSERT INTO duetime.schedules (name, task, interval) "
+            "VALUES ('long', 't', interval '2000000000 days'), ('ok', 't', interval '1 hour')"
+        )
+    finally:
+        await conn.close()
+
+    assert (await migrate(fresh_dsn)).applied == [a for a in ALL_APPLIED if a >= "0006"]
+
+    pool = await db.create_pool(fresh_dsn, max_size=2)  # the client's decoders
+    try:
+        jobs = {r["task"]: r for r in await pool.fetch("SELECT * FROM duetime.jobs")}
+        assert jobs["ok"]["status"] == "pending" and jobs["ok"]["last_error"] is None
+        assert jobs["bc"]["status"] == jobs["far"]["status"] == "dead"
+        assert "due_at 0044-03-15 00:00:00 BC is outside the supported range" in (
+            jobs["bc"]["last_error"]
+        )
+        assert "due_at 20000-01-01 00:00:00 is outside" in jobs["far"]["last_error"]
+        schedules = {r["name"]: r for r in await pool.fetch("SELECT * FROM duetime.schedules")}
+        assert not schedules["ok"]["paused"]
+        assert schedules["bc"]["paused"] and schedules["bc"]["start_at"] is None
+        assert schedules["bc"]["last_error"].startswith("start_at 0044-03-15 00:00:00 BC outside")
+        assert schedules["long"]["paused"]
+        assert schedules["long"]["last_error"].startswith("interval 2000000000 days outside")
+        async with pool.acquire() as conn, conn.transaction():
+            claimed = await DispatchStore(pool).claim(conn, 10)
+        assert [job.task for job in claimed] == ["ok"]
+    finally:
+        await pool.close()

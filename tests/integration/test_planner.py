@@ -33,6 +33,7 @@ from scheduler.fence import FenceStore
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.schedules import ScheduleSpec, fire_key
 from scheduler.store.schedules import ScheduleStore
+from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.wait import wait_for
 
 EPOCH = 5
@@ -365,7 +366,8 @@ async def test_overlap_skip_while_previous_run_unfinished(world: World) -> None:
     jobs = await world.jobs(sid)
     assert [j["due_at"] for j in jobs] == [t0]  # just in time: nothing planned ahead
     await world.execute(
-        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now() WHERE id = $1",
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+        f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
         jobs[0]["id"],
     )
     for _ in range(3):
@@ -390,7 +392,8 @@ async def test_overlap_buffer_one_runs_one_waiting_fire_after_the_slow_one(world
     await planner.plan_pass()
     first = (await world.jobs(sid))[0]
     await world.execute(
-        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now() WHERE id = $1",
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+        f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
         first["id"],
     )
     for _ in range(3):  # t0+1 waits, t0+2 and t0+3 are skipped
@@ -520,6 +523,40 @@ async def test_pause_cancels_planned_jobs_and_resume_plans_from_now(world: World
     assert removed.id == sid and cancelled == 11
     async with world.pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM duetime.schedule_fires") == 0
+
+
+async def test_pausing_or_deleting_by_plain_sql_cancels_planned_jobs(world: World) -> None:
+    """The table is the contract: `UPDATE ... SET paused = true` and `DELETE` behave as
+    `duetime schedules pause` / `remove` (trigger schedules_paused_cancel_planned and
+    schedules_delete_cancel_planned); before migration 0006 the planned jobs ran."""
+    clock = ManualClock(datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=5))
+    paused = await world.add("sql-paused", cron="* * * * * *")
+    deleted = await world.add("sql-deleted", cron="* * * * * *")
+    kept = await world.add("sql-kept", cron="* * * * * *")
+    planner = world.planner(clock)
+    await planner.plan_pass()
+    assert [len(await world.jobs(s)) for s in (paused, deleted, kept)] == [11, 11, 11]
+    assert await world.execute(
+        "UPDATE duetime.schedules SET paused = true WHERE name = 'sql-paused'"
+    ) == "UPDATE 1"
+    assert await world.execute("DELETE FROM duetime.schedules WHERE name = 'sql-deleted'") == (
+        "DELETE 1"
+    )
+    assert {j["status"] for j in await world.jobs(paused)} == {"cancelled"}
+    assert {j["status"] for j in await world.jobs(deleted)} == {"cancelled"}
+    assert {j["status"] for j in await world.jobs(kept)} == {"pending"}
+    # fire times forgotten, so a resume plans them again; an update that leaves a paused
+    # schedule paused cancels nothing more
+    async with world.pool.acquire() as conn:
+        assert await conn.fetchval(
+            "SELECT count(*) FROM duetime.schedule_fires WHERE schedule_id <> $1", kept
+        ) == 0
+    assert await world.execute(
+        "UPDATE duetime.schedules SET paused = false WHERE name = 'sql-paused'"
+    ) == "UPDATE 1"
+    await planner.plan_pass()
+    pending = [j for j in await world.jobs(paused) if j["status"] == "pending"]
+    assert len(pending) == 11
 
 
 # --- the loop: wake-ups --------------------------------------------------------------------

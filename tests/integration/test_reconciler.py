@@ -21,11 +21,11 @@ from prometheus_client import REGISTRY
 
 from scheduler import broker, db, messages
 from scheduler.config import Settings
-from scheduler.duties.reconciler import Reconciler, ReconcilerConfig
+from scheduler.duties.reconciler import Reconciler, ReconcilerConfig, ReconcileReport
 from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced
 from scheduler.fence import FenceStore
-from tests.fixtures_tasks.jobs import drain
+from tests.fixtures_tasks.jobs import FENCE_EPOCH, drain
 from tests.support.wait import wait_for
 
 
@@ -58,12 +58,13 @@ def make_reconciler(env: Env, **config: Any) -> Reconciler:
 async def insert_stalled(
     pool: asyncpg.Pool, queue: str, n: int, *, silent: float = 600.0
 ) -> list[int]:
-    """Jobs a crashed dispatcher marked dispatched without a message reaching a queue."""
+    """Jobs a crashed dispatcher marked dispatched without a message reaching a queue
+    (under the fence's epoch: the database refuses any other)."""
     rows = await pool.fetch(
         "INSERT INTO duetime.jobs (task, payload, due_at, queue, status, dispatched_at, "
         "                          dispatch_epoch) "
         "SELECT 'demo.task', jsonb_build_object('i', i), now() - interval '1 hour', $1, "
-        "       'dispatched', now() - make_interval(secs => $3), 0 "
+        f"       'dispatched', now() - make_interval(secs => $3), {FENCE_EPOCH} "
         "  FROM generate_series(1, $2) AS i RETURNING id",
         queue,
         n,
@@ -114,15 +115,16 @@ async def test_stalled_jobs_are_republished_and_running_ones_left_alone(
         rows = {
             r["id"]: r
             for r in await env.pool.fetch(
-                "SELECT id, dispatch_epoch, heartbeat_at, "
+                "SELECT id, dispatch_epoch, republish_count, heartbeat_at, "
                 "       extract(epoch FROM now() - dispatched_at) AS age "
                 "FROM duetime.jobs"
             )
         }
         for job_id in stalled:
-            assert rows[job_id]["dispatch_epoch"] == 1 and rows[job_id]["age"] < 30
+            assert rows[job_id]["republish_count"] == 1 and rows[job_id]["age"] < 30
+            assert rows[job_id]["dispatch_epoch"] == 1
         for job_id in (running, beating, fresh):
-            assert rows[job_id]["dispatch_epoch"] == 0, job_id
+            assert rows[job_id]["republish_count"] == 0, job_id
         assert rows[beating]["heartbeat_at"] is not None
 
         # nothing left to do until the running job's worker goes away
@@ -210,7 +212,10 @@ async def test_fenced_reconciler_changes_nothing(env: Env) -> None:
         with pytest.raises(Fenced):
             await reconciler.reconcile_batch()
         assert (
-            await env.pool.fetchval("SELECT count(*) FROM duetime.jobs WHERE dispatch_epoch = 0")
+            await env.pool.fetchval(
+                "SELECT count(*) FROM duetime.jobs WHERE republish_count = 0 "
+                "AND dispatched_at < now() - interval '5 minutes'"
+            )
             == 2
         )
     finally:
@@ -230,7 +235,7 @@ async def test_reconciler_loop_rescues_jobs(env: Env) -> None:
         async def rescued() -> bool:
             return bool(
                 await env.pool.fetchval(
-                    "SELECT dispatch_epoch = 1 FROM duetime.jobs WHERE id = $1", job_id
+                    "SELECT republish_count = 1 FROM duetime.jobs WHERE id = $1", job_id
                 )
             )
 
@@ -240,3 +245,65 @@ async def test_reconciler_loop_rescues_jobs(env: Env) -> None:
         await reconciler.stop()
     assert reconciler.stopped_by_request
     await drain(env.settings.amqp_url, env.queue, expect=1)
+
+
+async def test_republishing_is_capped_and_the_count_survives_failover(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job whose message every worker dead-letters is re-published ``max_republishes``
+    times, then goes dead saying why; each pass here is a new Reconciler (a new leader
+    after a failover), so only the count in the row can stop it."""
+    [job_id] = await insert_stalled(env.pool, env.queue, 1)
+    [other] = await insert_stalled(env.pool, env.queue, 1)
+
+    async def one_pass(epoch: int) -> ReconcileReport:
+        assert await env.fence.advance(epoch, f"leader-{epoch}")
+        cfg = ReconcilerConfig.from_settings(
+            env.settings, max_republishes=2, defer_backlogged_queues=False
+        )
+        reconciler = Reconciler(env.settings, env.pool, config=cfg)
+        reconciler.bind(LeaderTerm(epoch=epoch, node_id=f"leader-{epoch}"))
+        await reconciler.setup()
+        try:
+            return await reconciler.reconcile_batch()
+        finally:
+            await reconciler.teardown()
+            await env.pool.execute(  # silent again: dead-lettered once more
+                "UPDATE duetime.jobs SET dispatched_at = now() - interval '10 minutes' "
+                "WHERE status = 'dispatched'"
+            )
+
+    assert (await one_pass(2)).republished == 2
+    # `other` finished meanwhile and was dispatched again (a retry): its count restarts
+    await env.pool.execute(
+        "UPDATE duetime.jobs SET status = 'pending', dispatch_epoch = NULL WHERE id = $1", other
+    )
+    await env.pool.execute(
+        f"UPDATE duetime.jobs SET status = 'dispatched', dispatch_epoch = {FENCE_EPOCH}, "
+        "republish_count = 0, dispatched_at = now() - interval '10 minutes' WHERE id = $1",
+        other,
+    )
+    assert (await one_pass(3)).republished == 2
+    with caplog.at_level(logging.ERROR):
+        report = await one_pass(4)
+    assert (report.given_up, report.republished) == (1, 1)
+    row = await env.pool.fetchrow(
+        "SELECT status, republish_count, last_error, finished_at FROM duetime.jobs "
+        "WHERE id = $1",
+        job_id,
+    )
+    assert row["status"] == "dead" and row["finished_at"] is not None
+    assert row["republish_count"] == 2
+    assert row["last_error"].startswith("re-published 2 times (max_republishes)")
+    assert "dead-letter queue" in row["last_error"]
+    [logged] = events(caplog, "jobs_given_up")
+    assert logged["job_ids"] == [job_id]
+    assert await env.pool.fetchval(
+        "SELECT status FROM duetime.jobs WHERE id = $1", other
+    ) == "dispatched"
+    await drain(env.settings.amqp_url, env.queue, expect=5)
+
+
+def test_max_republishes_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_republishes must be >= 1"):
+        ReconcilerConfig(max_republishes=0)

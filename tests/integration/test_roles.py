@@ -35,6 +35,7 @@ from scheduler.messages import JobMessage
 from scheduler.roles import RoleNames, apply_roles, drop_roles_connection
 from scheduler.schedules import ScheduleSpec
 from scheduler.store import DispatchStore, ExecutionStore, JobStore, ScheduleStore
+from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
 from workers.executor import Executor, Outcome
@@ -121,7 +122,7 @@ async def _dispatched(owner: asyncpg.Pool, task: str, queue: str = "default") ->
     )
     await owner.execute(
         "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
-        "dispatch_epoch = 1 WHERE id = $1",
+        f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
         row["id"],
     )
     return JobMessage(

@@ -285,11 +285,15 @@ async def test_wakeups_cost_producers_nothing_and_api_notifies_due_soon(
     commit serialises concurrent producers; the dispatcher probes instead). The client
     API sends exactly one NOTIFY for a job or a COPY due within a second, none for
     later jobs (found ahead of time by the probe)."""
-    triggers = await conn.fetchval(
-        "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'duetime.jobs'::regclass "
-        "AND NOT tgisinternal"
+    triggers = await conn.fetch(
+        "SELECT tgname, tgqual IS NOT NULL AS conditional FROM pg_trigger "
+        "WHERE tgrelid = 'duetime.jobs'::regclass AND NOT tgisinternal ORDER BY tgname"
     )
-    assert triggers == 0
+    # only the fence's commit-time checks, and only for rows inserted as dispatched
+    assert [(t["tgname"], t["conditional"]) for t in triggers] == [
+        ("jobs_dispatch_fenced", True),
+        ("jobs_dispatch_fenced_insert", True),
+    ]
 
     listen_conn = await db.connect(schema_dsn)
     pool = await db.create_pool(schema_dsn, min_size=1, max_size=1)

@@ -87,8 +87,11 @@ async def _seed_jobs(pool: asyncpg.Pool) -> None:
     """Jobs in every state, over two queues, with known ages."""
     await pool.execute(
         """
-        INSERT INTO duetime.jobs (task, queue, due_at, status, dispatched_at, finished_at)
-        VALUES
+        INSERT INTO duetime.jobs (task, queue, due_at, status, dispatched_at, finished_at,
+                                  dispatch_epoch)
+        SELECT v.*, CASE WHEN v.status = 'dispatched' THEN
+                    (SELECT epoch FROM duetime.leader_fence WHERE shard = 0) END
+          FROM (VALUES
           ('t', 'default', now() + interval '1 hour',    'pending',    NULL, NULL),
           ('t', 'default', now() + interval '2 hours',   'pending',    NULL, NULL),
           ('t', 'default', now() - interval '5 seconds', 'pending',    NULL, NULL),
@@ -100,8 +103,10 @@ async def _seed_jobs(pool: asyncpg.Pool) -> None:
           ('t', 'emails',  now() - interval '20 seconds','pending',    NULL, NULL),
           ('t', 'emails',  now() - interval '1 minute',  'cancelled',  NULL, now()),
           ('t', 'emails',  now() - interval '1 minute',  'dead',       now(), now())
+          ) AS v (task, queue, due_at, status, dispatched_at, finished_at)
         """  # noqa: E501
     )
+
     # a retried job: due long ago, but its run time is pushed into the future
     await pool.execute(
         "INSERT INTO duetime.jobs (task, queue, due_at, run_at) "

@@ -24,6 +24,7 @@ from scheduler.broker import DEAD_LETTER_EXCHANGE, declare_dead_letter, queue_na
 from scheduler.config import Settings
 from tests.fixtures_tasks.basic import EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import (
+    FENCE_EPOCH,
     DispatchedJob,
     dispatched_job,
     effects,
@@ -404,7 +405,9 @@ async def test_message_before_claim_commit_waits_for_the_claim(
                     job.due_at,
                 )
                 await claimer.execute(
-                    "UPDATE duetime.jobs SET status = 'dispatched' WHERE id = $1", job.id
+                    "UPDATE duetime.jobs SET status = 'dispatched', "
+                    f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
+                    job.id,
                 )
                 await publish(channel, queue, job.message(1))
                 await wait_for(lambda: _worker_waits_on_lock(db_pool, settings), timeout=10)

@@ -231,3 +231,10 @@ def test_scrub_redacts_urls_inside_text() -> None:
     assert "postgresql://app:***@db:5432/x" in out
     assert "amqps://svc:***@mq/vh" in out
     assert scrub("no secrets at http://host/path") == "no secrets at http://host/path"
+
+
+def test_max_republishes_default_and_validation() -> None:
+    assert load_settings(env={}).max_republishes == 10
+    assert load_settings(env={"DUETIME_MAX_REPUBLISHES": "3"}).max_republishes == 3
+    message = _error(env={"DUETIME_MAX_REPUBLISHES": "0"})
+    assert "DUETIME_MAX_REPUBLISHES" in message and ">= 1" in message

@@ -347,3 +347,25 @@ def test_environment_values(name: str, value: str) -> None:
         load_settings(env={name: value})
     except ConfigError as exc:
         assert str(exc)
+
+
+@FUZZ
+@given(st.text(min_size=1, max_size=200).filter(lambda t: t.strip() and "\x00" not in t))
+@example("é" * 200)  # 400 bytes: failed every publish of its job, forever (fuzz finding)
+@example("🙂" * 200)
+def test_any_task_name_fits_the_message_properties(task: str) -> None:
+    """A task is at most 200 characters (CHECK jobs_task_too_long) but AMQP's ``type``
+    property holds 255 bytes; the publisher cuts it, and the body keeps the whole name."""
+    from pamqp.header import ContentHeader
+
+    from scheduler.publisher import encode_job
+    from scheduler.rows import ClaimedJob
+
+    job = ClaimedJob(1, task, {}, "q", datetime(2026, 1, 1, tzinfo=UTC), 1, "job:1")
+    try:
+        body, properties = encode_job(job, 1)
+    except UnicodeEncodeError:  # a lone surrogate: PostgreSQL text cannot hold one
+        return
+    ContentHeader(0, len(body), properties).marshal()
+    assert task.startswith(properties.message_type or "")
+    assert decode(body).task == task
