@@ -141,6 +141,16 @@ def _prefix(value: Any) -> str:
     return text
 
 
+def _listen(value: Any) -> str:
+    """``host:port`` (``[v6]:port`` for IPv6); port 0 picks a free one."""
+    text = str(value).strip()
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"must be host:port, e.g. 127.0.0.1:8089 (got {value!r})")
+    return text
+
+
 def _default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -189,6 +199,8 @@ class Settings:
     worker_concurrency: int = 16
     worker_grace_period: float = 30.0
     delivery_limit: int = 20
+    dashboard_listen: str = "127.0.0.1:8089"
+    dashboard_token: str | None = None
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict safe to log or print (no passwords)."""
@@ -270,6 +282,13 @@ FIELDS: dict[str, Field] = {
             "seconds in-flight handlers get after SIGTERM",
         ),
         Field("delivery_limit", _number(int, minimum=1), "broker redeliveries before dead-letter"),
+        Field("dashboard_listen", _listen, "host:port of `duetime dashboard`"),
+        Field(
+            "dashboard_token",
+            _optional_text,
+            "token the dashboard asks for (login form or Bearer); unset: loopback only",
+            secret=True,
+        ),
     ]
 }
 
