@@ -151,7 +151,10 @@ class Gate(BaseHTTPMiddleware):
             elif not auth.session_ok(request.cookies.get(SESSION_COOKIE)):
                 response: Response
                 if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
-                    response = RedirectResponse(f"/login?next={quote(path)}", status_code=303)
+                    target = path + (f"?{request.url.query}" if request.url.query else "")
+                    response = RedirectResponse(
+                        f"/login?next={quote(target, safe='')}", status_code=303
+                    )
                 else:
                     response = JSONResponse({"error": "authentication required"}, 401)
                     response.headers["WWW-Authenticate"] = 'Bearer realm="duetime"'
