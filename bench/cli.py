@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.report import DEFAULT_RESULTS_DIR, emit, latest, load_average, machine, plot_bars
 
-SCENARIOS = ("baseline", "storm", "steady", "recurring", "scale")
+SCENARIOS = ("baseline", "storm", "steady", "recurring", "scale", "dashboard")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +75,7 @@ def _decorate(result: dict[str, Any], args: argparse.Namespace, ref: str | None)
 
 async def run(args: argparse.Namespace, settings: Any) -> int:
     # imported here: ``duetime --help`` and every other command build this parser
-    from bench import baseline, recurring, scale, steady, storm
+    from bench import baseline, dashboard, recurring, scale, steady, storm
     from bench.harness import Services
     from scheduler.log import configure_logging
 
@@ -178,6 +178,9 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
                         },
                     },
                 )
+        elif name == "dashboard":
+            record(await dashboard.run(services, _params(dashboard.DashboardParams, args, {
+                "jobs": "jobs", "rate": "rate"})))  # fmt: skip
         elif name == "recurring" and (why := recurring.available()) is not None:
             emit({"scenario": "recurring", "quick": args.quick, "skipped": why}, out_dir)
         else:
