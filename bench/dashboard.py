@@ -28,10 +28,10 @@ from scheduler.sql import load
 from scheduler.store import JobStore
 from scheduler.store.dashboard import (
     DEAD_WINDOW,
-    EXACT_COUNT_LIMIT,
-    LAG_MINUTES,
-    LAG_PER_MINUTE,
+    LAG_SAMPLE,
     LATEST_DEAD,
+    MINUTE_SAMPLE,
+    SAMPLE_MINUTES,
     WORKER_WINDOW,
 )
 
@@ -127,23 +127,26 @@ async def run(services: Services, params: DashboardParams) -> dict[str, Any]:
             "status.pending_by_queue": (s["pending_by_queue"], ()),
             "status.dispatched_by_queue": (s["dispatched_by_queue"], ()),
             "status.dead_by_queue": (s["dead_by_queue"], (DEAD_WINDOW,)),
-            "table_probe": (d["table_probe"], (EXACT_COUNT_LIMIT,)),
+            "table_bytes": (d["table_bytes"], ()),
             "terminal_estimates": (d["terminal_estimates"], ()),
             "oldest_overdue": (d["oldest_overdue"], ()),
             "latest_dead": (d["latest_dead"], (DEAD_WINDOW, LATEST_DEAD)),
-            "throughput": (d["throughput"], (60,)),
-            "lag_sample": (d["lag_sample"], (LAG_MINUTES, LAG_PER_MINUTE)),
+            "minute_samples": (d["minute_samples"], (SAMPLE_MINUTES, MINUTE_SAMPLE, LAG_SAMPLE)),
             "workers": (d["workers"], (WORKER_WINDOW,)),
         }
-        page = d["jobs_page"]
-        no = (None,) * 6
-        jobs_page = {
-            "no filter": (page, (*no, None, 50)),
-            "status=dead": (page, ("dead", *no[1:], None, 50)),
-            "status=pending": (page, ("pending", *no[1:], None, 50)),
-            "queue=q1": (page, (None, "q1", *no[2:], None, 50)),
-            "task=bench.cancel": (page, (None, None, "bench.cancel", *no[3:], None, 50)),
-            "error~connectionerror": (page, (*no[:5], "connectionerror", None, 50)),
+        page, no = d["jobs_page"], (None,) * 5
+        jobs_page = {  # the statement DashboardStore.jobs_page picks for each filter
+            "no filter": (page, (None, *no, None, 50)),
+            "status=pending": (d["pending_page"], (*no, None, None, 50)),
+            "status=dead": (d["dead_page"], (*no, None, None, 50)),
+            "status=dead&error~connectionerror": (
+                d["dead_page"],
+                (*no[:4], "connectionerror", None, None, 50),
+            ),
+            "status=succeeded&queue=q1": (page, ("succeeded", "q1", *no[1:], None, 50)),
+            "queue=q1": (page, (None, "q1", *no[1:], None, 50)),
+            "task=bench.cancel": (page, (None, None, "bench.cancel", *no[2:], None, 50)),
+            "error~connectionerror": (page, (None, *no[:4], "connectionerror", None, 50)),
         }
         async with sb.db.acquire() as conn:
             timings = {k: await _time(conn, q, a, params.repeat) for k, (q, a) in overview.items()}

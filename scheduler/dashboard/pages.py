@@ -25,6 +25,7 @@ from scheduler.rows import JOB_STATUSES, TERMINAL_STATUSES, Job
 from scheduler.schedules import upcoming_fire_times
 from scheduler.status import StatusStore, evaluate, read_election_key
 from scheduler.store import JobFilter
+from scheduler.store.dashboard import LAG_SAMPLE, MINUTE_SAMPLE
 
 if TYPE_CHECKING:
     from scheduler.dashboard.app import Dashboard
@@ -34,6 +35,11 @@ SCHEDULES_SHOWN = 500
 RECENT_RUNS = 20
 UPCOMING = 10
 FILTER_FIELDS = ("status", "queue", "task", "due_from", "due_to", "error")
+ORDER_NOTE: dict[str | None, str] = {
+    "pending": "soonest runnable first",
+    "dead": "most recently dead first",
+    "dispatched": "longest without a sign of life first",
+}
 
 
 def _when(text: str, name: str) -> datetime:
@@ -109,6 +115,7 @@ async def overview(dash: Dashboard, request: Request) -> Response:
     for status in TERMINAL_STATUSES:
         totals[status] = sum(n for (_, s), n in data.terminal.items() if s == status)
     lag_series = present.lag_per_minute(data.lag_samples)
+    rate = present.completions_per_minute(data.minutes, cap=MINUTE_SAMPLE)
     context: dict[str, Any] = {
         "data": data,
         "queues": queues,
@@ -117,13 +124,16 @@ async def overview(dash: Dashboard, request: Request) -> Response:
         "lag5": present.lag_window(data.lag_samples, 5),
         "lag60": present.lag_window(data.lag_samples, 60),
         "throughput_chart": charts.bar_chart(
-            data.throughput, minutes=60, title="Jobs completed per minute, last 60 minutes"
+            rate.per_minute, minutes=60, title="Jobs completed per minute, last 60 minutes"
         ),
+        "rate": rate,
+        "minute_sample": MINUTE_SAMPLE,
+        "lag_sample": LAG_SAMPLE,
         "lag_chart": charts.line_chart(
             lag_series, minutes=60, title="Fire lag p50/p99 per minute (seconds)", unit="s"
         ),
-        "completed_5m": sum(n for ago, n in data.throughput.items() if ago < 5),
-        "completed_60m": sum(data.throughput.values()),
+        "completed_5m": rate.total(5),
+        "completed_60m": rate.total(60),
     }
     template = "_overview.html" if request.headers.get("hx-request") else "overview.html"
     return dash.render(request, template, **context)
@@ -132,13 +142,11 @@ async def overview(dash: Dashboard, request: Request) -> Response:
 async def jobs(dash: Dashboard, request: Request) -> Response:
     params = request.query_params
     where = parse_filter(params)
-    before = params.get("before")
-    before_id = int(before) if before and before.isdigit() else None
-    page = await dash.views.jobs_page(where, before_id=before_id, limit=PAGE_SIZE)
+    page = await dash.views.jobs_page(where, cursor=params.get("cursor"), limit=PAGE_SIZE)
     fields = filter_fields(params)
     return dash.render(
-        request, "jobs.html", jobs=page, fields=fields, statuses=JOB_STATUSES,
-        more=len(page) == PAGE_SIZE, where=where,
+        request, "jobs.html", jobs=page.jobs, fields=fields, statuses=JOB_STATUSES,
+        next_cursor=page.next_cursor, where=where, order=ORDER_NOTE.get(where.status),
     )  # fmt: skip
 
 

@@ -1,6 +1,8 @@
 """What the pages show, computed from store rows (pure: no I/O, no clock of its own).
 
-- Lag percentiles over windows and per minute, from the overview's lag sample.
+- Lag percentiles over windows and per minute, from the overview's lag sample, and
+  completions per minute (exact, or estimated from the sample's spacing when a minute
+  had more completions than the sample holds).
 - Fire times in a schedule's zone with DST marks: ``gap`` when the fire time is the
   instant clocks spring forward (where a wall time named inside the skipped stretch
   fires, DESIGN §5b), ``repeat`` when its local time happens twice that day (fall back;
@@ -16,7 +18,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 from zoneinfo import ZoneInfo
 
 PAYLOAD_CAP = 20_000
@@ -58,6 +60,42 @@ def lag_per_minute(
         out["p50"].append((ago, percentile(values, 0.5) or 0.0))
         out["p99"].append((ago, percentile(values, 0.99) or 0.0))
     return out
+
+
+class _Minute(Protocol):
+    @property
+    def minutes_ago(self) -> int: ...
+    @property
+    def sampled(self) -> int: ...
+    @property
+    def span(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Completions:
+    per_minute: dict[int, float]
+    estimated: frozenset[int]  # minutes whose count comes from the sample's spacing
+
+    def total(self, minutes: int) -> int:
+        return round(sum(n for ago, n in self.per_minute.items() if ago < minutes))
+
+    def any_estimated(self, minutes: int) -> bool:
+        return any(ago < minutes for ago in self.estimated)
+
+
+def completions_per_minute(samples: Iterable[_Minute], *, cap: int) -> Completions:
+    """Completions per minute from the overview's per-minute ledger samples: exact for a
+    minute with fewer than ``cap`` completions (the sample is all of them); for a busier
+    one, ``(cap - 1)`` intervals over the sample's span, scaled to 60 s."""
+    counts: dict[int, float] = {}
+    estimated = set()
+    for m in samples:
+        if m.sampled < cap or m.span <= 0:
+            counts[m.minutes_ago] = float(m.sampled)
+        else:
+            counts[m.minutes_ago] = max(float(cap), (m.sampled - 1) * 60.0 / m.span)
+            estimated.add(m.minutes_ago)
+    return Completions(counts, frozenset(estimated))
 
 
 def age(seconds: float | None) -> str:

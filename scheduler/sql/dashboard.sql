@@ -1,13 +1,16 @@
--- Read models of the operations dashboard (scheduler/store/dashboard.py). Every statement
--- is bounded by an index or a LIMIT, so a page costs milliseconds at 10M stored jobs
--- (bench/dashboard.py measures each one); the dashboard's pool also sets a
--- statement_timeout so a statement that is not cannot pile up. Counts of pending,
+-- Read models of the operations dashboard (scheduler/store/dashboard.py). Statements are
+-- bounded by an index or a LIMIT where they can be (bench/dashboard.py times each one
+-- at 1M stored jobs); the dashboard's pool also sets a statement_timeout so one that
+-- is not cannot pile up. Counts of pending,
 -- dispatched and recently dead jobs per queue come from status.sql (`duetime status`).
 
--- name: table_probe
--- How many rows exist, counted only up to $1: decides whether terminal counts are exact
--- (a small table: one GROUP BY) or estimated from the planner's statistics.
-SELECT count(*) AS n FROM (SELECT 1 FROM duetime.jobs LIMIT $1) AS probe;
+-- name: table_bytes
+-- The heap size of every partition (file sizes, no rows read): decides whether terminal
+-- counts are exact (a small table: one GROUP BY) or estimated from the planner's
+-- statistics. Bytes, not reltuples, because a partition nobody analyzed yet has none.
+SELECT coalesce(sum(pg_relation_size(inhrelid)), 0)::bigint AS bytes
+  FROM pg_inherits
+ WHERE inhparent = 'duetime.jobs'::regclass;
 
 -- name: terminal_counts
 -- Exact, for a table the probe found small.
@@ -52,38 +55,38 @@ SELECT *
  ORDER BY finished_at DESC
  LIMIT $2;
 
--- name: throughput
--- Completions (ledger rows) per minute over the last $1 minutes; minute 0 is the
--- current one. An index-only scan of job_ledger_completed_idx: its cost grows with the
--- completions in the window (~720k at 200 jobs/s), not with the table.
-SELECT floor(extract(epoch FROM now() - completed_at) / 60)::int AS minutes_ago,
-       count(*) AS n
-  FROM duetime.job_ledger
- WHERE completed_at > now() - make_interval(mins => $1)
- GROUP BY 1;
-
--- name: lag_sample
--- Fire lag (dispatched_at - run time) of up to $2 of the latest completions in each of
--- the last $1 minutes: an even sample of the hour whatever the rate, so a busy minute
--- cannot crowd out the others and the cost is bounded ($1 x $2 lookups). Each lookup
--- goes by id (jobs_id_idx per partition); `due_at <= completed_at` prunes the
--- partitions ahead of the completion at run time.
-SELECT m.i AS minutes_ago, j.lag
+-- name: minute_samples
+-- One row per minute of the last $1 (minute 0 is the last 60 s): up to $2 of its latest
+-- completions (ledger rows, job_ledger_completed_idx), how far apart the oldest and the
+-- newest of them are, and the fire lag (dispatched_at - run time) of the latest $3.
+-- Bounded whatever the rate ($1 x $2 index entries, $1 x $3 job lookups): a minute
+-- with fewer than $2 completions is counted exactly, a busier one is estimated from
+-- the spacing of its sample (scheduler/dashboard/present.py). Counting every ledger row
+-- of the hour instead read 350k index entries at 100 jobs/s: 480 ms (bench dashboard).
+-- Each lag lookup goes by id (jobs_id_idx per partition); `due_at <= completed_at`
+-- prunes the partitions ahead of the completion at run time.
+SELECT m.i AS minutes_ago,
+       count(*) AS sampled,
+       extract(epoch FROM max(s.completed_at) - min(s.completed_at))::float8 AS span,
+       array_remove(array_agg(j.lag), NULL) AS lags
   FROM generate_series(0, $1 - 1) AS m(i)
  CROSS JOIN LATERAL (
-        SELECT l.job_id, l.completed_at
-          FROM duetime.job_ledger AS l
-         WHERE l.completed_at > now() - make_interval(mins => m.i + 1)
-           AND l.completed_at <= now() - make_interval(mins => m.i)
-         ORDER BY l.completed_at DESC
-         LIMIT $2) AS s
- CROSS JOIN LATERAL (
+        SELECT l.job_id, l.completed_at,
+               row_number() OVER (ORDER BY l.completed_at DESC) AS rn
+          FROM (SELECT job_id, completed_at
+                  FROM duetime.job_ledger
+                 WHERE completed_at > now() - make_interval(mins => m.i + 1)
+                   AND completed_at <= now() - make_interval(mins => m.i)
+                 ORDER BY completed_at DESC
+                 LIMIT $2) AS l) AS s
+  LEFT JOIN LATERAL (
         SELECT extract(epoch FROM jb.dispatched_at - coalesce(jb.run_at, jb.due_at))::float8
                    AS lag
           FROM duetime.jobs AS jb
-         WHERE jb.id = s.job_id AND jb.due_at <= s.completed_at
+         WHERE s.rn <= $3 AND jb.id = s.job_id AND jb.due_at <= s.completed_at
            AND jb.dispatched_at IS NOT NULL
-         LIMIT 1) AS j;
+         LIMIT 1) AS j ON true
+ GROUP BY m.i;
 
 -- name: workers
 -- Workers that completed a job within $1 seconds (the ledger's worker column is the
@@ -97,10 +100,10 @@ SELECT coalesce(worker, '?') AS worker, count(*) AS completed, max(completed_at)
 
 -- name: jobs_page
 -- The job list, newest first, keyset-paginated on id ($7: the last id of the previous
--- page). Ordered by jobs_id_idx in every partition (a Merge Append), so a page reads
--- about as many index entries as it shows rows for common filters; the due window
--- prunes partitions at executor start. A rare filter over many rows reads further,
--- bounded by the pool's statement_timeout.
+-- page), for "any state", succeeded and cancelled. Ordered by jobs_id_idx in every
+-- partition (a Merge Append): a page reads about as many entries as it shows when the
+-- filter matches often; a rare filter reads further (up to a whole partition that holds
+-- no match), bounded by the pool's statement_timeout. The due window prunes partitions.
 SELECT *
   FROM duetime.jobs
  WHERE ($1::text IS NULL OR status = $1)
@@ -111,6 +114,55 @@ SELECT *
    AND ($6::text IS NULL OR strpos(lower(last_error), lower($6)) > 0)
    AND ($7::bigint IS NULL OR id < $7)
  ORDER BY id DESC
+ LIMIT $8;
+
+-- name: pending_page
+-- Pending jobs, soonest runnable first, through jobs_pending_run_idx (only pending rows:
+-- a partition without any costs nothing). Keyset on (run time, id) after ($6, $7).
+-- With id ordering this filter read whole partitions of finished rows: 277 ms at 1M.
+SELECT *
+  FROM duetime.jobs
+ WHERE status = 'pending'
+   AND ($1::text IS NULL OR queue = $1)
+   AND ($2::text IS NULL OR task = $2)
+   AND ($3::timestamptz IS NULL OR due_at >= $3)
+   AND ($4::timestamptz IS NULL OR due_at < $4)
+   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+   AND ($6::timestamptz IS NULL OR coalesce(run_at, due_at) >= $6)
+   AND ($6::timestamptz IS NULL OR coalesce(run_at, due_at) > $6 OR id > $7)
+ ORDER BY coalesce(run_at, due_at), id
+ LIMIT $8;
+
+-- name: dead_page
+-- Dead jobs, most recently dead first, through jobs_dead_finished_idx. Keyset on
+-- (finished_at, id) before ($6, $7).
+SELECT *
+  FROM duetime.jobs
+ WHERE status = 'dead'
+   AND ($1::text IS NULL OR queue = $1)
+   AND ($2::text IS NULL OR task = $2)
+   AND ($3::timestamptz IS NULL OR due_at >= $3)
+   AND ($4::timestamptz IS NULL OR due_at < $4)
+   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+   AND ($6::timestamptz IS NULL OR finished_at <= $6)
+   AND ($6::timestamptz IS NULL OR finished_at < $6 OR id < $7)
+ ORDER BY finished_at DESC, id DESC
+ LIMIT $8;
+
+-- name: dispatched_page
+-- Dispatched jobs, longest without a sign of life first (what the reconciler will
+-- rescue next), through jobs_dispatched_idx. Keyset on (last sign of life, id).
+SELECT *
+  FROM duetime.jobs
+ WHERE status = 'dispatched'
+   AND ($1::text IS NULL OR queue = $1)
+   AND ($2::text IS NULL OR task = $2)
+   AND ($3::timestamptz IS NULL OR due_at >= $3)
+   AND ($4::timestamptz IS NULL OR due_at < $4)
+   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+   AND ($6::timestamptz IS NULL OR coalesce(heartbeat_at, dispatched_at) >= $6)
+   AND ($6::timestamptz IS NULL OR coalesce(heartbeat_at, dispatched_at) > $6 OR id > $7)
+ ORDER BY coalesce(heartbeat_at, dispatched_at), id
  LIMIT $8;
 
 -- name: ledger_row

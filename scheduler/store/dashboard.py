@@ -2,11 +2,16 @@
 ``sql/dashboard.sql``). Actions go through ``JobStore`` and ``ScheduleStore``, the same
 transitions as the CLI; per-queue backlog and the fence come from ``StatusStore``.
 
-Terminal counts are exact while the table is small (fewer than ``EXACT_COUNT_LIMIT``
-rows: one GROUP BY, ~20 ms at that size) and estimated from planner statistics above
-(catalog reads, flat at 10M rows): counting 10M succeeded rows exactly takes seconds,
-and an operator at 3 a.m. needs the live states exact, which they are (partial
-indexes), not the archive.
+Terminal counts are exact while the table is small (heap under ``EXACT_COUNT_BYTES``:
+one GROUP BY of ~50k rows) and estimated from planner statistics above (catalog reads,
+flat at 10M rows): counting 10M succeeded rows exactly takes seconds, and an operator
+at 3 a.m. needs the live states exact, which they are (partial indexes), not the
+archive. Throughput and lag come from a bounded sample of the ledger per minute
+(``MINUTE_SAMPLE`` completions, the lag of ``LAG_SAMPLE`` of them).
+
+The job list pages by the index of the state asked for (pending: soonest runnable
+first; dead: most recently dead first; dispatched: longest silent first; otherwise
+newest id first), with an opaque keyset cursor ``"<id>"`` or ``"<timestamp>|<id>"``.
 """
 
 from __future__ import annotations
@@ -22,16 +27,47 @@ from scheduler.sql import load
 from scheduler.status import DbSnapshot, StatusStore
 from scheduler.store.jobs import MAX_PAGE, JobFilter
 
-__all__ = ["DashboardStore", "JobDetail", "LedgerRow", "OverviewData", "WorkerSeen"]
+__all__ = [
+    "DashboardStore",
+    "JobDetail",
+    "JobPage",
+    "LedgerRow",
+    "MinuteSample",
+    "OverviewData",
+    "WorkerSeen",
+]
 
 Q = load("dashboard")
 
-EXACT_COUNT_LIMIT = 200_000
+EXACT_COUNT_BYTES = 16 * 1024 * 1024
 DEAD_WINDOW = 3600.0
 LATEST_DEAD = 5
 WORKER_WINDOW = 300.0
-LAG_MINUTES = 60
-LAG_PER_MINUTE = 40
+SAMPLE_MINUTES = 60
+MINUTE_SAMPLE = 200
+LAG_SAMPLE = 25
+#: state -> (statement, the column that orders it); None: by id
+PAGE_BY_STATE: dict[str | None, tuple[str, str | None]] = {
+    "pending": ("pending_page", "next_run_at"),
+    "dead": ("dead_page", "finished_at"),
+    "dispatched": ("dispatched_page", "last_sign_of_life"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MinuteSample:
+    """Up to ``MINUTE_SAMPLE`` of one minute's latest completions."""
+
+    minutes_ago: int
+    sampled: int
+    span: float  # seconds between the oldest and newest sampled completion
+    lags: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    jobs: list[Job]
+    next_cursor: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +97,12 @@ class OverviewData:
     oldest_overdue: Job | None
     oldest_late: float | None
     latest_dead: list[Job]
-    #: minutes_ago -> completions in that minute
-    throughput: dict[int, int]
-    #: (minutes_ago, lag seconds) samples
-    lag_samples: list[tuple[int, float]]
+    minutes: list[MinuteSample]
     workers: list[WorkerSeen] = field(default_factory=list)
+
+    @property
+    def lag_samples(self) -> list[tuple[int, float]]:
+        return [(m.minutes_ago, lag) for m in self.minutes for lag in m.lags]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +119,7 @@ class DashboardStore:
     async def overview(self) -> OverviewData:
         snapshot = await StatusStore(self._pool).snapshot(dead_window=DEAD_WINDOW)
         async with self._pool.acquire() as c:
-            rows = await c.fetchval(Q["table_probe"], EXACT_COUNT_LIMIT)
-            exact = rows < EXACT_COUNT_LIMIT
+            exact = await c.fetchval(Q["table_bytes"]) < EXACT_COUNT_BYTES
             terminal: dict[tuple[str, str], int] = {}
             if exact:
                 for r in await c.fetch(Q["terminal_counts"]):
@@ -93,10 +129,11 @@ class DashboardStore:
                     terminal[("*", r["status"])] = r["n"]
             oldest = await c.fetchrow(Q["oldest_overdue"])
             dead = await c.fetch(Q["latest_dead"], DEAD_WINDOW, LATEST_DEAD)
-            throughput = {r["minutes_ago"]: r["n"] for r in await c.fetch(Q["throughput"], 60)}
-            lags = [
-                (r["minutes_ago"], r["lag"])
-                for r in await c.fetch(Q["lag_sample"], LAG_MINUTES, LAG_PER_MINUTE)
+            minutes = [
+                MinuteSample(r["minutes_ago"], r["sampled"], r["span"] or 0.0, list(r["lags"]))
+                for r in await c.fetch(
+                    Q["minute_samples"], SAMPLE_MINUTES, MINUTE_SAMPLE, LAG_SAMPLE
+                )
             ]
             workers = [
                 WorkerSeen(r["worker"], r["completed"], r["last_seen"], r["age"])
@@ -109,23 +146,38 @@ class DashboardStore:
             oldest_overdue=Job.from_record(oldest) if oldest else None,
             oldest_late=oldest["late"] if oldest else None,
             latest_dead=[Job.from_record(r) for r in dead],
-            throughput=throughput,
-            lag_samples=lags,
+            minutes=minutes,
             workers=workers,
         )
 
     async def jobs_page(
-        self, where: JobFilter, *, before_id: int | None = None, limit: int = 50
-    ) -> list[Job]:
-        """One page of jobs matching ``where``, newest first; pass the last id shown as
-        ``before_id`` for the next page."""
+        self, where: JobFilter, *, cursor: str | None = None, limit: int = 50
+    ) -> JobPage:
+        """One page of jobs matching ``where``, in the order of the state's index; pass
+        ``next_cursor`` back as ``cursor`` for the next page. A cursor that does not
+        parse starts from the beginning."""
         if not 1 <= limit <= MAX_PAGE:
             raise ValueError(f"limit must be between 1 and {MAX_PAGE}")
+        statement, key = PAGE_BY_STATE.get(where.status, ("jobs_page", None))
+        at, after_id = _parse_cursor(cursor, keyed=key is not None)
         async with self._pool.acquire() as c:
-            records = await c.fetch(
-                Q["jobs_page"], where.status, *where.params(), before_id, limit
-            )
-        return [Job.from_record(r) for r in records]
+            if key is None:
+                args = (where.status, *where.params(), after_id, limit)
+            else:
+                args = (*where.params(), at, after_id, limit)
+            records = await c.fetch(Q[statement], *args)
+        jobs = [Job.from_record(r) for r in records]
+        if len(jobs) < limit:
+            return JobPage(jobs, None)
+        last = jobs[-1]
+        if key is None:
+            return JobPage(jobs, str(last.id))
+        value = {
+            "next_run_at": last.next_run_at,
+            "finished_at": last.finished_at,
+            "last_sign_of_life": last.heartbeat_at or last.dispatched_at,
+        }[key]
+        return JobPage(jobs, f"{value.isoformat() if value else ''}|{last.id}")
 
     async def job_detail(self, job: Job) -> JobDetail:
         """What the job page shows beside the row itself."""
@@ -135,6 +187,20 @@ class DashboardStore:
             if job.schedule_id is not None:
                 name = await c.fetchval(Q["schedule_name"], job.schedule_id)
         return JobDetail(job, LedgerRow(**_mapping(ledger)) if ledger else None, name)
+
+
+def _parse_cursor(cursor: str | None, *, keyed: bool) -> tuple[datetime | None, int | None]:
+    if not cursor:
+        return None, None
+    stamp, _, ident = cursor.rpartition("|")
+    if not ident.isdigit() or int(ident) >= 2**63:
+        return None, None
+    if not keyed:
+        return None, int(ident)
+    try:
+        return datetime.fromisoformat(stamp), int(ident)
+    except ValueError:
+        return None, None
 
 
 def _mapping(record: Any) -> dict[str, Any]:

@@ -95,15 +95,39 @@ async def test_jobs_page_is_newest_first_and_keyset_complete(pool: asyncpg.Pool)
     store = JobStore(pool)
     await store.bulk_enqueue([JobSpec(task="p", payload={}, due_at=LATER) for _ in range(25)])
     views = DashboardStore(pool)
-    seen: list[int] = []
-    before = None
-    while True:
-        page = await views.jobs_page(JobFilter(task="p"), before_id=before, limit=10)
-        seen += [j.id for j in page]
-        if len(page) < 10:
-            break
-        before = page[-1].id
-    assert len(seen) == 25 and seen == sorted(seen, reverse=True)
+
+    async def every(where: JobFilter) -> list[int]:
+        seen: list[int] = []
+        cursor = None
+        while True:
+            page = await views.jobs_page(where, cursor=cursor, limit=10)
+            seen += [j.id for j in page.jobs]
+            if page.next_cursor is None:
+                return seen
+            cursor = page.next_cursor
+
+    newest_first = await every(JobFilter(task="p"))
+    assert len(newest_first) == 25 and newest_first == sorted(newest_first, reverse=True)
+    # pending: soonest runnable first, ties broken by id, none lost across pages
+    await pool.execute(
+        "UPDATE duetime.jobs SET run_at = due_at + (id % 4) * interval '1 minute' "
+        "WHERE task = 'p'"
+    )
+    by_run = await every(JobFilter(task="p", status="pending"))
+    rows = await pool.fetch(
+        "SELECT id FROM duetime.jobs WHERE task = 'p' ORDER BY coalesce(run_at, due_at), id"
+    )
+    assert by_run == [r["id"] for r in rows]
+    # dead: most recently dead first
+    await pool.execute(
+        "UPDATE duetime.jobs SET status = 'dead', "
+        "finished_at = now() - (id % 5) * interval '1 minute' WHERE task = 'p'"
+    )
+    by_death = await every(JobFilter(task="p", status="dead"))
+    rows = await pool.fetch(
+        "SELECT id FROM duetime.jobs WHERE task = 'p' ORDER BY finished_at DESC, id DESC"
+    )
+    assert by_death == [r["id"] for r in rows]
 
 
 async def test_overview_counts_lag_and_workers(pool: asyncpg.Pool) -> None:
@@ -129,11 +153,34 @@ async def test_overview_counts_lag_and_workers(pool: asyncpg.Pool) -> None:
     assert data.oldest_overdue is not None and data.oldest_overdue.id == overdue.id
     assert data.oldest_late is not None and data.oldest_late >= 170
     assert [j.id for j in data.latest_dead] == [dead.id]
-    assert data.throughput == {0: 1}
+    assert [(m.minutes_ago, m.sampled) for m in data.minutes] == [(0, 1)]
     assert len(data.lag_samples) == 1 and abs(data.lag_samples[0][1] - 0.25) < 0.01
     assert [(w.worker, w.completed) for w in data.workers] == [("worker-7", 1)]
     detail = await DashboardStore(pool).job_detail(await store.get(done.id))
     assert detail.ledger is not None and detail.ledger.worker == "worker-7"
+
+
+async def test_minute_samples_bound_the_rate_and_estimate_busy_minutes(
+    pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from scheduler.dashboard.present import completions_per_minute
+    from scheduler.store import dashboard
+
+    monkeypatch.setattr(dashboard, "MINUTE_SAMPLE", 20)
+    # 120 completions 0.25 s apart in the last 30 s of minute 0; 5 in minute 3
+    await pool.execute(
+        "INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task, completed_at) "
+        "SELECT 'k' || i, i, 1, 't', now() - interval '1 second' - i * interval '250 ms' "
+        "FROM generate_series(1, 120) AS i "
+        "UNION ALL SELECT 'm' || i, 1000 + i, 1, 't', now() - interval '190 seconds' "
+        "FROM generate_series(1, 5) AS i"
+    )
+    data = await DashboardStore(pool).overview()
+    by_minute = {m.minutes_ago: m for m in data.minutes}
+    assert by_minute[0].sampled == 20 and by_minute[3].sampled == 5
+    rate = completions_per_minute(data.minutes, cap=20)
+    assert rate.per_minute[3] == 5 and 3 not in rate.estimated
+    assert 0 in rate.estimated and rate.per_minute[0] == pytest.approx(240, rel=0.01)
 
 
 async def test_overview_estimates_terminal_counts_for_a_large_table(
@@ -141,7 +188,7 @@ async def test_overview_estimates_terminal_counts_for_a_large_table(
 ) -> None:
     from scheduler.store import dashboard
 
-    monkeypatch.setattr(dashboard, "EXACT_COUNT_LIMIT", 50)
+    monkeypatch.setattr(dashboard, "EXACT_COUNT_BYTES", 0)
     store = JobStore(pool)
     await store.bulk_enqueue([JobSpec(task="e", payload={}, due_at=LATER) for _ in range(200)])
     await pool.execute("UPDATE duetime.jobs SET status = 'cancelled', finished_at = now()")
