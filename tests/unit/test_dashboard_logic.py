@@ -4,10 +4,12 @@ auth primitives (session cookie, CSRF, loopback rule)."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
 
+from scheduler.config import load_settings
 from scheduler.cron import parse_cron
 from scheduler.dashboard import charts, present
 from scheduler.dashboard.auth import SESSION_TTL, Auth, check_listen, is_loopback
@@ -94,3 +96,16 @@ def test_non_loopback_needs_a_token() -> None:
     with pytest.raises(ConfigError, match="without a token"):
         check_listen("0.0.0.0:8089", None)
     assert check_listen("0.0.0.0:8089", "tok") == ("0.0.0.0", 8089)
+
+
+def test_dashboard_token_is_a_redacted_secret_and_a_credential(tmp_path: Path) -> None:
+    (tmp_path / "dashboard_token").write_text("tok-from-credential\n")
+    settings = load_settings(
+        env={"CREDENTIALS_DIRECTORY": str(tmp_path), "DUETIME_DASHBOARD_LISTEN": "[::1]:9001"}
+    )
+    assert settings.dashboard_token == "tok-from-credential"
+    assert settings.dashboard_listen == "[::1]:9001"
+    assert "tok-from-credential" not in repr(settings)
+    assert settings.redacted()["dashboard_token"] == "***"
+    with pytest.raises(ConfigError, match="must be host:port"):
+        load_settings(env={"DUETIME_DASHBOARD_LISTEN": "8089"})
