@@ -45,6 +45,7 @@ DATABASE = "duetime_demo_dashboard_shots"
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--no-first-run",
+    "--disable-dev-shm-usage",
 ]  # fmt: skip
 QUEUES = ("default", "emails", "reports")
 TASKS = {"default": "invoice.charge", "emails": "email.send", "reports": "report.build"}

@@ -15,7 +15,8 @@ from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 
-from scheduler.dashboard.auth import SESSION_COOKIE, SESSION_TTL
+from scheduler.dashboard.auth import SESSION_COOKIE, SESSION_TTL, local_path
+from scheduler.dashboard.pages import filter_fields, parse_filter
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
 
@@ -83,8 +84,7 @@ async def login(dash: Dashboard, request: Request) -> Response:
         form = await checked_form(dash, request, action=False)
     except Refused as exc:
         return _refused(request, exc)
-    target = str(form.get("next") or "/")
-    target = target if target.startswith("/") and not target.startswith("//") else "/"
+    target = local_path(str(form.get("next") or "/"))
     if not dash.auth.token_matches(str(form.get("token") or "")):
         client = request.client.host if request.client else None
         log.warning("dashboard_login_failed", client=client)
@@ -128,8 +128,6 @@ async def job_action(dash: Dashboard, request: Request) -> Response:
 
 
 async def bulk(dash: Dashboard, request: Request) -> Response:
-    from scheduler.dashboard.pages import filter_fields, parse_filter
-
     try:
         form = await checked_form(dash, request)
     except Refused as exc:

@@ -197,6 +197,15 @@ def _errors(dash: Dashboard) -> dict[Any, Callable[[Request, Exception], Awaitab
             "This page retries when reloaded.",
         )  # fmt: skip
 
+    async def too_slow(request: Request, exc: Exception) -> Response:
+        log.warning("dashboard_statement_timeout", path=request.url.path)
+        return dash.render(
+            request, "error.html", 503, title="Query too slow",
+            message=f"This page's query ran longer than the dashboard's statement_timeout "
+            f"({STATEMENT_TIMEOUT_MS // 1000} s) and was cancelled. Narrow the filter: "
+            "a state or a due window uses an index.",
+        )  # fmt: skip
+
     async def duetime_error(request: Request, exc: Exception) -> Response:
         return dash.render(request, "error.html", 400, title="Error", message=str(exc))
 
@@ -209,6 +218,7 @@ def _errors(dash: Dashboard) -> dict[Any, Callable[[Request, Exception], Awaitab
     }
     for error in DB_ERRORS:
         handlers[error] = unavailable
+    handlers[asyncpg.QueryCanceledError] = too_slow  # more specific: Starlette takes the MRO
     return handlers
 
 

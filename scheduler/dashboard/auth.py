@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from scheduler.errors import ConfigError
 
-__all__ = ["SESSION_TTL", "Auth", "check_listen", "is_loopback", "split_listen"]
+__all__ = ["SESSION_TTL", "Auth", "check_listen", "is_loopback", "local_path", "split_listen"]
 
 SESSION_COOKIE = "duetime_session"
 CSRF_COOKIE = "duetime_csrf"
@@ -51,6 +51,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def local_path(target: str) -> str:
+    """``target`` when it is a path on this site, else ``/`` (no open redirect: ``//host``
+    and ``/\\host`` are other sites to a browser)."""
+    if not target.startswith("/") or target.startswith(("//", "/\\")) or "\n" in target:
+        return "/"
+    return target
 
 
 def check_listen(listen: str, token: str | None) -> tuple[str, int]:

@@ -19,11 +19,12 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from scheduler.cron import ScheduleSpecError
 from scheduler.dashboard import charts, present
+from scheduler.dashboard.auth import local_path
 from scheduler.dashboard.cluster import read_broker
 from scheduler.errors import InvalidInput
 from scheduler.rows import JOB_STATUSES, TERMINAL_STATUSES, Job
 from scheduler.schedules import upcoming_fire_times
-from scheduler.status import StatusStore, evaluate, read_election_key
+from scheduler.status import STALE_RENEWALS, StatusStore, evaluate, read_election_key
 from scheduler.store import JobFilter
 from scheduler.store.dashboard import LAG_SAMPLE, MINUTE_SAMPLE
 
@@ -85,7 +86,7 @@ async def login_form(dash: Dashboard, request: Request) -> Response:
     if not dash.auth.required:
         return RedirectResponse("/", status_code=303)
     target = request.query_params.get("next", "/")
-    return dash.render(request, "login.html", next=target if target.startswith("/") else "/")
+    return dash.render(request, "login.html", next=local_path(target))
 
 
 async def overview(dash: Dashboard, request: Request) -> Response:
@@ -121,6 +122,7 @@ async def overview(dash: Dashboard, request: Request) -> Response:
         "queues": queues,
         "totals": totals,
         "fence": data.snapshot.fence,
+        "stale_after": STALE_RENEWALS * dash.settings.lease_ttl,
         "lag5": present.lag_window(data.lag_samples, 5),
         "lag60": present.lag_window(data.lag_samples, 60),
         "throughput_chart": charts.bar_chart(

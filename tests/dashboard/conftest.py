@@ -41,6 +41,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
     "--no-first-run",
+    "--disable-dev-shm-usage",  # containers often have a 64 MB /dev/shm
 ]
 TASKS = "tests.fixtures_tasks.basic"
 

@@ -12,7 +12,7 @@ import pytest
 from scheduler.config import load_settings
 from scheduler.cron import parse_cron
 from scheduler.dashboard import charts, present
-from scheduler.dashboard.auth import SESSION_TTL, Auth, check_listen, is_loopback
+from scheduler.dashboard.auth import SESSION_TTL, Auth, check_listen, is_loopback, local_path
 from scheduler.errors import ConfigError
 from scheduler.schedules import CronTiming
 
@@ -109,3 +109,9 @@ def test_dashboard_token_is_a_redacted_secret_and_a_credential(tmp_path: Path) -
     assert settings.redacted()["dashboard_token"] == "***"
     with pytest.raises(ConfigError, match="must be host:port"):
         load_settings(env={"DUETIME_DASHBOARD_LISTEN": "8089"})
+
+
+def test_login_redirect_stays_on_this_site() -> None:
+    assert local_path("/jobs?status=dead") == "/jobs?status=dead"
+    for hostile in ("//evil.example/", "/\\evil.example", "https://evil.example/", "", "jobs"):
+        assert local_path(hostile) == "/", hostile
