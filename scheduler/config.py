@@ -184,6 +184,8 @@ class Settings:
     lease_safety_margin: float | None = None
     etcd_timeout: float = 2.0
     metrics_port: int | None = None
+    dashboard_listen: str = "127.0.0.1:8089"
+    dashboard_token: str | None = None
     log_level: str = "info"
     log_format: str = "auto"
     db_timeout: float = 10.0
@@ -199,8 +201,6 @@ class Settings:
     worker_concurrency: int = 16
     worker_grace_period: float = 30.0
     delivery_limit: int = 20
-    dashboard_listen: str = "127.0.0.1:8089"
-    dashboard_token: str | None = None
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict safe to log or print (no passwords)."""
@@ -251,6 +251,13 @@ FIELDS: dict[str, Field] = {
         ),
         Field("etcd_timeout", _number(float, minimum=0.0, exclusive=True), "etcd call timeout"),
         Field("metrics_port", _optional_port, "Prometheus /metrics port (off when unset)"),
+        Field("dashboard_listen", _listen, "host:port of `duetime dashboard`"),
+        Field(
+            "dashboard_token",
+            _optional_text,
+            "token the dashboard asks for (login form or Bearer); unset: loopback only",
+            secret=True,
+        ),
         Field("log_level", _choice("debug", "info", "warning", "error"), "log level"),
         Field("log_format", _choice("auto", "json", "console"), "auto: JSON unless a TTY"),
         Field("db_timeout", _number(float, minimum=0.0, exclusive=True), "PostgreSQL timeout"),
@@ -282,13 +289,6 @@ FIELDS: dict[str, Field] = {
             "seconds in-flight handlers get after SIGTERM",
         ),
         Field("delivery_limit", _number(int, minimum=1), "broker redeliveries before dead-letter"),
-        Field("dashboard_listen", _listen, "host:port of `duetime dashboard`"),
-        Field(
-            "dashboard_token",
-            _optional_text,
-            "token the dashboard asks for (login form or Bearer); unset: loopback only",
-            secret=True,
-        ),
     ]
 }
 
