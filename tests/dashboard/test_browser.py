@@ -62,6 +62,30 @@ async def test_overview_shows_the_counts_in_the_database(
     await expect(row.nth(1)).to_have_text("8", timeout=15_000)
 
 
+async def test_overview_polling_pauses_while_the_tab_is_hidden(
+    dashboard: Served, page: Any
+) -> None:
+    await page.goto(dashboard.url + "/")
+    await page.wait_for_function("window.htmx !== undefined")
+    sent = await page.evaluate(
+        """() => {
+            window.__sent = 0;
+            document.addEventListener("htmx:beforeSend", () => { window.__sent += 1; });
+            Object.defineProperty(document, "hidden", {configurable: true, get: () => true});
+            htmx.trigger("#overview", "visible-again");  // a refresh asked for while hidden
+            return window.__sent;
+        }"""
+    )
+    assert sent == 0  # dashboard.js cancelled it (htmx sends synchronously otherwise)
+    await page.evaluate(
+        """() => {
+            Object.defineProperty(document, "hidden", {configurable: true, get: () => false});
+            document.dispatchEvent(new Event("visibilitychange"));
+        }"""
+    )
+    await page.wait_for_function("window.__sent >= 1")  # shown again: refreshed at once
+
+
 async def test_filter_dead_open_retry_and_see_it_succeed(
     workers_running: Cluster, dashboard: Served, page: Any
 ) -> None:
