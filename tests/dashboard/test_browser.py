@@ -9,6 +9,7 @@ reads the database as well as the page, so a page that shows the wrong thing fai
 from __future__ import annotations
 
 import re
+import urllib.parse
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -228,7 +229,12 @@ async def test_script_in_payload_task_and_error_is_shown_as_text(
 ) -> None:
     evil = "<script>window.__pwned = 1</script><img src=x onerror='window.__pwned = 2'>"
     job_id = await make_dead(cluster, "<b>task</b>" + evil, {"html": evil}, error=evil)
-    for path in (f"/jobs/{job_id}", "/jobs?status=dead", "/"):
+    name = f"{evil}/{uuid.uuid4().hex[:4]}"
+    await ScheduleStore(cluster.pool).add(
+        ScheduleSpec(name=name, task=evil, cron="0 3 * * *", payload={"x": evil}, paused=True)
+    )
+    schedule_path = "/schedules/" + urllib.parse.quote(name, safe="")
+    for path in (f"/jobs/{job_id}", "/jobs?status=dead", "/", "/schedules", schedule_path):
         await page.goto(dashboard.url + path)
         assert await page.evaluate("window.__pwned") is None, path
         assert await page.locator("main script, main img").count() == 0, path
@@ -236,3 +242,5 @@ async def test_script_in_payload_task_and_error_is_shown_as_text(
     await expect(page.get_by_test_id("job-payload")).to_contain_text("<script>window.__pwned")
     await expect(page.get_by_test_id("job-task")).to_have_text("<b>task</b>" + evil)
     await expect(page.get_by_test_id("job-error")).to_have_text(evil)
+    await page.goto(dashboard.url + schedule_path)
+    await expect(page.get_by_test_id("schedule-name")).to_have_text(name)
