@@ -193,6 +193,7 @@ class Demo:
         cfg = self.cfg
         names = [f"demo-sched-{chr(ord('a') + i)}" for i in range(cfg.replicas)]
         names += [f"demo-worker-{i + 1}" for i in range(cfg.workers)]
+        names += ["demo-dashboard"] if self.dashboard_url else []
         kill = (
             f"the leader is SIGKILLed at {cfg.duration / 2:g} s" if cfg.kill_leader else "no kill"
         )
