@@ -22,7 +22,7 @@ from scheduler.dashboard import charts, present
 from scheduler.dashboard.auth import local_path
 from scheduler.dashboard.cluster import read_broker
 from scheduler.errors import InvalidInput
-from scheduler.rows import JOB_STATUSES, TERMINAL_STATUSES, Job
+from scheduler.rows import JOB_STATUSES, Job
 from scheduler.schedules import upcoming_fire_times
 from scheduler.status import STALE_RENEWALS, StatusStore, evaluate, read_election_key
 from scheduler.store import JobFilter
@@ -91,30 +91,9 @@ async def login_form(dash: Dashboard, request: Request) -> Response:
 
 async def overview(dash: Dashboard, request: Request) -> Response:
     data = await dash.views.overview()
-    queues = []
-    for q in data.snapshot.queues:
-        row = {
-            "queue": q.queue, "pending": q.pending, "due_now": q.due_now,
-            "dispatched": q.dispatched, "dead_1h": q.dead_last_hour,
-        }  # fmt: skip
-        for status in ("succeeded", "dead", "cancelled"):
-            row[status] = data.terminal.get((q.queue, status), 0 if data.terminal_exact else None)
-        queues.append(row)
-    if data.terminal_exact:
-        known = {q.queue for q in data.snapshot.queues}
-        for queue in sorted({queue for queue, _ in data.terminal} - known):
-            row = {"queue": queue, "pending": 0, "due_now": 0, "dispatched": 0, "dead_1h": 0}
-            for status in ("succeeded", "dead", "cancelled"):
-                row[status] = data.terminal.get((queue, status), 0)
-            queues.append(row)
-        queues.sort(key=lambda r: str(r["queue"]))
-    totals = {
-        "pending": sum(q.pending for q in data.snapshot.queues),
-        "dispatched": sum(q.dispatched for q in data.snapshot.queues),
-        "dead_1h": sum(q.dead_last_hour for q in data.snapshot.queues),
-    }
-    for status in TERMINAL_STATUSES:
-        totals[status] = sum(n for (_, s), n in data.terminal.items() if s == status)
+    queues, totals = present.queue_counts(
+        data.snapshot.queues, data.terminal, exact=data.terminal_exact
+    )
     lag_series = present.lag_per_minute(data.lag_samples)
     rate = present.completions_per_minute(data.minutes, cap=MINUTE_SAMPLE)
     context: dict[str, Any] = {

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -23,6 +23,33 @@ from zoneinfo import ZoneInfo
 
 PAYLOAD_CAP = 20_000
 ERROR_CAP = 4_000
+
+
+TERMINAL = ("succeeded", "dead", "cancelled")
+LIVE = ("pending", "due_now", "dispatched", "dead_last_hour")
+
+
+def queue_counts(
+    live: Iterable[Any], terminal: Mapping[tuple[str, str], int], *, exact: bool
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Rows per queue for the overview table, and the totals of each state.
+
+    ``live`` are ``status.QueueStatus`` rows (exact, per queue); ``terminal`` maps
+    (queue, state) to a count when ``exact``, else ("*", state) to an estimate, which
+    then has no per-queue split (the cells stay empty)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for q in live:
+        rows[q.queue] = {"queue": q.queue, **{k: getattr(q, k) for k in LIVE}}
+    if exact:
+        for queue, _ in terminal:
+            rows.setdefault(queue, {"queue": queue, **dict.fromkeys(LIVE, 0)})
+    for row in rows.values():
+        for state in TERMINAL:
+            row[state] = terminal.get((row["queue"], state), 0) if exact else None
+    totals = {k: sum(r[k] for r in rows.values()) for k in LIVE}
+    for state in TERMINAL:
+        totals[state] = sum(n for (_, s), n in terminal.items() if s == state)
+    return [rows[q] for q in sorted(rows)], totals
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -115,3 +115,18 @@ def test_login_redirect_stays_on_this_site() -> None:
     assert local_path("/jobs?status=dead") == "/jobs?status=dead"
     for hostile in ("//evil.example/", "/\\evil.example", "https://evil.example/", "", "jobs"):
         assert local_path(hostile) == "/", hostile
+
+
+def test_queue_counts_merge_live_and_terminal_states() -> None:
+    from scheduler.status import QueueStatus
+
+    live = [QueueStatus("b", pending=3, due_now=1, dispatched=2, dead_last_hour=1)]
+    rows, totals = present.queue_counts(
+        live, {("a", "succeeded"): 5, ("b", "dead"): 2}, exact=True
+    )
+    assert [r["queue"] for r in rows] == ["a", "b"]
+    assert rows[0] == {"queue": "a", "pending": 0, "due_now": 0, "dispatched": 0,
+                       "dead_last_hour": 0, "succeeded": 5, "dead": 0, "cancelled": 0}  # fmt: skip
+    assert totals["pending"] == 3 and totals["dead"] == 2 and totals["succeeded"] == 5
+    rows, totals = present.queue_counts(live, {("*", "succeeded"): 10**7}, exact=False)
+    assert rows[0]["succeeded"] is None and totals["succeeded"] == 10**7
