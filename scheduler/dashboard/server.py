@@ -94,5 +94,8 @@ async def serve(settings: Settings, *, read_only: bool) -> int:
         await task
         stop.cancel()
     sock.close()
+    if not service.stop_event.is_set():  # uvicorn ended without being asked to
+        log.error("dashboard_server_exited")
+        return 1
     log.info("dashboard_stopped")
     return 0
