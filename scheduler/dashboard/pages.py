@@ -92,8 +92,9 @@ async def login_form(dash: Dashboard, request: Request) -> Response:
 async def overview(dash: Dashboard, request: Request) -> Response:
     data = await dash.views.overview()
     queues, totals = present.queue_counts(
-        data.snapshot.queues, data.terminal, exact=data.terminal_exact
-    )
+        data.snapshot.queues, data.terminal, exact=data.terminal_exact,
+        pending_counted=data.pending_at_least is None,
+    )  # fmt: skip
     lag_series = present.lag_per_minute(data.lag_samples)
     rate = present.completions_per_minute(data.minutes, cap=MINUTE_SAMPLE)
     context: dict[str, Any] = {

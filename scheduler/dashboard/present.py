@@ -27,16 +27,22 @@ ERROR_CAP = 4_000
 
 TERMINAL = ("succeeded", "dead", "cancelled")
 LIVE = ("pending", "due_now", "dispatched", "dead_last_hour")
+KEPT = ("dispatched", "dead_last_hour")  # counted even when pending is not
 
 
 def queue_counts(
-    live: Iterable[Any], terminal: Mapping[tuple[str, str], int], *, exact: bool
-) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    live: Iterable[Any],
+    terminal: Mapping[tuple[str, str], int],
+    *,
+    exact: bool,
+    pending_counted: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows per queue for the overview table, and the totals of each state.
 
     ``live`` are ``status.QueueStatus`` rows (exact, per queue); ``terminal`` maps
     (queue, state) to a count when ``exact``, else ("*", state) to an estimate, which
-    then has no per-queue split (the cells stay empty)."""
+    then has no per-queue split (the cells stay empty). Without ``pending_counted`` the
+    pending and due-now cells and totals are None (the backlog was too large to count)."""
     rows: dict[str, dict[str, Any]] = {}
     for q in live:
         rows[q.queue] = {"queue": q.queue, **{k: getattr(q, k) for k in LIVE}}
@@ -46,7 +52,13 @@ def queue_counts(
     for row in rows.values():
         for state in TERMINAL:
             row[state] = terminal.get((row["queue"], state), 0) if exact else None
-    totals = {k: sum(r[k] for r in rows.values()) for k in LIVE}
+    if not pending_counted:
+        for row in rows.values():
+            row["pending"] = row["due_now"] = None
+    totals: dict[str, Any] = {
+        k: sum(r[k] for r in rows.values()) if pending_counted or k in KEPT else None
+        for k in LIVE
+    }
     for state in TERMINAL:
         totals[state] = sum(n for (_, s), n in terminal.items() if s == state)
     return [rows[q] for q in sorted(rows)], totals

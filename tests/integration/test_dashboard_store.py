@@ -183,6 +183,25 @@ async def test_minute_samples_bound_the_rate_and_estimate_busy_minutes(
     assert 0 in rate.estimated and rate.per_minute[0] == pytest.approx(240, rel=0.01)
 
 
+async def test_overview_stops_counting_a_large_backlog(
+    pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from scheduler.dashboard.present import queue_counts
+    from scheduler.store import dashboard
+
+    store = JobStore(pool)
+    await store.bulk_enqueue([JobSpec(task="b", payload={}, due_at=LATER) for _ in range(3)])
+    data = await DashboardStore(pool).overview()
+    assert data.pending_at_least is None
+    assert [(q.queue, q.pending) for q in data.snapshot.queues] == [("default", 3)]
+    monkeypatch.setattr(dashboard, "PENDING_EXACT_LIMIT", 3)
+    data = await DashboardStore(pool).overview()
+    assert data.pending_at_least == 3
+    rows, totals = queue_counts(data.snapshot.queues, data.terminal, exact=True,
+                                pending_counted=False)  # fmt: skip
+    assert totals["pending"] is None and all(r["pending"] is None for r in rows)
+
+
 async def test_overview_estimates_terminal_counts_for_a_large_table(
     pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
