@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install services test test-fast lint typecheck demo bench chaos clean stop-services
+.PHONY: venv install services test test-fast lint typecheck demo bench chaos clean stop-services \
+	dashboard-shots
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +35,11 @@ test-fast: $(STAMP) services
 
 demo: $(STAMP) services
 	$(BIN)/duetime demo $(DEMO_ARGS)
+
+# Seeds a demo database, serves the dashboard and screenshots every page into
+# docs/dashboard/ (Playwright driving Debian's chromium).
+dashboard-shots: $(STAMP) services
+	$(BIN)/python scripts/dashboard_shots.py $(SHOTS_ARGS)
 
 bench: $(STAMP) services
 	$(BIN)/duetime bench all $(BENCH_ARGS)

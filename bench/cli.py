@@ -17,10 +17,13 @@ from typing import Any
 from bench.report import DEFAULT_RESULTS_DIR, emit, latest, load_average, machine, plot_bars
 
 SCENARIOS = ("baseline", "worker", "io", "storm", "steady", "coldstart", "recurring", "scale")
+ONLY_ALONE = ("dashboard",)  # not part of `all`: docs/dashboard.md
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", choices=(*SCENARIOS, "all"), help="what to run")
+    parser.add_argument(
+        "scenario", choices=(*SCENARIOS, *ONLY_ALONE, "all"), help="what to run"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (CI: completeness only)")
     parser.add_argument(
         "--results-dir",
@@ -75,7 +78,7 @@ def _decorate(result: dict[str, Any], args: argparse.Namespace, ref: str | None)
 
 async def run(args: argparse.Namespace, settings: Any) -> int:
     # imported here: ``duetime --help`` and every other command build this parser
-    from bench import baseline, coldstart, recurring, scale, steady, storm, worker
+    from bench import baseline, coldstart, dashboard, recurring, scale, steady, storm, worker
     from bench.harness import Services
     from scheduler.log import configure_logging
 
@@ -218,6 +221,9 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
                 f"{result['params']['concurrency']} (load {result['load_avg_start'][0]})",
                 {"jobs/s": result["jobs_per_s"] or 0, "ideal": result["ideal_jobs_per_s"]},
             )
+        elif name == "dashboard":
+            record(await dashboard.run(services, _params(dashboard.DashboardParams, args, {
+                "jobs": "jobs", "rate": "rate"})))  # fmt: skip
         elif name == "recurring" and (why := recurring.available()) is not None:
             emit({"scenario": "recurring", "quick": args.quick, "skipped": why}, out_dir)
         else:

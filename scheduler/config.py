@@ -155,6 +155,16 @@ def _prefix(value: Any) -> str:
     return text
 
 
+def _listen(value: Any) -> str:
+    """``host:port`` (``[v6]:port`` for IPv6); port 0 picks a free one."""
+    text = str(value).strip()
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"must be host:port, e.g. 127.0.0.1:8089 (got {value!r})")
+    return text
+
+
 def _default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -188,6 +198,8 @@ class Settings:
     lease_safety_margin: float | None = None
     etcd_timeout: float = 2.0
     metrics_port: int | None = None
+    dashboard_listen: str = "127.0.0.1:8089"
+    dashboard_token: str | None = None
     log_level: str = "info"
     log_format: str = "auto"
     db_timeout: float = DEFAULT_DB_TIMEOUT
@@ -273,6 +285,13 @@ FIELDS: dict[str, Field] = {
         ),
         Field("etcd_timeout", _number(float, minimum=0.0, exclusive=True), "etcd call timeout"),
         Field("metrics_port", _optional_port, "Prometheus /metrics port (off when unset)"),
+        Field("dashboard_listen", _listen, "host:port of `duetime dashboard`"),
+        Field(
+            "dashboard_token",
+            _optional_text,
+            "token the dashboard asks for (login form or Bearer); unset: loopback only",
+            secret=True,
+        ),
         Field("log_level", _choice("debug", "info", "warning", "error"), "log level"),
         Field("log_format", _choice("auto", "json", "console"), "auto: JSON unless a TTY"),
         Field("db_timeout", _number(float, minimum=0.0, exclusive=True), "PostgreSQL timeout"),

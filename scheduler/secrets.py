@@ -30,6 +30,7 @@ CREDENTIAL_SETTINGS: dict[str, str] = {
     "amqp_url": "amqp_url",
     "etcd_username": "etcd_username",
     "etcd_password": "etcd_password",
+    "dashboard_token": "dashboard_token",
 }
 MAX_CREDENTIAL_BYTES = 64 * 1024
 

@@ -169,13 +169,17 @@ class StatusStore:
         async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
             await conn.fetchval(Q["ping"])
 
-    async def snapshot(self, *, dead_window: float = DEAD_WINDOW_SECONDS) -> DbSnapshot:
+    async def snapshot(
+        self, *, dead_window: float = DEAD_WINDOW_SECONDS, pending: bool = True
+    ) -> DbSnapshot:
+        """``pending=False`` skips counting pending jobs (its cost grows with the backlog:
+        the dashboard skips it above a bound); every queue then reads 0 pending."""
         async with (
             self._pool.acquire(timeout=self._acquire_timeout) as conn,
             conn.transaction(isolation="repeatable_read", readonly=True),
         ):
             fence_row = await conn.fetchrow(Q["fence"])
-            pending = await conn.fetch(Q["pending_by_queue"])
+            pending_rows = await conn.fetch(Q["pending_by_queue"]) if pending else []
             dispatched = await conn.fetch(Q["dispatched_by_queue"])
             dead = await conn.fetch(Q["dead_by_queue"], dead_window)
             schedules = None
@@ -184,7 +188,7 @@ class StatusStore:
             db_now = await conn.fetchval(Q["now"])
         fence = _fence(fence_row)
         queues: dict[str, dict[str, Any]] = {}
-        for row in pending:
+        for row in pending_rows:
             queues.setdefault(row["queue"], {}).update(
                 pending=row["pending"], due_now=row["due_now"], oldest_overdue=row["oldest_overdue"]
             )

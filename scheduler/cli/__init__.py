@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "status",
     "demo",
     "bench",
+    "dashboard",
 )
 
 # Flags every command accepts; each maps to a Settings field of the same name.

@@ -134,3 +134,19 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
 
 def print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, default=str, sort_keys=True))
+
+
+class SettingOverride(argparse.Action):
+    """Store a flag's value as an override of the ``Settings`` field ``dest``, so the
+    value is validated and shown like every other setting (flags > env > file)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        overrides = dict(getattr(namespace, "settings_overrides", None) or {})
+        overrides[self.dest] = values
+        namespace.settings_overrides = overrides

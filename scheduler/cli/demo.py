@@ -109,6 +109,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-kill", action="store_true", help="do not kill the leader half way")
     parser.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="do not serve `duetime dashboard` (127.0.0.1:8089) while the demo runs",
+    )
+    parser.add_argument(
         "--log-dir",
         type=Path,
         default=Path(".run/demo"),
@@ -155,5 +160,6 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         kill_leader=not args.no_kill,
         live=args.live,
         summary_json=args.summary_json,
+        dashboard=not args.no_dashboard,
     )
     return await run_demo(settings, cfg)

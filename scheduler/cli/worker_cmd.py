@@ -14,26 +14,10 @@ import os
 import sys
 from typing import Any
 
-from scheduler.cli._util import positive_int
+from scheduler.cli._util import SettingOverride, positive_int
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput
 from scheduler.jobspec import validate_queue
-
-
-class _SettingOverride(argparse.Action):
-    """Store a flag's value as an override of the ``Settings`` field ``dest``, so the
-    value is validated and shown like every other setting (flags > env > file)."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        overrides = dict(getattr(namespace, "settings_overrides", None) or {})
-        overrides[self.dest] = values
-        namespace.settings_overrides = overrides
 
 
 def _csv(text: str) -> list[str]:
@@ -66,7 +50,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "--concurrency",
         dest="worker_concurrency",
         type=positive_int,
-        action=_SettingOverride,
+        action=SettingOverride,
         default=argparse.SUPPRESS,
         metavar="N",
         help="handlers run at once = prefetch (env DUETIME_WORKER_CONCURRENCY; default 16)",
@@ -74,7 +58,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grace-period",
         dest="worker_grace_period",
-        action=_SettingOverride,
+        action=SettingOverride,
         default=argparse.SUPPRESS,
         metavar="SECONDS",
         help="seconds running handlers get after SIGTERM (env DUETIME_WORKER_GRACE_PERIOD)",

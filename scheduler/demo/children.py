@@ -153,9 +153,10 @@ class Children:
     async def stop_all(self, timeout: float) -> list[str]:
         """SIGTERM everyone, wait up to ``timeout``, SIGKILL the rest; return the names
         of those that needed SIGKILL. Workers first so in-flight jobs finish while a
-        leader still runs, then the replicas (the leader resigns on SIGTERM)."""
+        leader still runs, then the replicas (the leader resigns on SIGTERM); the
+        dashboard, when there is one, before all of them."""
         stubborn: list[str] = []
-        for role in ("worker", "scheduler"):
+        for role in ("dashboard", "worker", "scheduler"):
             group = [c for c in self.by_role(role) if c.running()]
             for child in group:
                 child.signal(signal.SIGTERM)

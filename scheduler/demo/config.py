@@ -24,6 +24,8 @@ MAX_RESTARTS = 3  # per child: a crashed child is restarted, as systemd's Restar
 RESTART_DELAY = 1.0
 STOP_TIMEOUT = 10.0  # seconds children get after SIGTERM before SIGKILL
 LEAD_IN = 1.0  # seconds between publishing and the first job's due time
+#: Where the demo's dashboard listens; a free loopback port when this one is taken.
+DASHBOARD_LISTEN = ("127.0.0.1", 8089)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,7 @@ class DemoConfig:
     live: bool | None = None  # None: a live view when stdout is a terminal
     summary_json: Path | None = None
     startup_timeout: float = 30.0
+    dashboard: bool = True  # serve `duetime dashboard` on DASHBOARD_LISTEN while it runs
 
     def __post_init__(self) -> None:
         if not 2 <= self.duration <= 3600:

@@ -5,7 +5,9 @@
 3. Start ``--replicas`` ``duetime scheduler`` and ``--workers`` ``duetime worker``
    children (logs under ``--log-dir``), with an etcd prefix and a queue unique to this
    run, and a short lease TTL so the failover is quick to watch; wait until a leader
-   has fenced the database and every worker consumes.
+   has fenced the database and every worker consumes. ``duetime dashboard`` runs
+   beside them on 127.0.0.1:8089 (a free port when that one is taken); the plan
+   printed first says where.
 4. Add two cron schedules (every 2 s and every 5 s, seconds-first cron) and publish
    ``--jobs`` one-shot jobs due evenly over ``--duration`` seconds (one COPY).
 5. Watch: progress from the database, replica/worker states from their JSON logs. Half
@@ -26,6 +28,7 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -39,6 +42,7 @@ from scheduler.config import Settings, redact_url
 from scheduler.demo.children import Child, Children
 from scheduler.demo.config import (
     CHILD_SETTINGS,
+    DASHBOARD_LISTEN,
     DEMO_SCHEDULES,
     LEAD_IN,
     MAX_RESTARTS,
@@ -115,6 +119,7 @@ class Demo:
         self.t0 = 0.0  # monotonic time the first job is due
         self.view: View = PlainView(cfg.lease_ttl)
         self.schedules_added = 0
+        self.dashboard_url: str | None = None
 
     # -- the run -----------------------------------------------------------------------
 
@@ -135,12 +140,20 @@ class Demo:
         self.store = DemoStore(pool, queue=self.queue, job_task=JOB_TASK)
         await self.store.create_effects_table()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        listen = _dashboard_listen() if self.cfg.dashboard else None
+        if listen is not None:
+            self.dashboard_url = f"http://{listen}/"
         self._print_plan(url)
         live = self.cfg.live if self.cfg.live is not None else sys.stdout.isatty()
         self.view = LiveView(self.cfg.lease_ttl) if live else PlainView(self.cfg.lease_ttl)
         summary: Summary | None = None
         try:
             self._spawn_all(url)
+            if listen is not None:
+                self.children.spawn(
+                    "demo-dashboard", "dashboard", duetime_argv("dashboard", "--listen", listen),
+                    self._child_env(url, "demo-dashboard"),
+                )  # fmt: skip
             with self.view:
                 await self._wait_ready()
                 await self._add_schedules(pool)
@@ -180,6 +193,7 @@ class Demo:
         cfg = self.cfg
         names = [f"demo-sched-{chr(ord('a') + i)}" for i in range(cfg.replicas)]
         names += [f"demo-worker-{i + 1}" for i in range(cfg.workers)]
+        names += ["demo-dashboard"] if self.dashboard_url else []
         kill = (
             f"the leader is SIGKILLed at {cfg.duration / 2:g} s" if cfg.kill_leader else "no kill"
         )
@@ -192,7 +206,12 @@ class Demo:
             f"{cfg.workers} workers x {cfg.concurrency}\n"
             f"  logs       {_shown(self.log_dir)}/ ({', '.join(n + '.log' for n in names)})\n"
             f"  plan       {cfg.jobs} jobs due over {cfg.duration:g} s, cron every 2 s and "
-            f"every 5 s; {kill}\n",
+            f"every 5 s; {kill}\n"
+            + (
+                f"  dashboard  {self.dashboard_url} (served while the demo runs)\n"
+                if self.dashboard_url
+                else ""
+            ),
             flush=True,
         )
 
@@ -510,3 +529,16 @@ def _shown(path: Path) -> Path:
     with contextlib.suppress(ValueError):
         return path.resolve().relative_to(Path.cwd())
     return path
+
+
+def _dashboard_listen() -> str:
+    """``DASHBOARD_LISTEN`` when that port is free, else a free loopback port."""
+    host, port = DASHBOARD_LISTEN
+    for candidate in (port, 0):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, candidate))
+            except OSError:
+                continue
+            return f"{host}:{sock.getsockname()[1]}"
+    raise ServiceUnavailable(f"no free port on {host} for the dashboard")  # pragma: no cover

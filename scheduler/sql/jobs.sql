@@ -22,19 +22,62 @@ SELECT * FROM duetime.jobs
  LIMIT $7;
 
 -- name: cancel
+-- $1: the ids (one for `jobs cancel`, a batch for a cancel by filter): one transition.
 UPDATE duetime.jobs
    SET status = 'cancelled', finished_at = now()
- WHERE id = $1 AND status = 'pending'
+ WHERE id = ANY($1::bigint[]) AND status = 'pending'
 RETURNING *;
 
 -- name: retry
 -- dead -> pending with a fresh set of attempts (attempt = 1), runnable now. last_error is
 -- kept so the history of why it died stays visible until the next outcome replaces it.
+-- $1: the ids, as for cancel.
 UPDATE duetime.jobs
    SET status = 'pending', attempt = 1, run_at = greatest(now(), due_at),
        dispatched_at = NULL, heartbeat_at = NULL, finished_at = NULL, dispatch_epoch = NULL
- WHERE id = $1 AND status = 'dead'
+ WHERE id = ANY($1::bigint[]) AND status = 'dead'
 RETURNING *;
+
+-- name: run_now
+-- A pending job waiting out its retry back-off becomes runnable now (never before its
+-- due_at: the table's CHECK, and the partition it lives in, are fixed by due_at).
+UPDATE duetime.jobs
+   SET run_at = greatest(now(), due_at)
+ WHERE id = $1 AND status = 'pending' AND coalesce(run_at, due_at) > now()
+   AND due_at <= now()
+RETURNING *;
+
+-- name: matching
+-- Bulk actions by filter (JobFilter): how many jobs in state {status} match, and the
+-- newest id among them; the action then touches only ids up to that one, so jobs that
+-- arrive between the preview and the confirmation are left alone. {status} is spliced
+-- in by JobStore from a fixed set ('pending' or 'dead'), never from outside: as a
+-- literal it lets PostgreSQL use the partial index of that state (jobs_pending_run_idx,
+-- jobs_dead_finished_idx) instead of reading every row.
+SELECT count(*) AS n, max(id) AS max_id
+  FROM duetime.jobs
+ WHERE status = '{status}'
+   AND ($1::text IS NULL OR queue = $1)
+   AND ($2::text IS NULL OR task = $2)
+   AND ($3::timestamptz IS NULL OR due_at >= $3)
+   AND ($4::timestamptz IS NULL OR due_at < $4)
+   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+   AND id <= $6;
+
+-- name: matching_ids
+-- One batch of the ids `matching` counted ($6: its max_id), oldest first. The caller
+-- applies the transition to the batch and asks again: each batch leaves the state, so
+-- the loop ends.
+SELECT id
+  FROM duetime.jobs
+ WHERE status = '{status}'
+   AND ($1::text IS NULL OR queue = $1)
+   AND ($2::text IS NULL OR task = $2)
+   AND ($3::timestamptz IS NULL OR due_at >= $3)
+   AND ($4::timestamptz IS NULL OR due_at < $4)
+   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+   AND id <= $6
+ LIMIT $7;
 
 -- name: notify
 SELECT pg_notify('duetime_jobs', '');

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -30,6 +31,45 @@ NOTIFY_HORIZON = timedelta(seconds=1)
 
 BULK_COLUMNS = ("task", "payload", "due_at", "queue", "max_attempts", "idempotency_key")
 MAX_PAGE = 10_000
+#: Ids per transaction of a bulk cancel/retry: short transactions, so the dispatcher's
+#: SKIP LOCKED claim and the workers are never held up by one large UPDATE.
+BULK_BATCH = 1000
+#: The state a bulk action starts from: only these may be spliced into ``matching``.
+BULK_SOURCE = {"cancel": "pending", "retry": "dead"}
+
+
+@dataclass(frozen=True, slots=True)
+class JobFilter:
+    """Which jobs a bulk action (and the dashboard's job list) is about. Every field is
+    optional; ``error`` matches a substring of ``last_error``, case-insensitively."""
+
+    status: str | None = None
+    queue: str | None = None
+    task: str | None = None
+    due_from: datetime | None = None
+    due_to: datetime | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status is not None and self.status not in JOB_STATUSES:
+            raise InvalidInput(
+                f"unknown status {self.status!r} (one of {', '.join(JOB_STATUSES)})"
+            )
+        if self.due_from and self.due_to and self.due_from >= self.due_to:
+            raise InvalidInput("the due window must start before it ends")
+
+    def params(self) -> tuple[Any, ...]:
+        """The filter as the statements' $1..$5 (status is matched separately)."""
+        return (self.queue, self.task, self.due_from, self.due_to, self.error)
+
+
+@dataclass(frozen=True, slots=True)
+class BulkPreview:
+    """What a bulk action would touch: ``count`` jobs, none newer than ``up_to_id``."""
+
+    action: str
+    count: int
+    up_to_id: int
 
 
 class JobStore:
@@ -183,7 +223,7 @@ class JobStore:
     async def cancel(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """pending → cancelled. Other states are refused with the reason."""
         async with self._conn(conn) as c:
-            record = await c.fetchrow(Q["cancel"], job_id)
+            record = await c.fetchrow(Q["cancel"], [job_id])
             if record is not None:
                 return Job.from_record(record)
             current = await self.get(job_id, conn=c)
@@ -194,7 +234,7 @@ class JobStore:
     async def retry(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """dead → pending, runnable now, with attempts reset to 1 (a fresh budget)."""
         async with self._conn(conn) as c, c.transaction():
-            record = await c.fetchrow(Q["retry"], job_id)
+            record = await c.fetchrow(Q["retry"], [job_id])
             if record is not None:
                 await c.execute(Q["notify"])
                 return Job.from_record(record)
@@ -203,12 +243,76 @@ class JobStore:
             f"job {job_id} is {current.status}; only dead jobs can be retried"
         )
 
+    async def run_now(self, job_id: int, *, conn: Conn | None = None) -> Job:
+        """A pending job waiting for its retry back-off becomes runnable now."""
+        async with self._conn(conn) as c, c.transaction():
+            record = await c.fetchrow(Q["run_now"], job_id)
+            if record is not None:
+                await c.execute(Q["notify"])
+                return Job.from_record(record)
+            current = await self.get(job_id, conn=c)
+        raise InvalidTransition(
+            f"job {job_id} is {current.status}, runnable from "
+            f"{current.next_run_at.isoformat()}; only a pending job in retry back-off "
+            "can be run now (never before its due time)"
+        )
+
+    async def preview_matching(self, action: str, where: JobFilter) -> BulkPreview:
+        """How many jobs ``cancel_matching``/``retry_matching`` would change now: shown
+        to the operator, who confirms with the returned ``up_to_id``."""
+        status = _bulk_source(action, where)
+        async with self._pool.acquire() as c:
+            row = await c.fetchrow(
+                Q["matching"].replace("{status}", status), *where.params(), _BIGINT_MAX
+            )
+        assert row is not None  # an aggregate always returns one row
+        return BulkPreview(action, int(row["n"]), int(row["max_id"] or 0))
+
+    async def cancel_matching(self, where: JobFilter, *, up_to_id: int) -> int:
+        """Cancel every pending job matching ``where`` with id <= ``up_to_id`` (the
+        preview's), in batches of ``BULK_BATCH``, through the same transition as
+        ``cancel``. Returns how many were cancelled."""
+        return await self._bulk("cancel", where, up_to_id)
+
+    async def retry_matching(self, where: JobFilter, *, up_to_id: int) -> int:
+        """Retry every dead job matching ``where`` with id <= ``up_to_id``, like
+        ``retry`` (attempts reset, runnable now). Returns how many were retried."""
+        return await self._bulk("retry", where, up_to_id)
+
+    async def _bulk(self, action: str, where: JobFilter, up_to_id: int) -> int:
+        status = _bulk_source(action, where)
+        select = Q["matching_ids"].replace("{status}", status)
+        changed = 0
+        while True:
+            async with self._pool.acquire() as c, c.transaction():
+                ids = [
+                    r["id"] for r in await c.fetch(select, *where.params(), up_to_id, BULK_BATCH)
+                ]
+                if not ids:
+                    return changed
+                done = await c.fetch(Q[action], ids)
+                if action == "retry" and done:
+                    await c.execute(Q["notify"])
+            changed += len(done)
+
     async def counts_by_status(self) -> dict[str, int]:
         async with self._pool.acquire(timeout=self._acquire_timeout) as c:
             rows = await c.fetch(Q["count_by_status"])
         counts = dict.fromkeys(JOB_STATUSES, 0)
         counts.update({r["status"]: r["n"] for r in rows})
         return counts
+
+
+_BIGINT_MAX = 2**63 - 1
+
+
+def _bulk_source(action: str, where: JobFilter) -> str:
+    status = BULK_SOURCE.get(action)
+    if status is None:
+        raise InvalidInput(f"unknown bulk action {action!r} (one of {', '.join(BULK_SOURCE)})")
+    if where.status not in (None, status):
+        raise InvalidInput(f"{action} applies to {status} jobs, not {where.status}")
+    return status
 
 
 def _copy_field(value: str | None) -> str:

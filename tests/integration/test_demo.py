@@ -1,5 +1,5 @@
 """``duetime demo`` end to end, as CI runs it (issue 7): a real cluster of child
-processes (2 replicas, 2 workers) against the test services, 500 jobs over 10 s, the
+processes (2 replicas, 2 workers, the dashboard) against the test services, 500 jobs over 10 s, the
 leader SIGKILLed half way. The demo must exit 0, report 0 lost and 0 duplicates, show a
 failover, and leave no process behind — checked from outside, by looking for any
 process whose environment names the demo's (unique) database.
@@ -7,19 +7,32 @@ process whose environment names the demo's (unique) database.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import drop_database
 from tests.support.procs import ChildProcess, duetime_argv
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 
 DEMO_TIMEOUT = 120.0
+DASHBOARD_URL = re.compile(r"dashboard  (http://127\.0\.0\.1:\d+/)")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
 
 
 def processes_mentioning(marker: str) -> list[int]:
@@ -53,6 +66,13 @@ async def test_demo_runs_to_completion_with_nothing_lost(
     demo = ChildProcess(argv, name="demo", env=env, inherit_env=False, log_dir=tmp_path)
     try:
         demo.start()
+        # the plan names the dashboard, and it serves while the demo runs
+        url = await wait_for(lambda: DASHBOARD_URL.search(demo.output()), timeout=60)
+        await wait_for(
+            lambda: asyncio.to_thread(http_ok, url.group(1) + "healthz"),
+            timeout=30,
+            message=f"the demo's dashboard at {url.group(1)}",
+        )
         try:
             code = await demo.wait(timeout=DEMO_TIMEOUT)
         except AssertionError:
@@ -75,10 +95,12 @@ async def test_demo_runs_to_completion_with_nothing_lost(
         assert failover["new_epoch"] > failover["killed_epoch"]
         assert failover["new_leader"] != failover["killed"]
         assert failover["first_dispatch_after"] is not None, summary
-        # 2 replicas + 2 workers, the killed replica started again (and maybe a restart
-        # after a crash, e.g. a PostgreSQL shared with other tests out of connections)
+        # 2 replicas + 2 workers + the dashboard, the killed replica started again (and
+        # maybe a restart after a crash, e.g. a PostgreSQL shared with other tests out
+        # of connections)
         pids = [pid for child in summary["children"].values() for pid in child]
-        assert len(summary["children"]) == 4 and len(pids) >= 5, summary["children"]
+        assert len(summary["children"]) == 5 and len(pids) >= 6, summary["children"]
+        assert not await asyncio.to_thread(http_ok, url.group(1) + "healthz")  # stopped
         assert summary["needed_sigkill"] == [], summary
         assert processes_mentioning(database) == [], "demo left child processes running"
     finally:

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "deploy" / "systemd"
 SCHEDULER = UNITS / "duetime-scheduler.service"
 WORKER = UNITS / "duetime-worker@.service"
+DASHBOARD = UNITS / "duetime-dashboard.service"
 ENV_EXAMPLE = UNITS / "duetime.env.example"
 INSTALLED_BINARY = "/opt/duetime/venv/bin/duetime"
 VENV_BINARY = Path(sys.executable).with_name("duetime")
@@ -93,7 +94,7 @@ def timespan(text: str) -> float:
     return total
 
 
-@pytest.fixture(params=[SCHEDULER, WORKER], ids=["scheduler", "worker"])
+@pytest.fixture(params=[SCHEDULER, WORKER, DASHBOARD], ids=["scheduler", "worker", "dashboard"])
 def unit_path(request: pytest.FixtureRequest) -> Path:
     return request.param
 
@@ -158,6 +159,8 @@ def test_exec_start_matches_the_cli() -> None:
     worker = parser.parse_args(_argv(one(worker_unit, "Service", "ExecStart"), "emails"))
     assert worker.command == "worker"
     assert worker.queues == ["emails"] and worker.imports == ["myapp.tasks"]
+    dashboard = parser.parse_args(_argv(one(parse_unit(DASHBOARD), "Service", "ExecStart"), "x"))
+    assert dashboard.command == "dashboard" and not dashboard.read_only
     assert "/etc/duetime/worker-%i.env" in [
         p.lstrip("-") for p in values(worker_unit, "Service", "EnvironmentFile")
     ]
@@ -206,6 +209,7 @@ def _verifiable_copy(src: Path, dest_dir: Path, name: str) -> Path:
         (SCHEDULER, "duetime-scheduler.service"),
         (WORKER, "duetime-worker@.service"),
         (WORKER, "duetime-worker@default.service"),
+        (DASHBOARD, "duetime-dashboard.service"),
     ],
 )
 def test_systemd_analyze_verify(tmp_path: Path, src: Path, name: str) -> None:
@@ -221,7 +225,9 @@ def test_systemd_analyze_verify(tmp_path: Path, src: Path, name: str) -> None:
     assert output == "", output
 
 
-@pytest.mark.parametrize("src", [SCHEDULER, WORKER], ids=["scheduler", "worker"])
+@pytest.mark.parametrize(
+    "src", [SCHEDULER, WORKER, DASHBOARD], ids=["scheduler", "worker", "dashboard"]
+)
 def test_systemd_analyze_security_exposure(tmp_path: Path, src: Path) -> None:
     tool = _systemd_tool("systemd-analyze")
     name = "duetime-worker@default.service" if src == WORKER else src.name

@@ -1,0 +1,16 @@
+"""``duetime dashboard``: the operations page (DESIGN §9).
+
+Server-rendered HTML (Starlette + Jinja2, autoescaped), live updates by htmx polling
+(vendored in ``static/``, pinned), charts as inline SVG drawn on the server: no
+JavaScript build. It reads through ``DashboardStore``/``StatusStore`` and acts only
+through ``JobStore``/``ScheduleStore``, the CLI's own transitions.
+
+Modules: ``app`` (routes, auth gate, errors, the small pool), ``auth`` (token, session
+cookie, CSRF, loopback rule), ``pages`` (GET), ``actions`` (POST), ``present`` and
+``charts`` (pure), ``cluster`` (etcd and RabbitMQ views), ``server`` (uvicorn on our
+loop, graceful SIGTERM).
+"""
+
+from scheduler.dashboard.app import Dashboard, create_app
+
+__all__ = ["Dashboard", "create_app"]

@@ -1,0 +1,172 @@
+"""The dashboard's actions (POST): each checks read-only mode and CSRF first, then calls
+the one store method the CLI uses for the same thing, and redirects (303) back with a
+one-shot message. No transition is written here.
+
+Refusals: read-only → 403; a missing or wrong CSRF token, or an ``Origin`` that is not
+this host → 403; a transition the state does not allow → the store's reason, shown.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from urllib.parse import quote, urlencode, urlsplit
+
+from starlette.datastructures import FormData
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
+
+from scheduler.dashboard.auth import SESSION_COOKIE, SESSION_TTL, local_path
+from scheduler.dashboard.pages import filter_fields, parse_filter
+from scheduler.errors import InvalidInput
+from scheduler.log import get_logger
+
+if TYPE_CHECKING:
+    from scheduler.dashboard.app import Dashboard
+
+log = get_logger(__name__)
+
+FLASH_COOKIE = "duetime_flash"
+JOB_ACTIONS = ("retry", "cancel", "run-now")
+SCHEDULE_ACTIONS = ("pause", "resume", "trigger")
+
+
+def redirect(url: str, message: str | None = None) -> RedirectResponse:
+    """303 after a POST, with a one-shot message shown by the next page."""
+    response = RedirectResponse(url, status_code=303)
+    if message:
+        response.set_cookie(
+            FLASH_COOKIE, quote(message[:500]), max_age=60, path="/", httponly=True,
+            samesite="strict",
+        )  # fmt: skip
+    return response
+
+
+class Refused(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def _same_origin(request: Request) -> bool:
+    origin = request.headers.get("origin")
+    if origin is None:  # same-origin form posts from older browsers, API clients
+        return True
+    host = request.headers.get("host", "")
+    return urlsplit(origin).netloc == host
+
+
+async def checked_form(dash: Dashboard, request: Request, *, action: bool = True) -> FormData:
+    """The POST's form once read-only mode, Origin and CSRF allow it; else ``Refused``."""
+    if action and dash.read_only:
+        raise Refused(403, "the dashboard is read-only (--read-only): actions are disabled")
+    form = await request.form()
+    if request.state.bearer:
+        return form  # not an ambient credential: a cross-site page cannot send it
+    if not _same_origin(request):
+        raise Refused(403, "cross-origin request refused")
+    offered = form.get("csrf") or request.headers.get("x-csrf-token")
+    cookie = request.cookies.get("duetime_csrf")
+    if not dash.auth.csrf_ok(cookie, offered if isinstance(offered, str) else None):
+        raise Refused(403, "missing or invalid CSRF token: reload the page and try again")
+    return form
+
+
+def _refused(request: Request, exc: Refused) -> Response:
+    log.warning("dashboard_action_refused", path=request.url.path, reason=exc.reason)
+    return PlainTextResponse(exc.reason, status_code=exc.status)
+
+
+async def login(dash: Dashboard, request: Request) -> Response:
+    if not dash.auth.required:
+        return redirect("/")
+    try:
+        form = await checked_form(dash, request, action=False)
+    except Refused as exc:
+        return _refused(request, exc)
+    target = local_path(str(form.get("next") or "/"))
+    if not dash.auth.token_matches(str(form.get("token") or "")):
+        client = request.client.host if request.client else None
+        log.warning("dashboard_login_failed", client=client)
+        return dash.render(request, "login.html", 401, next=target, failed=True)
+    response = redirect(target)
+    response.set_cookie(
+        SESSION_COOKIE, dash.auth.new_session(), max_age=int(SESSION_TTL), path="/",
+        httponly=True, samesite="strict", secure=request.url.scheme == "https",
+    )  # fmt: skip
+    return response
+
+
+async def logout(dash: Dashboard, request: Request) -> Response:
+    try:
+        await checked_form(dash, request, action=False)
+    except Refused as exc:
+        return _refused(request, exc)
+    response = redirect("/login" if dash.auth.required else "/")
+    response.delete_cookie(SESSION_COOKIE, path="/")
+    return response
+
+
+async def job_action(dash: Dashboard, request: Request) -> Response:
+    try:
+        await checked_form(dash, request)
+    except Refused as exc:
+        return _refused(request, exc)
+    job_id = request.path_params["job_id"]
+    action = request.path_params["action"]
+    if action not in JOB_ACTIONS:
+        return PlainTextResponse(f"unknown action {action!r}", status_code=404)
+    store = dash.jobs
+    if action == "retry":
+        job = await store.retry(job_id)
+    elif action == "cancel":
+        job = await store.cancel(job_id)
+    else:
+        job = await store.run_now(job_id)
+    log.info("dashboard_job_action", action=action, job_id=job_id, status=job.status)
+    return redirect(f"/jobs/{job_id}", f"{action}: job {job_id} is now {job.status}")
+
+
+async def bulk(dash: Dashboard, request: Request) -> Response:
+    try:
+        form = await checked_form(dash, request)
+    except Refused as exc:
+        return _refused(request, exc)
+    fields = {k: str(v) for k, v in form.items() if isinstance(v, str)}
+    where = parse_filter(fields)
+    action = fields.get("action", "")
+    up_to = fields.get("up_to_id", "")
+    if not up_to.isdigit():
+        raise InvalidInput("up_to_id is missing: confirm from the preview page")
+    if action == "cancel":
+        changed = await dash.jobs.cancel_matching(where, up_to_id=int(up_to))
+    elif action == "retry":
+        changed = await dash.jobs.retry_matching(where, up_to_id=int(up_to))
+    else:
+        raise InvalidInput(f"unknown bulk action {action!r}")
+    log.info("dashboard_bulk_action", action=action, changed=changed, up_to_id=int(up_to))
+    query = urlencode(filter_fields(fields))
+    return redirect(f"/jobs?{query}", f"{action}: {changed} job(s) changed")
+
+
+async def schedule_action(dash: Dashboard, request: Request) -> Response:
+    try:
+        form = await checked_form(dash, request)
+    except Refused as exc:
+        return _refused(request, exc)
+    name = str(form.get("name") or "")
+    action = str(form.get("action") or "")
+    if action not in SCHEDULE_ACTIONS:
+        raise InvalidInput(f"unknown schedule action {action!r}")
+    store = dash.schedules
+    if action == "pause":
+        schedule, cancelled = await store.pause(name)
+        message = f"paused {schedule.name}; {cancelled} planned job(s) cancelled"
+    elif action == "resume":
+        schedule = await store.resume(name)
+        message = f"resumed {schedule.name}; it fires again from now"
+    else:
+        job = await store.trigger(name)
+        message = f"triggered {name}: job {job.id} due now"
+    log.info("dashboard_schedule_action", action=action, schedule=name)
+    return redirect(f"/schedules/{quote(name, safe='')}", message)

@@ -1,0 +1,229 @@
+"""The dashboard's pages (GET): each reads through the stores and renders one template.
+
+Filters arrive as query parameters (DESIGN §9: ``status``, ``queue``, ``task``, plus
+``due_from``/``due_to`` in UTC and ``error``, a substring of ``last_error``) and are
+validated into a ``JobFilter`` before any query runs. A request from htmx (the
+overview's polling) gets only the page's body fragment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+from zoneinfo import ZoneInfo
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+
+from scheduler.cron import ScheduleSpecError
+from scheduler.dashboard import charts, present
+from scheduler.dashboard.auth import local_path
+from scheduler.dashboard.cluster import read_broker
+from scheduler.errors import InvalidInput
+from scheduler.rows import JOB_STATUSES, Job
+from scheduler.schedules import upcoming_fire_times
+from scheduler.status import STALE_RENEWALS, StatusStore, evaluate, read_election_key
+from scheduler.store import JobFilter
+from scheduler.store.dashboard import LAG_SAMPLE, MINUTE_SAMPLE
+
+if TYPE_CHECKING:
+    from scheduler.dashboard.app import Dashboard
+
+PAGE_SIZE = 50
+SCHEDULES_SHOWN = 500
+RECENT_RUNS = 20
+UPCOMING = 10
+FILTER_FIELDS = ("status", "queue", "task", "due_from", "due_to", "error")
+ORDER_NOTE: dict[str | None, str] = {
+    "pending": "soonest runnable first",
+    "dead": "most recently dead first",
+    "dispatched": "longest without a sign of life first",
+}
+
+
+def _when(text: str, name: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInput(f"{name}: {text!r} is not a date and time (ISO 8601)") from None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
+
+def parse_filter(params: Mapping[str, str]) -> JobFilter:
+    """A ``JobFilter`` from query or form fields; empty fields mean "any"."""
+    values = {k: (params.get(k) or "").strip() or None for k in FILTER_FIELDS}
+    return JobFilter(
+        status=values["status"],
+        queue=values["queue"],
+        task=values["task"],
+        due_from=_when(values["due_from"], "due_from") if values["due_from"] else None,
+        due_to=_when(values["due_to"], "due_to") if values["due_to"] else None,
+        error=values["error"],
+    )
+
+
+def filter_fields(params: Mapping[str, str]) -> dict[str, str]:
+    """The filter as it was typed, for form values and links."""
+    return {k: params[k] for k in FILTER_FIELDS if params.get(k)}
+
+
+async def healthz(dash: Dashboard, request: Request) -> Response:
+    """Liveness (200 while serving) with the database's state for the curious."""
+    database = "down"
+    if dash.pool is not None:
+        try:
+            async with asyncio.timeout(1.0):
+                await StatusStore(dash.pool).ping()
+            database = "up"
+        except Exception:  # any failure is "down" here; pages show the detail
+            database = "down"
+    return JSONResponse({"status": "ok", "database": database, "read_only": dash.read_only})
+
+
+async def login_form(dash: Dashboard, request: Request) -> Response:
+    if not dash.auth.required:
+        return RedirectResponse("/", status_code=303)
+    target = request.query_params.get("next", "/")
+    return dash.render(request, "login.html", next=local_path(target))
+
+
+async def overview(dash: Dashboard, request: Request) -> Response:
+    data = await dash.views.overview()
+    queues, totals = present.queue_counts(
+        data.snapshot.queues, data.terminal, exact=data.terminal_exact,
+        pending_counted=data.pending_at_least is None,
+    )  # fmt: skip
+    lag_series = present.lag_per_minute(data.lag_samples)
+    rate = present.completions_per_minute(data.minutes, cap=MINUTE_SAMPLE)
+    context: dict[str, Any] = {
+        "data": data,
+        "queues": queues,
+        "totals": totals,
+        "fence": data.snapshot.fence,
+        "stale_after": STALE_RENEWALS * dash.settings.lease_ttl,
+        "lag5": present.lag_window(data.lag_samples, 5),
+        "lag60": present.lag_window(data.lag_samples, 60),
+        "throughput_chart": charts.bar_chart(
+            rate.per_minute, minutes=60, title="Jobs completed per minute, last 60 minutes"
+        ),
+        "rate": rate,
+        "minute_sample": MINUTE_SAMPLE,
+        "lag_sample": LAG_SAMPLE,
+        "lag_chart": charts.line_chart(
+            lag_series, minutes=60, title="Fire lag p50/p99 per minute (seconds)", unit="s"
+        ),
+        "completed_5m": rate.total(5),
+        "completed_60m": rate.total(60),
+    }
+    template = "_overview.html" if request.headers.get("hx-request") else "overview.html"
+    return dash.render(request, template, **context)
+
+
+async def jobs(dash: Dashboard, request: Request) -> Response:
+    params = request.query_params
+    where = parse_filter(params)
+    page = await dash.views.jobs_page(where, cursor=params.get("cursor"), limit=PAGE_SIZE)
+    fields = filter_fields(params)
+    return dash.render(
+        request, "jobs.html", jobs=page.jobs, fields=fields, statuses=JOB_STATUSES,
+        next_cursor=page.next_cursor, where=where, order=ORDER_NOTE.get(where.status),
+    )  # fmt: skip
+
+
+async def bulk_preview(dash: Dashboard, request: Request) -> Response:
+    if dash.read_only:
+        return dash.render(request, "error.html", 403, title="Read-only", message="read-only")
+    params = request.query_params
+    action = params.get("action", "")
+    where = parse_filter(params)
+    preview = await dash.jobs.preview_matching(action, where)
+    return dash.render(
+        request, "bulk.html", preview=preview, fields=filter_fields(params), where=where
+    )
+
+
+def job_actions(job: Job, now: datetime) -> list[str]:
+    """The buttons the job's state allows (each is also checked by its transition)."""
+    allowed = []
+    if job.status == "dead":
+        allowed.append("retry")
+    if job.status == "pending":
+        allowed.append("cancel")
+        if job.next_run_at > now and job.due_at <= now:
+            allowed.append("run-now")
+    return allowed
+
+
+async def job(dash: Dashboard, request: Request) -> Response:
+    found = await dash.jobs.get(request.path_params["job_id"])
+    detail = await dash.views.job_detail(found)
+    payload, payload_cut = present.pretty_json(found.payload)
+    error, error_cut = present.capped(found.last_error)
+    lag = None
+    if found.dispatched_at is not None:
+        lag = (found.dispatched_at - found.next_run_at).total_seconds()
+    return dash.render(
+        request, "job.html", job=found, detail=detail, payload=payload,
+        payload_cut=payload_cut, error=error, error_cut=error_cut, lag=lag,
+        actions=[] if dash.read_only else job_actions(found, datetime.now(UTC)),
+        cap=present.PAYLOAD_CAP,
+    )  # fmt: skip
+
+
+async def schedules(dash: Dashboard, request: Request) -> Response:
+    rows = await dash.schedules.list(limit=SCHEDULES_SHOWN)
+    return dash.render(
+        request, "schedules.html", schedules=rows, capped=len(rows) == SCHEDULES_SHOWN
+    )
+
+
+async def schedule(dash: Dashboard, request: Request) -> Response:
+    found = await dash.schedules.get(request.path_params["name"])
+    runs = await dash.schedules.recent_runs(found.id, RECENT_RUNS)
+    now = datetime.now(UTC)
+    upcoming: list[present.FireTime] = []
+    problem = None
+    if not found.paused:
+        try:
+            zone = ZoneInfo(found.timezone)
+            upcoming = present.fire_times(upcoming_fire_times(found, now, UPCOMING), zone)
+        except (ScheduleSpecError, ValueError, KeyError) as exc:
+            problem = str(exc)
+    run_rows = [
+        {
+            "job": r,
+            "lag": (r.dispatched_at - r.next_run_at).total_seconds() if r.dispatched_at else None,
+        }
+        for r in runs
+    ]
+    planned = [r for r in runs if r.status == "pending" and r.due_at > now]
+    return dash.render(
+        request, "schedule.html", schedule=found, upcoming=upcoming, problem=problem,
+        runs=run_rows, planned=planned,
+    )  # fmt: skip
+
+
+async def cluster(dash: Dashboard, request: Request) -> Response:
+    settings = dash.settings
+    etcd_task = asyncio.create_task(read_election_key(settings, timeout=1.5))
+    snapshot, db_error = None, None
+    try:
+        assert dash.pool is not None
+        snapshot = await StatusStore(dash.pool).snapshot()
+    except Exception as exc:  # shown on the page next to what etcd and RabbitMQ say
+        db_error = f"{type(exc).__name__}: {exc}"[:300]
+    etcd = await etcd_task
+    queues = {q.queue for q in snapshot.queues} if snapshot else set()
+    broker = await read_broker(settings, queues | {"default"})
+    report = (
+        evaluate(snapshot, etcd, lease_ttl=settings.lease_ttl, max_backlog_age=60.0)
+        if snapshot
+        else None
+    )
+    dispatched = {q.queue: q.dispatched for q in snapshot.queues} if snapshot else {}
+    return dash.render(
+        request, "cluster.html", snapshot=snapshot, db_error=db_error, etcd=etcd,
+        broker=broker, report=report, dispatched=dispatched, settings=settings,
+    )  # fmt: skip

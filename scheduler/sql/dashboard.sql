@@ -1,0 +1,187 @@
+-- Read models of the operations dashboard (scheduler/store/dashboard.py). Statements are
+-- bounded by an index or a LIMIT where they can be (bench/dashboard.py times each one
+-- at 1M stored jobs); the dashboard's pool also sets a statement_timeout so one that
+-- is not cannot pile up. Counts of pending,
+-- dispatched and recently dead jobs per queue come from status.sql (`duetime status`).
+
+-- name: pending_probe
+-- Pending jobs counted only up to $1 (jobs_pending_run_idx): counting them exactly per
+-- queue (status.sql) costs ~0.75 us a row (91 ms at 120k pending), so above $1 the
+-- overview says "at least $1" instead.
+SELECT count(*) AS n
+  FROM (SELECT 1 FROM duetime.jobs WHERE status = 'pending' LIMIT $1) AS probe;
+
+-- name: table_bytes
+-- The heap size of every partition (file sizes, no rows read): decides whether terminal
+-- counts are exact (a small table: one GROUP BY) or estimated from the planner's
+-- statistics. Bytes, not reltuples, because a partition nobody analyzed yet has none.
+SELECT coalesce(sum(pg_relation_size(inhrelid)), 0)::bigint AS bytes
+  FROM pg_inherits
+ WHERE inhparent = 'duetime.jobs'::regclass;
+
+-- name: terminal_counts
+-- Exact, for a table the probe found small.
+SELECT queue, status, count(*) AS n
+  FROM duetime.jobs
+ WHERE status IN ('succeeded', 'dead', 'cancelled')
+ GROUP BY queue, status;
+
+-- name: terminal_estimates
+-- Estimated per state from each partition's statistics (ANALYZE, which autovacuum runs):
+-- reltuples x the state's frequency among the most common values. Reads only catalogs,
+-- so it costs the same at 10M rows as at 10k; a partition never analyzed counts as 0.
+SELECT v.status, round(sum(c.reltuples * v.freq))::bigint AS n
+  FROM pg_inherits AS i
+  JOIN pg_class AS c ON c.oid = i.inhrelid
+  JOIN pg_namespace AS ns ON ns.oid = c.relnamespace
+  JOIN pg_stats AS s
+    ON s.schemaname = ns.nspname AND s.tablename = c.relname
+   AND s.attname = 'status' AND NOT s.inherited
+ CROSS JOIN LATERAL unnest(s.most_common_vals::text::text[], s.most_common_freqs)
+       AS v(status, freq)
+ WHERE i.inhparent = 'duetime.jobs'::regclass
+   AND c.reltuples > 0
+   AND v.status IN ('succeeded', 'dead', 'cancelled')
+ GROUP BY v.status;
+
+-- name: oldest_overdue
+-- The pending job that has been due longest (jobs_pending_run_idx, like the claim).
+SELECT *, extract(epoch FROM now() - coalesce(run_at, due_at))::float8 AS late
+  FROM duetime.jobs
+ WHERE status = 'pending'
+   AND coalesce(run_at, due_at) <= now()
+   AND due_at <= now()
+ ORDER BY coalesce(run_at, due_at)
+ LIMIT 1;
+
+-- name: latest_dead
+-- The newest jobs that went dead within $1 seconds (jobs_dead_finished_idx).
+SELECT *
+  FROM duetime.jobs
+ WHERE status = 'dead' AND finished_at >= now() - make_interval(secs => $1)
+ ORDER BY finished_at DESC
+ LIMIT $2;
+
+-- name: minute_samples
+-- One row per minute of the last $1 with completions (minute 0 is the last 60 s): how
+-- many of its latest $2 completions there are and how far apart the oldest and newest of
+-- them are (an index-only scan of job_ledger_completed_idx), and the fire lag
+-- (dispatched_at - run time) of its latest $3 (one job lookup each).
+-- Bounded whatever the rate ($1 x $2 index entries, $1 x $3 job lookups): a minute
+-- with fewer than $2 completions is counted exactly, a busier one is estimated from
+-- the spacing of its sample (scheduler/dashboard/present.py). Counting every ledger row
+-- of the hour instead read 350k index entries at 100 jobs/s: 480 ms (bench dashboard).
+-- Each lag lookup goes by id (jobs_id_idx per partition); `due_at <= completed_at`
+-- prunes the partitions ahead of the completion at run time.
+SELECT m.i AS minutes_ago, r.sampled, r.span, coalesce(g.lags, '{}') AS lags
+  FROM generate_series(0, $1 - 1) AS m(i)
+ CROSS JOIN LATERAL (
+        SELECT count(*) AS sampled,
+               extract(epoch FROM max(c.completed_at) - min(c.completed_at))::float8 AS span
+          FROM (SELECT completed_at
+                  FROM duetime.job_ledger
+                 WHERE completed_at > now() - make_interval(mins => m.i + 1)
+                   AND completed_at <= now() - make_interval(mins => m.i)
+                 ORDER BY completed_at DESC
+                 LIMIT $2) AS c) AS r
+ CROSS JOIN LATERAL (
+        SELECT array_agg(j.lag) AS lags
+          FROM (SELECT job_id, completed_at
+                  FROM duetime.job_ledger
+                 WHERE completed_at > now() - make_interval(mins => m.i + 1)
+                   AND completed_at <= now() - make_interval(mins => m.i)
+                 ORDER BY completed_at DESC
+                 LIMIT $3) AS s
+         CROSS JOIN LATERAL (
+                SELECT extract(epoch FROM jb.dispatched_at - coalesce(jb.run_at, jb.due_at))
+                           ::float8 AS lag
+                  FROM duetime.jobs AS jb
+                 WHERE jb.id = s.job_id AND jb.due_at <= s.completed_at
+                   AND jb.dispatched_at IS NOT NULL
+                 LIMIT 1) AS j) AS g
+ WHERE r.sampled > 0;
+
+-- name: workers
+-- Workers that completed a job within $1 seconds (the ledger's worker column is the
+-- worker's node id).
+SELECT coalesce(worker, '?') AS worker, count(*) AS completed, max(completed_at) AS last_seen,
+       extract(epoch FROM now() - max(completed_at))::float8 AS age
+  FROM duetime.job_ledger
+ WHERE completed_at > now() - make_interval(secs => $1)
+ GROUP BY 1
+ ORDER BY 1;
+
+-- name: jobs_page
+-- The job list, newest first, keyset-paginated on id ($7: the last id of the previous
+-- page), for "any state", succeeded and cancelled. Ordered by jobs_id_idx in every
+-- partition (a Merge Append): a page reads about as many entries as it shows when the
+-- filter matches often; a rare filter reads further (up to a whole partition that holds
+-- no match), bounded by the pool's statement_timeout. The due window prunes partitions.
+SELECT *
+  FROM duetime.jobs
+ WHERE ($1::text IS NULL OR status = $1)
+   AND ($2::text IS NULL OR queue = $2)
+   AND ($3::text IS NULL OR task = $3)
+   AND ($4::timestamptz IS NULL OR due_at >= $4)
+   AND ($5::timestamptz IS NULL OR due_at < $5)
+   AND ($6::text IS NULL OR strpos(lower(last_error), lower($6)) > 0)
+   AND ($7::bigint IS NULL OR id < $7)
+ ORDER BY id DESC
+ LIMIT $8;
+
+-- name: pending_page
+-- Pending jobs, soonest runnable first, through jobs_pending_run_idx (only pending rows:
+-- a partition without any costs nothing). Keyset on (run time, id) after ($6, $7).
+-- With id ordering this filter read whole partitions of finished rows: 277 ms at 1M.
+SELECT *
+  FROM duetime.jobs
+ WHERE status = 'pending'
+   AND ($1::text IS NULL OR queue = $1)
+   AND ($2::text IS NULL OR task = $2)
+   AND ($3::timestamptz IS NULL OR due_at >= $3)
+   AND ($4::timestamptz IS NULL OR due_at < $4)
+   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+   AND ($6::timestamptz IS NULL OR coalesce(run_at, due_at) >= $6)
+   AND ($6::timestamptz IS NULL OR coalesce(run_at, due_at) > $6 OR id > $7)
+ ORDER BY coalesce(run_at, due_at), id
+ LIMIT $8;
+
+-- name: dead_page
+-- Dead jobs, most recently dead first, through jobs_dead_finished_idx. Keyset on
+-- (finished_at, id) before ($6, $7).
+SELECT *
+  FROM duetime.jobs
+ WHERE status = 'dead'
+   AND ($1::text IS NULL OR queue = $1)
+   AND ($2::text IS NULL OR task = $2)
+   AND ($3::timestamptz IS NULL OR due_at >= $3)
+   AND ($4::timestamptz IS NULL OR due_at < $4)
+   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+   AND ($6::timestamptz IS NULL OR finished_at <= $6)
+   AND ($6::timestamptz IS NULL OR finished_at < $6 OR id < $7)
+ ORDER BY finished_at DESC, id DESC
+ LIMIT $8;
+
+-- name: dispatched_page
+-- Dispatched jobs, longest without a sign of life first (what the reconciler will
+-- rescue next), through jobs_dispatched_idx. Keyset on (last sign of life, id).
+SELECT *
+  FROM duetime.jobs
+ WHERE status = 'dispatched'
+   AND ($1::text IS NULL OR queue = $1)
+   AND ($2::text IS NULL OR task = $2)
+   AND ($3::timestamptz IS NULL OR due_at >= $3)
+   AND ($4::timestamptz IS NULL OR due_at < $4)
+   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+   AND ($6::timestamptz IS NULL OR coalesce(heartbeat_at, dispatched_at) >= $6)
+   AND ($6::timestamptz IS NULL OR coalesce(heartbeat_at, dispatched_at) > $6 OR id > $7)
+ ORDER BY coalesce(heartbeat_at, dispatched_at), id
+ LIMIT $8;
+
+-- name: ledger_row
+SELECT idempotency_key, job_id, attempt, task, worker, completed_at
+  FROM duetime.job_ledger
+ WHERE idempotency_key = $1;
+
+-- name: schedule_name
+SELECT name FROM duetime.schedules WHERE id = $1;
