@@ -169,11 +169,9 @@ async def bench_publish_only(settings: Any, queue: str, n: int, batch: int) -> d
             ClaimedJob(
                 id=i + 1,
                 task="bench.task",
-                payload={"i": i, "to": "someone@example.com"},
                 queue=queue,
                 due_at=now,
                 attempt=1,
-                idempotency_key=f"job:{i + 1}",
             )
             for i in range(n)
         ]

@@ -58,15 +58,14 @@ class Job:
 
 @dataclass(frozen=True, slots=True)
 class ClaimedJob:
-    """What the dispatcher needs to publish a job (DESIGN §5 message body)."""
+    """What the dispatcher needs to publish a job: the message is a pointer at the row
+    (scheduler/messages.py), so neither the payload nor the idempotency key is read."""
 
     id: int
     task: str
-    payload: dict[str, Any]
     queue: str
     due_at: datetime
     attempt: int
-    idempotency_key: str
     run_at: datetime | None = None
 
     @classmethod
@@ -74,11 +73,9 @@ class ClaimedJob:
         return cls(
             id=record["id"],
             task=record["task"],
-            payload=record["payload"],
             queue=record["queue"],
             due_at=record["due_at"],
             attempt=record["attempt"],
-            idempotency_key=record["idempotency_key"] or f"job:{record['id']}",
             run_at=record["run_at"],
         )
 

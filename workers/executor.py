@@ -46,6 +46,7 @@ import asyncio
 import dataclasses
 import random
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -93,6 +94,27 @@ class UnknownTask(Exception):
 #: recording the same outcome again cannot succeed, so the job is parked as dead instead
 #: of being requeued forever.
 _REFUSED_VALUE = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+#: Errors that say the database could not be used at all: retried, never blamed on a row.
+_UNAVAILABLE = (
+    asyncio.CancelledError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.QueryCanceledError,
+    asyncpg.OperatorInterventionError,
+    asyncpg.InsufficientResourcesError,
+    asyncpg.InsufficientPrivilegeError,
+    OSError,
+    TimeoutError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A job row ``begin`` could not decode, and why."""
+
+    reason: str
 
 
 class Executor:
@@ -128,8 +150,8 @@ class Executor:
         self._acquire_timeout = acquire_timeout
         self._task_timeout = task_timeout
         self._rng = rng
-        self._begins: Coalescer[JobRef, LockedJob | None] = Coalescer(
-            self._store.begin, name="begin", max_batch=BATCH_SIZE
+        self._begins: Coalescer[JobRef, LockedJob | Unreadable | None] = Coalescer(
+            self._begin, name="begin", max_batch=BATCH_SIZE
         )
         self._completions: Coalescer[Completion, bool] = Coalescer(
             self._complete, name="complete", max_batch=BATCH_SIZE
@@ -172,6 +194,8 @@ class Executor:
             raise
         except Exception as exc:
             raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(job, Unreadable):
+            return await self._park(ref, msg, job)
         if job is None or job.status != "dispatched" or job.attempt != msg.attempt:
             return _skipped(job, msg)
         if msg.task is not None and msg.task != job.task:
@@ -188,6 +212,41 @@ class Executor:
         label = job.task if job.task in self._registry else "unknown"
         JOBS_FINISHED.labels(label, outcome.value).inc()
         return outcome
+
+    async def _begin(self, refs: list[JobRef]) -> list[LockedJob | Unreadable | None]:
+        """``begin`` for a batch. A row the client cannot read (a payload nested deeper
+        than the JSON parser goes, a value Python cannot hold) would fail every batch it
+        is in, and requeue them all forever: such a batch is read again row by row, and
+        the unreadable row alone is parked."""
+        try:
+            return list(await self._store.begin(refs))
+        except _UNAVAILABLE:
+            raise
+        except Exception as exc:
+            if len(refs) == 1:
+                return [Unreadable(f"{type(exc).__name__}: {str(exc)[:300]}")]
+        found: list[LockedJob | Unreadable | None] = []
+        for ref in refs:
+            found.extend(await self._begin([ref]))
+        return found
+
+    async def _park(self, ref: JobRef, msg: JobMessage, row: Unreadable) -> Outcome:
+        error = f"the worker cannot read this job's row: {row.reason}"
+        try:
+            parked = await self._store.mark_dead(ref, error)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        log.error(
+            "job_row_unreadable",
+            job_id=ref.job_id,
+            attempt=ref.attempt,
+            task=msg.task,
+            error=error,
+            parked=parked,
+        )
+        return Outcome.DEAD if parked else Outcome.SKIPPED
 
     async def _settle(self, ref: JobRef, job: LockedJob) -> Outcome:
         fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}

@@ -6,7 +6,9 @@
 -- never earlier than due_at) so future partitions are pruned.
 
 -- name: claim
--- Runs inside the dispatcher's fenced transaction. SKIP LOCKED: rows held by a concurrent
+-- Runs inside the dispatcher's fenced transaction. Not the payload: the message is a
+-- pointer and the worker reads the payload from the row (a 1 MiB payload was read, sent
+-- and decoded by the leader for nothing). SKIP LOCKED: rows held by a concurrent
 -- claimer, a canceller or a worker (FOR KEY SHARE) are left for a later pass.
 -- The LIMIT placeholder is the batch size, spliced in as an integer literal by
 -- DispatchStore (never text from outside): with `LIMIT $1` PostgreSQL judged the
@@ -17,7 +19,7 @@
 -- the statement is planned once per connection; now() still prunes the partitions at
 -- executor start. Raw claim of 500, interleaved A/B: p50 5.8 -> 2.4 ms at 10k stored,
 -- 6.2 -> 2.5 ms at 10M.
-SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key
+SELECT id, task, queue, due_at, run_at, attempt
   FROM duetime.jobs
  WHERE status = 'pending'
    AND coalesce(run_at, due_at) <= now()
@@ -42,7 +44,7 @@ SELECT id
 
 -- name: claimed_row
 -- One row claim_ids locked (by id alone: jobs_id_idx, one probe per bucket).
-SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key
+SELECT id, task, queue, due_at, run_at, attempt
   FROM duetime.jobs
  WHERE id = $1 AND status = 'pending';
 
@@ -95,9 +97,10 @@ SELECT count(*)
 -- name: lock_stalled
 -- Reconciler, inside its fenced transaction: dispatched jobs with no sign of life for
 -- $1 seconds, except in the queues $3 (deferred: they still hold a backlog of messages).
--- A job a worker is executing is locked FOR KEY SHARE by the worker's transaction, so
--- SKIP LOCKED leaves it alone however long it runs.
-SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key,
+-- A job a worker is executing is kept out of it by its heartbeats (every
+-- visibility_timeout / 3); a re-publish that still happens is a duplicate delivery,
+-- which the worker's ledger absorbs.
+SELECT id, task, queue, due_at, run_at, attempt,
        dispatch_epoch, republish_count,
        extract(epoch FROM now() - coalesce(heartbeat_at, dispatched_at))::float8 AS silent_for
   FROM duetime.jobs

@@ -307,6 +307,43 @@ async def test_retry_delays_are_bounded_and_hostile_errors_are_recorded(
     assert len((await job_row(db_pool, jobs["huge"]))["last_error"]) <= 2000 * 4
 
 
+async def test_a_row_the_worker_cannot_read_is_parked_and_its_batch_runs(
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    effects_table: str,
+) -> None:
+    """A payload nested deeper than Python's JSON parser goes fails the batched read of
+    every delivery it arrives with. Before, the whole batch would be requeued forever:
+    now the batch is read again row by row, that job is dead with the reason, and its
+    neighbours run."""
+    registry = Registry()
+
+    @registry.task("t.rec")
+    async def rec(ctx: JobContext, payload: dict[str, Any]) -> None:
+        await _insert(ctx)
+
+    jobs = [await dispatched_job(db_pool, "t.rec", {"i": i}, queue=queue) for i in range(6)]
+    deep = await dispatched_job(db_pool, "t.rec", {}, queue=queue)
+    await db_pool.execute(
+        "UPDATE duetime.jobs SET payload = ('{\"a\": ' || repeat('[', 5000) || "
+        "repeat(']', 5000) || '}')::jsonb WHERE id = $1",
+        deep.id,
+    )
+    for job in [*jobs[:3], deep, *jobs[3:]]:  # one burst: the deep row is in a batch
+        await publish(channel, queue, job.message(1))
+    async with running(settings, registry, queue) as worker:
+        await wait_for(lambda: _all(db_pool, jobs, ("succeeded", 1)), timeout=15)
+        await wait_for(lambda: _all(db_pool, [deep], ("dead", 1)), timeout=15)
+        await wait_for(lambda: _settled(worker, channel, queue), timeout=10)
+    error = await db_pool.fetchval(  # not SELECT *: the test cannot read that payload either
+        "SELECT last_error FROM duetime.jobs WHERE id = $1", deep.id
+    )
+    assert error.startswith("the worker cannot read this job's row: RecursionError"), error
+    assert await effects(db_pool, deep, effects_table) == 0
+
+
 async def test_the_pool_is_full_and_prepared_before_the_worker_is_ready(
     settings: Settings, db_pool: asyncpg.Pool, queue: str
 ) -> None:

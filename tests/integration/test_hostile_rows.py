@@ -187,18 +187,19 @@ async def test_unreadable_rows_are_parked_and_the_others_dispatched(
         await dispatcher.publisher.open()
         try:
             report = await dispatcher.dispatch_batch()
-            assert (report.claimed, report.published) == (20, 20)
+            # the deep payload is not the dispatcher's to read (the message is a pointer):
+            # it is dispatched, and the worker parks it (test_executor.py)
+            assert (report.claimed, report.published) == (21, 21)
             assert (await dispatcher.dispatch_batch()).claimed == 0  # nothing left stuck
         finally:
             await dispatcher.publisher.close()
         statuses = await pool.fetch(
-            "SELECT status, count(*) AS n FROM duetime.jobs WHERE id NOT IN ($1, $2) "
-            "GROUP BY status",
+            "SELECT status, count(*) AS n FROM duetime.jobs WHERE id <> $1 GROUP BY status",
             bc,
-            deep,
         )
-        assert {r["status"]: r["n"] for r in statuses} == {"dispatched": 20}
-        for job_id, error in ((bc, "OverflowError"), (deep, "RecursionError")):
+        assert {r["status"]: r["n"] for r in statuses} == {"dispatched": 21}
+        assert deep is not None
+        for job_id, error in ((bc, "OverflowError"),):
             row = await pool.fetchrow(
                 "SELECT status, last_error FROM duetime.jobs WHERE id = $1", job_id
             )

@@ -38,11 +38,9 @@ def make_jobs(queue: str, n: int, *, attempt: int = 1) -> list[ClaimedJob]:
             ClaimedJob(
                 id=job_id,
                 task="demo.task",
-                payload={"n": job_id, "text": "héllo"},
                 queue=queue,
                 due_at=due - timedelta(seconds=job_id % 7),
                 attempt=attempt,
-                idempotency_key=f"job:{job_id}",
             )
         )
     return jobs

@@ -361,7 +361,7 @@ def test_any_task_name_fits_the_message_properties(task: str) -> None:
     from scheduler.publisher import encode_job
     from scheduler.rows import ClaimedJob
 
-    job = ClaimedJob(1, task, {}, "q", datetime(2026, 1, 1, tzinfo=UTC), 1, "job:1")
+    job = ClaimedJob(1, task, "q", datetime(2026, 1, 1, tzinfo=UTC), 1)
     try:
         body, properties = encode_job(job, 1)
     except UnicodeEncodeError:  # a lone surrogate: PostgreSQL text cannot hold one
