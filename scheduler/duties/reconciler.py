@@ -13,10 +13,9 @@ Why a job can be stalled although the dispatcher commits only after the broker
 confirmed: the message was dead-lettered after ``x-delivery-limit`` deliveries (workers
 crashing on it), its queue was deleted or purged, the broker lost it, or a worker died
 after taking it. A job that a worker is *executing* is not stalled, however long it
-runs: the worker heartbeats it every ``visibility_timeout / 3``, and while a handler's
-``ctx.db`` transaction holds the row, ``SKIP LOCKED`` passes it by. Only a worker whose
+runs: the worker heartbeats it every ``visibility_timeout / 3``. Only a worker whose
 event loop is blocked longer than the timeout lets a running job look stalled; the
-re-published copy is a duplicate delivery that the ledger absorbs.
+re-published copy is then a duplicate delivery, which the ledger absorbs.
 
 Trade-offs (documented, not hidden):
 
