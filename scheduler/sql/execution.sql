@@ -121,11 +121,17 @@ WITH done AS (
     SELECT * FROM unnest($1::bigint[], $2::timestamptz[], $3::int[], $4::text[], $5::text[])
         WITH ORDINALITY AS d(id, due_at, attempt, key, task, i)
 ), settled AS (
-    -- `= ANY` repeats the join for an index scan pruned to the group's partitions
+    -- `id = ANY` repeats the join for a primary-key index scan; the due_at range ($7, $8:
+    -- the smallest and largest due_at) prunes to the group's partitions at executor
+    -- start. `+ interval '0'` keeps plan-time pruning from making custom plans look
+    -- cheaper (this runs on a handler's connection, with PostgreSQL's default plan cache
+    -- mode): see docs/benchmarks.md, "Worker statements and plan caching".
     UPDATE duetime.jobs j
        SET status = 'succeeded', finished_at = now()
       FROM done d
-     WHERE j.id = ANY($1::bigint[]) AND j.due_at = ANY($2::timestamptz[])
+     WHERE j.id = ANY($1::bigint[])
+       AND j.due_at >= $7::timestamptz + interval '0'
+       AND j.due_at <= $8::timestamptz + interval '0'
        AND j.id = d.id AND j.due_at = d.due_at
        AND j.status = 'dispatched' AND j.attempt = d.attempt
     RETURNING d.i, d.id, d.attempt, d.key, d.task

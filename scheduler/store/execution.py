@@ -140,6 +140,8 @@ class ExecutionStore:
             [c.key for c in completions],
             [c.task for c in completions],
             worker,
+            min(c.ref.due_at for c in completions),
+            max(c.ref.due_at for c in completions),
         )
         return [Finish(settled=r["settled"], recorded=r["recorded"]) for r in records]
 
@@ -191,4 +193,4 @@ async def prepare_handler_connection(conn: asyncpg.Connection) -> None:
     """The same for a handler connection: the statement that finishes an attempt in the
     handler's transaction."""
     await conn.fetchrow(Q["finish_delivery"], 0, _epoch(), 0, "", "", "")
-    await conn.fetch(Q["finish_group"], [0], [_epoch()], [0], [""], [""], "")
+    await conn.fetch(Q["finish_group"], [0], [_epoch()], [0], [""], [""], "", _epoch(), _epoch())
