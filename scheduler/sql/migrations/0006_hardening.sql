@@ -27,13 +27,16 @@ UPDATE duetime.jobs
        run_at = NULL
  WHERE due_at < '0001-01-02 00:00:00+00' OR due_at >= '9999-12-31 00:00:00+00';
 
+-- A retry time only matters while the job is pending (a dispatched job's run time has
+-- passed); the pending index answers this without reading the buckets.
 UPDATE duetime.jobs
-   SET status = CASE WHEN status IN ('pending', 'dispatched') THEN 'dead' ELSE status END,
-       finished_at = coalesce(finished_at, now()),
+   SET status = 'dead', finished_at = now(),
        last_error = format('run_at %s is outside the supported range (before 9999-12-31 '
                            'UTC); parked as dead', run_at AT TIME ZONE 'UTC'),
        run_at = NULL
- WHERE run_at >= '9999-12-31 00:00:00+00';
+ WHERE status = 'pending'
+   AND coalesce(run_at, due_at) >= '9999-12-31 00:00:00+00'
+   AND run_at >= '9999-12-31 00:00:00+00';
 
 CREATE FUNCTION duetime.readable_time(t timestamptz) RETURNS boolean
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
