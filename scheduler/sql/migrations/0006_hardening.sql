@@ -27,16 +27,13 @@ UPDATE duetime.jobs
        run_at = NULL
  WHERE due_at < '0001-01-02 00:00:00+00' OR due_at >= '9999-12-31 00:00:00+00';
 
--- A retry time only matters while the job is pending (a dispatched job's run time has
--- passed); the pending index answers this without reading the buckets.
 UPDATE duetime.jobs
-   SET status = 'dead', finished_at = now(),
+   SET status = CASE WHEN status IN ('pending', 'dispatched') THEN 'dead' ELSE status END,
+       finished_at = coalesce(finished_at, now()),
        last_error = format('run_at %s is outside the supported range (before 9999-12-31 '
                            'UTC); parked as dead', run_at AT TIME ZONE 'UTC'),
        run_at = NULL
- WHERE status = 'pending'
-   AND coalesce(run_at, due_at) >= '9999-12-31 00:00:00+00'
-   AND run_at >= '9999-12-31 00:00:00+00';
+ WHERE run_at >= '9999-12-31 00:00:00+00';
 
 CREATE FUNCTION duetime.readable_time(t timestamptz) RETURNS boolean
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
@@ -152,10 +149,8 @@ CREATE TRIGGER schedules_delete_cancel_planned BEFORE DELETE ON duetime.schedule
 -- FOR SHARE, so a newer leader's advance waits for this commit or makes it fail: a claim
 -- committed under a fenced-out epoch is impossible whatever the client code does
 -- (fence.py's check only makes a zombie give up earlier). Row-level because PostgreSQL
--- has no deferred statement triggers, and a statement trigger with transition tables
--- would run on every worker update; the WHEN clause keeps every other update of a job
--- (heartbeats, completions, retries) free of it. Cost: ~9 us per dispatched row, 4.3 ms
--- per 500-row claim (docs/security.md "Hardening").
+-- has no deferred statement triggers; the WHEN clause keeps every other update of a job
+-- (heartbeats, completions, retries) free of it. Measured in docs/security.md.
 CREATE FUNCTION duetime.check_dispatch_fence() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
