@@ -66,7 +66,6 @@ from scheduler.metrics import (
     BACKLOG,
     DISPATCH_LAG,
     JOBS_CLAIMED,
-    JOBS_PARKED,
     JOBS_PUBLISHED,
     PUBLISH_FAILURES,
 )
@@ -328,21 +327,7 @@ class Dispatcher(PublishingDuty):
                 next_step="read the batch row by row and park the unreadable rows",
             )
         jobs, unreadable = await self.store.claim_isolated(conn, self.config.batch_size)
-        for row in unreadable:
-            reason = f"the dispatcher cannot read this row ({row.error}); parked as dead"
-            try:
-                async with conn.transaction():  # a savepoint
-                    parked = await self.store.park(conn, row.job_id, reason)
-            except asyncpg.PostgresError as exc:
-                parked = False
-                reason = f"{reason}; the park was refused: {type(exc).__name__}: {exc}"
-            JOBS_PARKED.labels("unreadable").inc(parked)
-            self.log.error(
-                "job_unreadable",
-                job_id=row.job_id,
-                error=reason,
-                outcome="dead" if parked else "left pending",
-            )
+        await self.park_unreadable(conn, unreadable)
         return jobs
 
     def _account(

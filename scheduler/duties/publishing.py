@@ -6,19 +6,25 @@ own AMQP connection, named after the duty so RabbitMQ's management view tells th
 apart) unless one is injected — tests and benchmarks share one and close it themselves
 — on top of what every fenced duty has (``scheduler.duty.LeaderDuty``: settings, pool,
 the lease check before each claim).
+
+Both also read rows the client may be unable to decode (a payload nested deeper than
+Python's JSON parser goes); ``park_unreadable`` makes each such row dead with the
+reason, so it cannot fail every batch it sorts into.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
+from scheduler.db import Conn
 from scheduler.duty import LeaderDuty
+from scheduler.metrics import JOBS_PARKED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher
-from scheduler.store.dispatch import DispatchStore
+from scheduler.store.dispatch import DispatchStore, UnreadableRow
 
 
 class PublishingDuty(LeaderDuty):
@@ -49,3 +55,27 @@ class PublishingDuty(LeaderDuty):
     async def teardown(self) -> None:
         if self._owns_publisher:
             await self.publisher.close()
+
+    async def park_unreadable(self, conn: Conn, rows: Sequence[UnreadableRow]) -> int:
+        """Make each row dead with why, each under a savepoint: a park the database
+        refuses (a row breaking an older NOT VALID CHECK) leaves that row as it is and the
+        batch intact. Returns how many were parked."""
+        parked_total = 0
+        for row in rows:
+            reason = f"the {self.name} cannot read this row ({row.error}); parked as dead"
+            try:
+                async with conn.transaction():  # a savepoint
+                    parked = await self.store.park(conn, row.job_id, reason)
+            except asyncpg.PostgresError as exc:
+                parked = False
+                reason = f"{reason}; the park was refused: {type(exc).__name__}: {exc}"
+            parked_total += parked
+            JOBS_PARKED.labels("unreadable").inc(parked)
+            self.log.error(
+                "job_unreadable",
+                job_id=row.job_id,
+                error=reason,
+                outcome="dead" if parked else "left as it is",
+            )
+        return parked_total
+

@@ -51,10 +51,12 @@ import asyncpg
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
+from scheduler.db import Conn
 from scheduler.duties.publishing import PublishingDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import JOBS_PARKED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
+from scheduler.rows import UNREADABLE
 from scheduler.store.dispatch import StalledJob
 
 MAX_IDS_LOGGED = 100
@@ -164,9 +166,7 @@ class Reconciler(PublishingDuty):
             self.pool.acquire(timeout=self.settings.db_timeout) as conn,
             fenced_transaction(conn, epoch),
         ):
-            stalled = await self.store.lock_stalled(
-                conn, self.config.visibility_timeout, self.config.batch_size, skip_queues=skip
-            )
+            stalled = await self._lock_stalled(conn, skip)
             if not stalled:
                 return ReconcileReport()
             due, deferred = await self._split_backlogged(stalled)
@@ -182,6 +182,19 @@ class Reconciler(PublishingDuty):
         return ReconcileReport(
             len(stalled), len(marked), len(deferred), len(result.failed), len(given_up)
         )
+
+    async def _lock_stalled(self, conn: Conn, skip: list[str]) -> list[StalledJob]:
+        """The batch's stalled jobs; row by row, parking what cannot be read, if it must."""
+        timeout, limit = self.config.visibility_timeout, self.config.batch_size
+        try:
+            return await self.store.lock_stalled(conn, timeout, limit, skip_queues=skip)
+        except UNREADABLE as exc:
+            self.log.warning("lock_stalled_unreadable", error=f"{type(exc).__name__}: {exc}")
+        stalled, unreadable = await self.store.lock_stalled_isolated(
+            conn, timeout, limit, skip_queues=skip
+        )
+        await self.park_unreadable(conn, unreadable)
+        return stalled
 
     def give_up_error(self) -> str:
         """The last_error of a job the reconciler gives up on."""

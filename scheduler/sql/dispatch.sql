@@ -49,11 +49,12 @@ SELECT id, task, queue, due_at, run_at, attempt
  WHERE id = $1 AND status = 'pending';
 
 -- name: park
--- A row the dispatcher cannot read goes dead with the reason, instead of failing every
--- claim it sorts into. By id alone (its due_at may be what cannot be read).
+-- A row the dispatcher or the reconciler cannot read goes dead with the reason, instead
+-- of failing every claim it sorts into. By id alone (its due_at may be what cannot be
+-- read); the caller holds the row's lock.
 UPDATE duetime.jobs
-   SET status = 'dead', finished_at = now(), last_error = $2
- WHERE id = $1 AND status = 'pending';
+   SET status = 'dead', finished_at = now(), heartbeat_at = NULL, last_error = $2
+ WHERE id = $1 AND status IN ('pending', 'dispatched');
 
 -- name: mark_dispatched
 -- Only the jobs RabbitMQ confirmed: $1 their ids, $2..$3 the smallest and largest of their
@@ -111,6 +112,27 @@ SELECT id, task, queue, due_at, run_at, attempt,
  ORDER BY coalesce(heartbeat_at, dispatched_at)
  LIMIT $2
    FOR UPDATE SKIP LOCKED;
+
+-- name: lock_stalled_ids
+-- lock_stalled when a row of it cannot be read by the client: the same rows, locked the
+-- same way, by id only, each then read alone (stalled_row).
+SELECT id
+  FROM duetime.jobs
+ WHERE status = 'dispatched'
+   AND coalesce(heartbeat_at, dispatched_at) < now() - make_interval(secs => $1)
+   AND due_at <= now()
+   AND queue <> ALL($3::text[])
+ ORDER BY coalesce(heartbeat_at, dispatched_at)
+ LIMIT $2
+   FOR UPDATE SKIP LOCKED;
+
+-- name: stalled_row
+-- One row lock_stalled_ids locked, as lock_stalled returns it.
+SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key,
+       dispatch_epoch, republish_count,
+       extract(epoch FROM now() - coalesce(heartbeat_at, dispatched_at))::float8 AS silent_for
+  FROM duetime.jobs
+ WHERE id = $1 AND status = 'dispatched';
 
 -- name: mark_redispatched
 -- Reconciler: the jobs it re-published and RabbitMQ confirmed start a new visibility

@@ -66,6 +66,15 @@ class UnreadableRow:
     error: str
 
 
+def _stalled(record: asyncpg.Record) -> StalledJob:
+    return StalledJob(
+        ClaimedJob.from_record(record),
+        record["silent_for"],
+        record["dispatch_epoch"],
+        record["republish_count"],
+    )
+
+
 def _key_arrays(jobs: Sequence[ClaimedJob]) -> tuple[list[int], datetime, datetime]:
     """Arguments identifying ``jobs``: ids, and the due_at range for partition pruning."""
     dues = [job.due_at for job in jobs]
@@ -109,7 +118,8 @@ class DispatchStore:
         return jobs, unreadable
 
     async def park(self, conn: Conn, job_id: int, reason: str) -> bool:
-        """pending → dead with ``reason`` as last_error, by id alone."""
+        """pending or dispatched → dead with ``reason`` as last_error, by id alone (the
+        caller holds the row's lock)."""
         return await conn.execute(Q["park"], job_id, reason) == "UPDATE 1"
 
     async def mark_dispatched(
@@ -149,15 +159,31 @@ class DispatchStore:
         records = await conn.fetch(
             Q["lock_stalled"], float(visibility_timeout), limit, list(skip_queues)
         )
-        return [
-            StalledJob(
-                ClaimedJob.from_record(r),
-                r["silent_for"],
-                r["dispatch_epoch"],
-                r["republish_count"],
-            )
-            for r in records
-        ]
+        return [_stalled(r) for r in records]
+
+    async def lock_stalled_isolated(
+        self,
+        conn: Conn,
+        visibility_timeout: float,
+        limit: int,
+        *,
+        skip_queues: Sequence[str] = (),
+    ) -> tuple[list[StalledJob], list[UnreadableRow]]:
+        """``lock_stalled`` one row at a time, for when it raised ``UNREADABLE``."""
+        stalled: list[StalledJob] = []
+        unreadable: list[UnreadableRow] = []
+        ids = await conn.fetch(
+            Q["lock_stalled_ids"], float(visibility_timeout), limit, list(skip_queues)
+        )
+        for job_id in [r["id"] for r in ids]:
+            try:
+                record = await conn.fetchrow(Q["stalled_row"], job_id)
+            except UNREADABLE as exc:
+                unreadable.append(UnreadableRow(job_id, f"{type(exc).__name__}: {exc}"))
+                continue
+            if record is not None:
+                stalled.append(_stalled(record))
+        return stalled, unreadable
 
     async def mark_redispatched(
         self, conn: Conn, jobs: Sequence[ClaimedJob], epoch: int

@@ -29,6 +29,7 @@ from scheduler.broker import DEAD_LETTER_QUEUE, declare_dead_letter, queue_name
 from scheduler.config import Settings
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
+from scheduler.duties.reconciler import Reconciler, ReconcilerConfig
 from scheduler.duty import LeaderTerm
 from scheduler.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare, dispatched_job, job_row, publish, queue_depth
@@ -205,6 +206,51 @@ async def test_unreadable_rows_are_parked_and_the_others_dispatched(
             )
             assert row["status"] == "dead"
             assert row["last_error"].startswith(f"the dispatcher cannot read this row ({error}")
+    finally:
+        ch = await connection.channel()
+        with contextlib.suppress(Exception):
+            await ch.queue_delete(queue_name(queue))
+        await connection.close()
+
+
+async def test_an_unreadable_stalled_job_is_parked_and_the_others_republished(
+    settings: Settings, migrated_dsn: str, pool: asyncpg.Pool, unique: str
+) -> None:
+    """A dispatched row nobody can decode (marked by hand, or by a path that never read
+    it) would fail every reconciler pass; it goes dead and the others are rescued."""
+    queue = f"stalled-{unique}"
+    assert await FenceStore(pool).advance(1, "n")
+    deep = await pool.fetchval(
+        f"INSERT INTO duetime.jobs (task, queue, payload, due_at, status, dispatched_at, "
+        f"dispatch_epoch) VALUES ('t', $1, {DEEP_PAYLOAD}, now() - interval '1 hour', "
+        f"'dispatched', now() - interval '10 minutes', 1) RETURNING id",
+        queue,
+    )
+    await pool.execute(
+        "INSERT INTO duetime.jobs (task, queue, due_at, status, dispatched_at, dispatch_epoch) "
+        "SELECT 't', $1, now() - interval '1 hour', 'dispatched', "
+        "       now() - interval '10 minutes', 1 FROM generate_series(1, 3)",
+        queue,
+    )
+    config = ReconcilerConfig(defer_backlogged_queues=False)
+    reconciler = Reconciler(
+        dataclasses.replace(settings, database_url=migrated_dsn), pool, config=config
+    )
+    reconciler.bind(LeaderTerm(epoch=1, node_id="n"))
+    connection = await aio_pika.connect(settings.amqp_url, timeout=10)
+    try:
+        await declare(await connection.channel(), queue)
+        await reconciler.setup()
+        try:
+            report = await reconciler.reconcile_batch()
+        finally:
+            await reconciler.teardown()
+        assert (report.stalled, report.republished) == (3, 3)
+        row = await pool.fetchrow("SELECT status, last_error FROM duetime.jobs WHERE id = $1", deep)
+        assert row["status"] == "dead"
+        assert row["last_error"].startswith(
+            "the reconciler cannot read this row (RecursionError"
+        )
     finally:
         ch = await connection.channel()
         with contextlib.suppress(Exception):

@@ -162,6 +162,10 @@ async def test_0006_parks_existing_rows_it_would_refuse(fresh_dsn: str) -> None:
             "INSERT INTO duetime.jobs (task, due_at) VALUES ('bc', '0044-03-15 BC'), "
             "('far', '20000-01-01 00:00:00+00'), ('ok', now())"
         )
+        await conn.execute(  # a retry pushed past year 9999
+            "INSERT INTO duetime.jobs (task, due_at, run_at) "
+            "VALUES ('late', now(), '20000-01-01 00:00:00+00')"
+        )
         await conn.execute(
             "INSERT INTO duetime.schedules (name, task, cron, start_at) "
             "VALUES ('bc', 't', '* * * * *', '0044-03-15 BC')"
@@ -184,6 +188,8 @@ async def test_0006_parks_existing_rows_it_would_refuse(fresh_dsn: str) -> None:
             jobs["bc"]["last_error"]
         )
         assert "due_at 20000-01-01 00:00:00 is outside" in jobs["far"]["last_error"]
+        assert jobs["late"]["status"] == "dead" and jobs["late"]["run_at"] is None
+        assert jobs["late"]["last_error"].startswith("run_at 20000-01-01 00:00:00 is outside")
         schedules = {r["name"]: r for r in await pool.fetch("SELECT * FROM duetime.schedules")}
         assert not schedules["ok"]["paused"]
         assert schedules["bc"]["paused"] and schedules["bc"]["start_at"] is None
