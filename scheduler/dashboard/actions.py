@@ -4,6 +4,7 @@ one-shot message. No transition is written here.
 
 Refusals: read-only → 403; a missing or wrong CSRF token, or an ``Origin`` that is not
 this host → 403; a transition the state does not allow → the store's reason, shown.
+Every action and refusal is logged with the client's address: the audit trail.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def redirect(url: str, message: str | None = None) -> RedirectResponse:
     return response
 
 
+def _client(request: Request) -> str | None:
+    """The client's address (the proxy's X-Forwarded-For when uvicorn trusts it)."""
+    return request.client.host if request.client else None
+
+
 class Refused(Exception):
     def __init__(self, status: int, reason: str) -> None:
         super().__init__(reason)
@@ -73,7 +79,10 @@ async def checked_form(dash: Dashboard, request: Request, *, action: bool = True
 
 
 def _refused(request: Request, exc: Refused) -> Response:
-    log.warning("dashboard_action_refused", path=request.url.path, reason=exc.reason)
+    log.warning(
+        "dashboard_action_refused", path=request.url.path, reason=exc.reason,
+        client=_client(request),
+    )  # fmt: skip
     return PlainTextResponse(exc.reason, status_code=exc.status)
 
 
@@ -86,8 +95,7 @@ async def login(dash: Dashboard, request: Request) -> Response:
         return _refused(request, exc)
     target = local_path(str(form.get("next") or "/"))
     if not dash.auth.token_matches(str(form.get("token") or "")):
-        client = request.client.host if request.client else None
-        log.warning("dashboard_login_failed", client=client)
+        log.warning("dashboard_login_failed", client=_client(request))
         return dash.render(request, "login.html", 401, next=target, failed=True)
     response = redirect(target)
     response.set_cookie(
@@ -123,7 +131,10 @@ async def job_action(dash: Dashboard, request: Request) -> Response:
         job = await store.cancel(job_id)
     else:
         job = await store.run_now(job_id)
-    log.info("dashboard_job_action", action=action, job_id=job_id, status=job.status)
+    log.info(
+        "dashboard_job_action", action=action, job_id=job_id, status=job.status,
+        client=_client(request),
+    )  # fmt: skip
     return redirect(f"/jobs/{job_id}", f"{action}: job {job_id} is now {job.status}")
 
 
@@ -144,7 +155,10 @@ async def bulk(dash: Dashboard, request: Request) -> Response:
         changed = await dash.jobs.retry_matching(where, up_to_id=int(up_to))
     else:
         raise InvalidInput(f"unknown bulk action {action!r}")
-    log.info("dashboard_bulk_action", action=action, changed=changed, up_to_id=int(up_to))
+    log.info(
+        "dashboard_bulk_action", action=action, changed=changed, up_to_id=int(up_to),
+        filter=filter_fields(fields), client=_client(request),
+    )  # fmt: skip
     query = urlencode(filter_fields(fields))
     return redirect(f"/jobs?{query}", f"{action}: {changed} job(s) changed")
 
@@ -168,5 +182,7 @@ async def schedule_action(dash: Dashboard, request: Request) -> Response:
     else:
         job = await store.trigger(name)
         message = f"triggered {name}: job {job.id} due now"
-    log.info("dashboard_schedule_action", action=action, schedule=name)
+    log.info(
+        "dashboard_schedule_action", action=action, schedule=name, client=_client(request)
+    )
     return redirect(f"/schedules/{quote(name, safe='')}", message)
