@@ -128,7 +128,7 @@ SELECT id
 
 -- name: stalled_row
 -- One row lock_stalled_ids locked, as lock_stalled returns it.
-SELECT id, task, payload, queue, due_at, run_at, attempt, idempotency_key,
+SELECT id, task, queue, due_at, run_at, attempt,
        dispatch_epoch, republish_count,
        extract(epoch FROM now() - coalesce(heartbeat_at, dispatched_at))::float8 AS silent_for
   FROM duetime.jobs
