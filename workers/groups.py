@@ -29,7 +29,9 @@ How (``Groups.join`` is called at a handler's first ``ctx.db`` statement):
   members' next statements raise ``GroupAborted`` without reaching the server. It is a
   BaseException (like CancelledError), so a handler's ``except Exception`` lets it pass.
 
-A task registered with ``isolated=True`` never joins a group.
+A task registered with ``isolated=True`` never joins a group, nor does one whose
+handlers typically run longer than ``workers.executor.GROUP_MAX_HANDLER_SECONDS``: a
+group commits when its slowest member is done, so slow members would hold the others.
 """
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ from workers.registry import Registry, default_registry
 log = get_logger("duetime.worker")
 
 #: The worker's own statements (batched begin/complete, failure outcomes, heartbeats) run
-#: on a pool of this size beside the ``concurrency`` connections of the handlers: two
-#: flushes each of begin and complete, and two for failure outcomes and heartbeats.
-STORE_CONNECTIONS = 6
+#: on a pool of this size beside the ``concurrency`` connections of the handlers: four
+#: batched reads and two batched completions in flight, two for failures and heartbeats.
+STORE_CONNECTIONS = 8
 
 
 class Worker:
