@@ -95,7 +95,7 @@ class Worker:
             self.store_pool = await db.pool_from_settings(
                 s,
                 max_size=STORE_CONNECTIONS,
-                min_size=STORE_CONNECTIONS,
+                min_size=STORE_CONNECTIONS // 2,  # the reads and completions of a burst
                 max_inactive_connection_lifetime=0,
                 prepare=prepare_store_connection,
                 server_settings={"plan_cache_mode": "force_generic_plan"},
