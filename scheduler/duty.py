@@ -128,6 +128,8 @@ class LoopDuty:
                 except asyncio.CancelledError:
                     raise
                 except Exception:
+                    if _cancel_requested():
+                        raise asyncio.CancelledError from None
                     self.failures += 1
                     DUTY_FAILURES.labels(self.name).inc()
                     delay = bounded_jitter(self.failures, base=0.2, cap=self.max_backoff)
@@ -137,6 +139,8 @@ class LoopDuty:
                     if ready:
                         ready = False
                         await self._safe_teardown()
+                if _cancel_requested():
+                    raise asyncio.CancelledError
                 await self._sleep(delay)
         finally:
             await self._safe_teardown()
@@ -165,6 +169,15 @@ class LoopDuty:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=delay)
         self._wake.clear()
+
+
+def _cancel_requested() -> bool:
+    """``stop()`` cancelled the running task, even if the pass it interrupted answered
+    with another error or returned: asyncpg turns a cancelled query on a connection that
+    died meanwhile into ``InterfaceError`` ("connection is closed"); taken for a failed
+    pass, it would keep the loop running until the replica's stop timeout (10 s)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class LeaderDuty(LoopDuty):

@@ -15,9 +15,9 @@ the fence row is locked) before measuring. No PostgreSQL timeout ends such a bac
 Either way, asserted from the SIGSTOP: a new leader leads (etcd key, fence and its own
 log) within ``TTL + grace + LEAD_SLACK`` and has dispatched every job of the zombie's
 interrupted claim under its own epoch within ``TTL + grace + DISPATCH_SLACK``. After
-SIGCONT the zombie steps down (once the replica abandons the duty stuck on the claim
-whose backend is gone) and none of its writes landed after the new epoch was fenced
-(the fence audit of ``tests/chaos/cluster.py``).
+SIGCONT the zombie steps down at once (its dispatcher's cancelled pass ends in
+"connection is closed", which must not keep the duty alive) and none of its writes
+landed after the new epoch was fenced (the fence audit of ``tests/chaos/cluster.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from aio_pika.abc import AbstractChannel
 
 from scheduler.broker import queue_name
 from scheduler.replica import DUTY_STOP_TIMEOUT
-from tests.chaos.cluster import Node, SchedulerCluster
+from tests.chaos.cluster import Node, SchedulerCluster, parse_ts
 from tests.chaos.harness import TTL
 from tests.support.wait import wait_for
 
@@ -188,19 +188,21 @@ async def test_zombie_blocked_sending_a_claim_does_not_hold_the_fence(
 
         zombie.proc.sigcont()
         resumed = True
+        resumed_at = time.time()
 
         def zombie_resigned() -> bool:
             return any(e["epoch"] == old_epoch for e in zombie.events("resigned"))
 
-        # The zombie's dispatcher was frozen inside the claim whose backend is gone; its
-        # socket never sees the end of that result (measured: no EOF within 10 s after
-        # SIGCONT, either path), so stepping down waits for the replica to abandon that
-        # duty (DUTY_STOP_TIMEOUT). The fence makes the wait harmless.
+        # its dispatcher was frozen inside the claim whose backend is gone: the cancelled
+        # pass ends in asyncpg's "connection is closed", which must not keep the duty (and
+        # the term) alive until the replica's stop timeout (DUTY_STOP_TIMEOUT)
         await wait_for(
-            zombie_resigned,
-            timeout=TTL + DUTY_STOP_TIMEOUT + 3,
-            message=f"zombie resigned\n{zombie.proc.tail(30)}",
+            zombie_resigned, timeout=TTL + 2, message=f"zombie resigned\n{zombie.proc.tail(30)}"
         )
+        resigned = next(e for e in zombie.events("resigned") if e["epoch"] == old_epoch)
+        took = parse_ts(str(resigned["timestamp"])) - resumed_at
+        print(f"[zombie] {path}: zombie resigned {took:.3f}s after SIGCONT")
+        assert took < DUTY_STOP_TIMEOUT / 2, took
         rows = await cluster.audit()
         fenced = next(i for i, r in enumerate(rows) if r["new_epoch"] == new_epoch)
         late = [

@@ -44,3 +44,34 @@ async def test_stop_during_the_teardown_after_a_failed_pass_ends_the_loop() -> N
     assert task.done()
     assert duty.passes == 1  # no pass ran after stop()
     assert duty.teardowns_done >= 1
+
+
+class SwallowingDuty(LoopDuty):
+    """A pass that answers its cancellation with another error, as asyncpg does for a
+    query cancelled on a connection that died meanwhile."""
+
+    name = "swallowing"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = asyncio.Event()
+        self.passes = 0
+
+    async def run_once(self) -> float:
+        self.passes += 1
+        self.running.set()
+        try:
+            await asyncio.Event().wait()  # a query that never answers
+        except asyncio.CancelledError:
+            raise RuntimeError("Transaction.__aexit__(): the connection is closed") from None
+        return 0.0
+
+
+async def test_stop_ends_the_loop_when_the_pass_turns_cancellation_into_an_error() -> None:
+    duty = SwallowingDuty()
+    task = duty.start(LeaderTerm(1, "n"))
+    await asyncio.wait_for(duty.running.wait(), 2)
+    await asyncio.wait_for(duty.stop(), 2)
+    assert task.done() and task.cancelled()
+    assert duty.passes == 1
+    assert duty.failures == 0  # a stop is not a failed pass
