@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 Conn: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
 
 
+def checked_acquire_timeout(seconds: float) -> float:
+    """A store's ``acquire_timeout``: the longest wait for a connection from its pool (a
+    full pool raises ``TimeoutError`` instead of queueing forever); callers pass
+    ``Settings.db_timeout``."""
+    if not seconds > 0:
+        raise ValueError(f"acquire_timeout must be > 0 (got {seconds!r})")
+    return seconds
+
+
 def _big_int(text: str) -> int | float:
     """jsonb keeps numbers exactly; ``{"a": 1e5000}`` comes back as 5001 digits, over
     Python's int-parsing limit (4300). A float (inf) keeps one poisonous row from

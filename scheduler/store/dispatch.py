@@ -23,6 +23,7 @@ import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
 from scheduler.config import DEFAULT_DB_TIMEOUT
+from scheduler.db import checked_acquire_timeout
 from scheduler.log import get_logger
 from scheduler.rows import UNREADABLE, ClaimedJob
 from scheduler.sql import load
@@ -85,13 +86,9 @@ class DispatchStore:
     def __init__(
         self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
     ) -> None:
-        """``acquire_timeout``: the longest wait for a connection from ``pool`` (a full
-        pool raises ``TimeoutError`` instead of queueing forever); callers pass
-        ``Settings.db_timeout``."""
-        if not acquire_timeout > 0:
-            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
+        """``acquire_timeout``: see ``scheduler.db.checked_acquire_timeout``."""
         self._pool = pool
-        self._acquire_timeout = acquire_timeout
+        self._acquire_timeout = checked_acquire_timeout(acquire_timeout)
 
     # -- dispatcher (inside its fenced transaction) ----------------------------------
 

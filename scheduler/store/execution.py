@@ -64,6 +64,18 @@ class Finish:
     recorded: bool
 
 
+def _columns(items: Sequence[Completion]) -> tuple[list[Any], ...]:
+    """The array arguments of the batched completions: ids, due times, attempts, keys,
+    tasks (in that order, as the statements unnest them)."""
+    return (
+        [c.ref.job_id for c in items],
+        [c.ref.due_at for c in items],
+        [c.ref.attempt for c in items],
+        [c.key for c in items],
+        [c.task for c in items],
+    )
+
+
 def _locked(record: asyncpg.Record) -> LockedJob:
     return LockedJob(
         status=record["status"],
@@ -101,15 +113,7 @@ class ExecutionStore:
         """Settle ``items`` as succeeded with their ledger rows, in one statement. Returns
         the job ids that were still this attempt's (the others moved on meanwhile)."""
         async with self._pool.acquire(timeout=self._timeout) as conn:
-            ids = await conn.fetchval(
-                Q["complete_deliveries"],
-                [c.ref.job_id for c in items],
-                [c.ref.due_at for c in items],
-                [c.ref.attempt for c in items],
-                [c.key for c in items],
-                [c.task for c in items],
-                worker,
-            )
+            ids = await conn.fetchval(Q["complete_deliveries"], *_columns(items), worker)
         return set(ids)
 
     async def finish(self, conn: Conn, completion: Completion, worker: str) -> Finish:
@@ -132,17 +136,9 @@ class ExecutionStore:
     ) -> list[Finish]:
         """``finish`` for many attempts in one statement, in the caller's transaction;
         aligned with ``completions`` (which must not repeat a key)."""
-        records = await conn.fetch(
-            Q["finish_group"],
-            [c.ref.job_id for c in completions],
-            [c.ref.due_at for c in completions],
-            [c.ref.attempt for c in completions],
-            [c.key for c in completions],
-            [c.task for c in completions],
-            worker,
-            min(c.ref.due_at for c in completions),
-            max(c.ref.due_at for c in completions),
-        )
+        columns = _columns(completions)
+        due = columns[1]
+        records = await conn.fetch(Q["finish_group"], *columns, worker, min(due), max(due))
         return [Finish(settled=r["settled"], recorded=r["recorded"]) for r in records]
 
     async def schedule_retry(self, ref: JobRef, *, delay: float, error: str) -> datetime | None:

@@ -15,7 +15,7 @@ from datetime import date
 import asyncpg
 
 from scheduler.config import DEFAULT_DB_TIMEOUT
-from scheduler.db import Conn
+from scheduler.db import Conn, checked_acquire_timeout
 from scheduler.sql import load
 
 Q = load("maintenance")
@@ -42,13 +42,9 @@ class MaintenanceStore:
     def __init__(
         self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
     ) -> None:
-        """``acquire_timeout``: the longest wait for a connection from ``pool`` (a full
-        pool raises ``TimeoutError`` instead of queueing forever); callers pass
-        ``Settings.db_timeout``."""
-        if not acquire_timeout > 0:
-            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
+        """``acquire_timeout``: see ``scheduler.db.checked_acquire_timeout``."""
         self._pool = pool
-        self._acquire_timeout = acquire_timeout
+        self._acquire_timeout = checked_acquire_timeout(acquire_timeout)
 
     # -- reads (pool) ----------------------------------------------------------------
 
