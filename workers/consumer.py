@@ -2,8 +2,9 @@
 
 Each delivery becomes one asyncio task owned by the ``Consumer`` (aio-pika's own
 callback task only hands it over). A semaphore of size ``concurrency`` bounds the
-handlers running at once; prefetch is set to the same N per queue, so with several
-queues a few deliveries may wait for a slot, unacked, which is harmless.
+handlers running at once; prefetch is ``PREFETCH_PER_SLOT`` x N per queue, so up to
+that many deliveries wait for a slot, unacked, which is harmless (and is what keeps
+the next batch ready while one completes).
 
 Settlement rules (DESIGN §6):
 
@@ -44,6 +45,12 @@ from workers.executor import DatabaseUnavailable, Executor
 
 log = get_logger("duetime.worker")
 
+#: Unacked deliveries per handler slot. Batched reads and completions settle deliveries
+#: in waves; with prefetch = concurrency the next wave could only arrive after the last
+#: one was acked, and the worker idled between waves (database idle while the event loop
+#: parsed a wave, event loop idle while the database completed it). Two per slot keep
+#: the next wave queued locally; waiting deliveries are nacked back at once on shutdown.
+PREFETCH_PER_SLOT = 2
 DB_RETRY_BASE = 0.5
 DB_RETRY_CAP = 10.0
 
@@ -64,6 +71,7 @@ class Consumer:
         self._executor = executor
         self._acks = AckCoalescer()
         self.concurrency = concurrency
+        self.prefetch = concurrency * PREFETCH_PER_SLOT
         self._timeout = timeout
         self._db_retry_cap = db_retry_cap
         self._slots = asyncio.Semaphore(concurrency)
@@ -89,8 +97,9 @@ class Consumer:
     async def start(
         self, channel: AbstractChannel, queues: Sequence[str], *, delivery_limit: int
     ) -> None:
-        """Declare the queues, set prefetch = concurrency, and start consuming."""
-        await channel.set_qos(prefetch_count=self.concurrency, timeout=self._timeout)
+        """Declare the queues, set prefetch (``PREFETCH_PER_SLOT`` x concurrency), and
+        start consuming."""
+        await channel.set_qos(prefetch_count=self.prefetch, timeout=self._timeout)
         for name in queues:
             queue = await declare_job_queue(channel, name, delivery_limit=delivery_limit)
             tag = await queue.consume(self._on_message, no_ack=False, timeout=self._timeout)
