@@ -429,7 +429,7 @@ class Executor:
             await heartbeat.stop()
             took = time.monotonic() - started
             JOB_DURATION.labels(spec.name).observe(took)
-            self._learn(spec.name, took)
+            self._learn(spec.name, took - (db.member.waited if db.member is not None else 0.0))
         return None
 
     async def _record_failure(

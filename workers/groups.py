@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -77,14 +78,20 @@ class Member:
     reported: bool = False
     savepoints: int = 0
     raw: bool = False
+    #: seconds spent waiting for the group's BEGIN and lock: the group's cost, not the
+    #: handler's (``Executor._groupable`` must not mistake it for a slow handler)
+    waited: float = 0.0
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run one Connection method on the group's connection, under the lock."""
         group = self.group
+        queued = time.monotonic()
         await group.started  # raises when the group could not open its transaction
         if group.owner is self:
+            self.waited += time.monotonic() - queued
             return await group.run(self, method, args, kwargs)
         async with group.lock:
+            self.waited += time.monotonic() - queued
             return await group.run(self, method, args, kwargs)
 
     async def connection(self) -> Conn:
