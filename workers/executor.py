@@ -13,7 +13,9 @@ A delivery's way through the worker (DESIGN §6)::
       used ctx.db   → in that transaction: UPDATE succeeded + INSERT ledger (one
                       statement, ``finish``), COMMIT — effects, ledger row and status,
                       all or nothing; a key that another delivery recorded first rolls
-                      the effects back
+                      the effects back. Attempts that use ctx.db at the same time share
+                      one transaction (``workers.groups``): one ``finish_group``, one
+                      COMMIT; a failing member sends the others to run again alone
       no ctx.db     → succeeded + ledger rows for many attempts in one statement
                       (``complete``, batched with the others that finished meanwhile)
     failure        → ctx.db work rolled back; then ``pending`` with the next attempt, or
@@ -28,8 +30,12 @@ whose ``task`` disagrees with its row is a security event (logged, counted) and 
 the row says, never as the message says.
 
 Round trips per delivery (counted in docs/benchmarks.md): a handler without ctx.db pays
-its share of two batched statements and of one multiple-ack; one with a ctx.db statement
-pays BEGIN, its statement, ``finish`` and COMMIT. Connections are not reset between jobs
+its share of two batched statements and of one multiple-ack (0.35 + 0.18 writes); one
+with a ctx.db statement pays that statement and its share of its group's BEGIN,
+``finish_group`` and COMMIT (1.38 + 0.10), alone BEGIN, statement, ``finish``, COMMIT.
+
+This module is over 400 lines on purpose: it is one delivery's whole way (read, run,
+settle, record a failure), in the order it happens. Connections are not reset between jobs
 (``scheduler.db.keep_session``): handlers keep session state transaction-scoped
 (``SET LOCAL``, ``pg_advisory_xact_lock``).
 
