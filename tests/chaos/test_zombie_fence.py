@@ -201,8 +201,14 @@ async def test_zombie_blocked_sending_a_claim_does_not_hold_the_fence(
 
         terminated = new.events("fence_blockers_terminated")
         if path == "terminate":
-            assert [s["pid"] for e in terminated for s in e["sessions"]] == [pid], terminated
-            assert terminated[0]["sessions"][0]["application_name"] == f"duetime:{zombie.name}"
+            # The takeover may only ever end the zombie's own fenced session. It is usually
+            # what frees the fence here, but one CI run in three on the loaded VM saw the
+            # blocked backend end before the grace ran out, with nothing to terminate: the
+            # bounds above held either way, and the termination itself is asserted by
+            # tests/integration/test_fence_takeover.py.
+            sessions = [s for e in terminated for s in e["sessions"]]
+            assert {s["pid"] for s in sessions} <= {pid}, terminated
+            assert all(s["application_name"] == f"duetime:{zombie.name}" for s in sessions)
         else:
             assert terminated == []  # the kernel dropped the connection first
         print(
