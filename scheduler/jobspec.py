@@ -27,6 +27,28 @@ EARLIEST_DUE = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_DUE = datetime(9999, 1, 1, tzinfo=UTC)
 
 
+def validate_task(task: str) -> str:
+    if not isinstance(task, str) or not task.strip():
+        raise InvalidInput("task name must be a non-empty string")
+    if len(task) > MAX_TASK_LENGTH:
+        raise InvalidInput(f"task name is longer than {MAX_TASK_LENGTH} characters")
+    return task
+
+
+def validate_payload(payload: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        raise InvalidInput(f"payload must be a JSON object (a dict), not {type(payload).__name__}")
+    return payload
+
+
+def validate_max_attempts(max_attempts: int) -> int:
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int):
+        raise InvalidInput("max_attempts must be an integer")
+    if not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT:
+        raise InvalidInput(f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}")
+    return max_attempts
+
+
 def validate_queue(queue: str) -> str:
     if not isinstance(queue, str) or not QUEUE_NAME.match(queue):
         raise InvalidInput(
@@ -46,19 +68,10 @@ class JobSpec:
     idempotency_key: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.task, str) or not self.task.strip():
-            raise InvalidInput("task name must be a non-empty string")
-        if len(self.task) > MAX_TASK_LENGTH:
-            raise InvalidInput(f"task name is longer than {MAX_TASK_LENGTH} characters")
-        if not isinstance(self.payload, dict):
-            raise InvalidInput(
-                f"payload must be a JSON object (a dict), not {type(self.payload).__name__}"
-            )
+        validate_task(self.task)
+        validate_payload(self.payload)
         validate_queue(self.queue)
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
-            raise InvalidInput("max_attempts must be an integer")
-        if not 1 <= self.max_attempts <= MAX_ATTEMPTS_LIMIT:
-            raise InvalidInput(f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}")
+        validate_max_attempts(self.max_attempts)
         if self.due_at is not None:
             if not isinstance(self.due_at, datetime):
                 raise InvalidInput("due_at must be a datetime")
