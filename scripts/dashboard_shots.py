@@ -38,7 +38,7 @@ from scheduler.demo.store import DemoStore, recreate_database, with_database  # 
 from scheduler.demo.tasks import JOB_TASK  # noqa: E402
 from scheduler.jobspec import JobSpec  # noqa: E402
 from scheduler.migrate import migrate  # noqa: E402
-from scheduler.schedules import ScheduleSpec  # noqa: E402
+from scheduler.planning import ScheduleSpec  # noqa: E402
 from scheduler.store import JobStore, ScheduleStore  # noqa: E402
 
 DATABASE = "duetime_demo_dashboard_shots"

@@ -35,7 +35,7 @@ from scheduler.dashboard.actions import FLASH_COOKIE
 from scheduler.dashboard.auth import CSRF_COOKIE, SESSION_COOKIE, Auth
 from scheduler.errors import DuetimeError, InvalidInput, InvalidTransition, JobNotFound
 from scheduler.log import get_logger, scrub
-from scheduler.schedules import ScheduleNotFound
+from scheduler.planning import ScheduleNotFound
 from scheduler.store import DashboardStore, JobStore, ScheduleStore
 
 __all__ = ["POOL_MAX", "Dashboard", "create_app"]

@@ -22,8 +22,8 @@ from scheduler.dashboard import charts, present
 from scheduler.dashboard.auth import local_path
 from scheduler.dashboard.cluster import read_broker
 from scheduler.errors import InvalidInput
+from scheduler.planning import upcoming_fire_times
 from scheduler.rows import JOB_STATUSES, Job
-from scheduler.schedules import upcoming_fire_times
 from scheduler.status import STALE_RENEWALS, StatusStore, evaluate, read_election_key
 from scheduler.store import JobFilter
 from scheduler.store.dashboard import LAG_SAMPLE, MINUTE_SAMPLE

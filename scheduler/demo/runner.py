@@ -293,7 +293,7 @@ class Demo:
 
     async def _add_schedules(self, pool: asyncpg.Pool) -> None:
         try:
-            from scheduler.schedules import ScheduleSpec
+            from scheduler.planning import ScheduleSpec
             from scheduler.store.schedules import ScheduleStore
         except ImportError:  # schedules not part of this build
             return

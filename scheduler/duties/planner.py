@@ -61,8 +61,8 @@ from scheduler.db import Conn
 from scheduler.duty import LeaderDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
+from scheduler.planning import PlanConfig, PlanDecision, invalid_decision, plan_schedule
 from scheduler.rows import UNREADABLE
-from scheduler.schedules import PlanConfig, PlanDecision, invalid_decision, plan_schedule
 from scheduler.store.listener import KeptListener
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
 from scheduler.store.schedules import ClaimedSchedule, ScheduleStore

@@ -20,8 +20,8 @@ from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.db import Conn, checked_acquire_timeout
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
+from scheduler.planning import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
 from scheduler.rows import UNREADABLE, Job
-from scheduler.schedules import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
 from scheduler.sql import load
 from scheduler.store.jobs import NOTIFY_HORIZON
 

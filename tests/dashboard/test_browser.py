@@ -18,7 +18,7 @@ import pytest
 from playwright.async_api import expect
 
 from scheduler.jobspec import JobSpec
-from scheduler.schedules import ScheduleSpec
+from scheduler.planning import ScheduleSpec
 from scheduler.store import JobStore, ScheduleStore
 from tests.dashboard.conftest import Cluster, Served
 from tests.support.wait import wait_for

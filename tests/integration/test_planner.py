@@ -25,13 +25,12 @@ import pytest
 from scheduler import db
 from scheduler.clock import ManualClock
 from scheduler.config import Settings
-from scheduler.cron import deterministic_jitter
 from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced
 from scheduler.fence import FenceStore
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
-from scheduler.schedules import ScheduleSpec, fire_key
+from scheduler.planning import ScheduleSpec, deterministic_jitter, fire_key
 from scheduler.store.schedules import ScheduleStore
 from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.wait import wait_for

@@ -32,8 +32,8 @@ from scheduler.duty import LeaderTerm
 from scheduler.fence import FenceStore, fenced_transaction
 from scheduler.jobspec import JobSpec
 from scheduler.messages import JobMessage
+from scheduler.planning import ScheduleSpec
 from scheduler.roles import RoleNames, apply_roles, drop_roles_connection
-from scheduler.schedules import ScheduleSpec
 from scheduler.store import DispatchStore, ExecutionStore, JobStore, ScheduleStore
 from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.wait import wait_for

@@ -1,5 +1,6 @@
 """Explicit cases for scheduler.cron: the DST contract (DESIGN §5b) zone by zone,
-parsing and its error messages, intervals, jitter and misfire plans."""
+parsing and its error messages; and scheduler.planning's intervals, jitter and misfire
+plans."""
 
 from __future__ import annotations
 
@@ -12,19 +13,21 @@ import pytest
 from scheduler.cron import (
     ALIASES,
     CronSpec,
-    MisfirePlan,
     ScheduleSpecError,
-    deterministic_jitter,
     fire_times_between,
     iter_fire_times,
-    misfire_plan,
     next_fire_after,
-    next_interval_fire,
     parse_cron,
+)
+from scheduler.errors import InvalidInput
+from scheduler.planning import (
+    MisfirePlan,
+    deterministic_jitter,
+    misfire_plan,
+    next_interval_fire,
     parse_interval,
     parse_misfire_policy,
 )
-from scheduler.errors import InvalidInput
 
 BERLIN = "Europe/Berlin"
 NEW_YORK = "America/New_York"

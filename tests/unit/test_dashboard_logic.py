@@ -14,7 +14,7 @@ from scheduler.cron import parse_cron
 from scheduler.dashboard import charts, present
 from scheduler.dashboard.auth import SESSION_TTL, Auth, check_listen, is_loopback, local_path
 from scheduler.errors import ConfigError
-from scheduler.schedules import CronTiming
+from scheduler.planning import CronTiming
 
 NEW_YORK = ZoneInfo("America/New_York")
 

@@ -27,7 +27,7 @@ from scheduler.config import load_settings
 from scheduler.cron import parse_cron
 from scheduler.errors import ConfigError, InvalidInput
 from scheduler.messages import MAX_BODY_BYTES, JobMessage, MalformedMessage, decode
-from scheduler.schedules import ScheduleSpec
+from scheduler.planning import ScheduleSpec
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 VALID: dict[str, Any] = {

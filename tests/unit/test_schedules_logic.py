@@ -1,4 +1,4 @@
-"""The pure planning decision (scheduler.schedules): what one planner pass does to one
+"""The pure planning decision (scheduler.planning): what one planner pass does to one
 schedule at a given ``now`` — fire times within the horizon, misfires after downtime,
 overlap policies, jitter, bounds, invalid rows — and the schedule model's validation.
 
@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from scheduler.cron import deterministic_jitter
 from scheduler.errors import InvalidInput
-from scheduler.schedules import (
+from scheduler.planning import (
     PlanConfig,
     PlanDecision,
     Schedule,
     ScheduleSpec,
+    deterministic_jitter,
     fire_key,
     plan_schedule,
     upcoming_fire_times,
