@@ -23,6 +23,7 @@ services:
 
 lint: $(STAMP)
 	$(BIN)/ruff check scheduler workers tests bench
+	$(BIN)/ruff format --check scheduler workers tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -1,3 +1,104 @@
-"""duetime scheduler core: config, schema, stores, election, the leader's duties, CLI."""
+"""duetime's scheduler package, and the producer API at its root.
+
+Producers (web apps, scripts, other services) enqueue jobs and manage schedules with::
+
+    from scheduler import JobStore, ScheduleSpec, ScheduleStore, create_pool, load_settings
+
+The names below are the whole producer API; ``docs/api.md`` shows each in use. The
+rest of the package (config, stores, election, the leader's duties, the CLI) is the
+scheduler service itself, importable but not promised to stay where it is.
+
+The names are loaded on first use (PEP 562 ``__getattr__``): ``import scheduler.cron``
+or ``import scheduler.config`` is what every worker, CLI command and duty starts with,
+and must not pay for asyncpg and the stores, nor run into a module that is still being
+imported (``scheduler.store`` imports ``scheduler.config``, which is a submodule of
+this package). Type checkers see the real imports below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # settings and connections
+    "Settings": "scheduler.config",
+    "load_settings": "scheduler.config",
+    "connect": "scheduler.db",
+    "create_pool": "scheduler.db",
+    "pool_from_settings": "scheduler.db",
+    # jobs
+    "JobStore": "scheduler.store.jobs",
+    "JobFilter": "scheduler.store.jobs",
+    "BulkPreview": "scheduler.store.jobs",
+    "JobSpec": "scheduler.jobspec",
+    "Job": "scheduler.rows",
+    # schedules
+    "ScheduleStore": "scheduler.store.schedules",
+    "ScheduleSpec": "scheduler.schedules",
+    "Schedule": "scheduler.schedules",
+    "ScheduleNotFound": "scheduler.schedules",
+    # errors (the tree is drawn in scheduler/errors.py)
+    "DuetimeError": "scheduler.errors",
+    "ConfigError": "scheduler.errors",
+    "InvalidInput": "scheduler.errors",
+    "JobNotFound": "scheduler.errors",
+    "InvalidTransition": "scheduler.errors",
+    "ServiceUnavailable": "scheduler.errors",
+}
+
+__all__ = [
+    "BulkPreview",
+    "ConfigError",
+    "DuetimeError",
+    "InvalidInput",
+    "InvalidTransition",
+    "Job",
+    "JobFilter",
+    "JobNotFound",
+    "JobSpec",
+    "JobStore",
+    "Schedule",
+    "ScheduleNotFound",
+    "ScheduleSpec",
+    "ScheduleStore",
+    "ServiceUnavailable",
+    "Settings",
+    "connect",
+    "create_pool",
+    "load_settings",
+    "pool_from_settings",
+]
+
+if TYPE_CHECKING:
+    from scheduler.config import Settings, load_settings
+    from scheduler.db import connect, create_pool, pool_from_settings
+    from scheduler.errors import (
+        ConfigError,
+        DuetimeError,
+        InvalidInput,
+        InvalidTransition,
+        JobNotFound,
+        ServiceUnavailable,
+    )
+    from scheduler.jobspec import JobSpec
+    from scheduler.rows import Job
+    from scheduler.schedules import Schedule, ScheduleNotFound, ScheduleSpec
+    from scheduler.store.jobs import BulkPreview, JobFilter, JobStore
+    from scheduler.store.schedules import ScheduleStore
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

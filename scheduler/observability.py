@@ -7,19 +7,14 @@ branch on it.
 - ``/metrics``: Prometheus text (or OpenMetrics when the scraper asks for it) of the
   default registry, which holds every metric of ``scheduler.metrics`` plus process and
   Python runtime collectors.
-- ``/healthz`` (liveness): 200 while the event loop is responsive. A small watcher task
-  wakes every ``loop_interval`` and notes how late it woke; the answer is 503 while the
-  latest lag (or the time since its last wake-up) exceeds ``stall_threshold``. A loop
+- ``/healthz`` (liveness): 200 while the event loop is responsive, else 503; a loop
   blocked outright cannot answer at all, which a prober treats as a failure too
-  (systemd's watchdog is the stronger net for that case). The watcher does not feed
-  ``duetime_event_loop_lag_seconds``: ``scheduler.loopmon.LoopMonitor`` owns that
-  metric, so a process running both does not count every stall twice.
-- ``/readyz`` (readiness): 200 only when every registered check passes. Checks are the
-  process's own callables (``{"db": ..., "amqp": ..., "etcd": ...}``), sync or async;
-  a check passes unless it raises, returns ``False`` or outlives ``check_timeout``.
-  503 carries a JSON body naming each failing check and why. Concurrent probes share
-  one evaluation, so a hammering scraper cannot multiply load on the dependencies.
-  After ``set_draining()`` (shutdown began) readiness is 503 ``shutting_down``.
+  (systemd's watchdog is the stronger net for that case).
+- ``/readyz`` (readiness): 200 only when every registered check passes; 503 carries a
+  JSON body naming each failing check and why. After ``set_draining()`` (shutdown
+  began) readiness is 503 ``shutting_down``.
+
+What each answer means is ``scheduler.health``; this module is the server.
 
 Why asyncio streams and not ``prometheus_client.start_http_server`` or aiohttp: the
 former answers from a thread the process can neither stop nor bound and says nothing
@@ -35,11 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
-import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -48,7 +40,8 @@ from prometheus_client.exposition import choose_encoder
 import scheduler.metrics  # noqa: F401  (registers every duetime metric in REGISTRY)
 from scheduler.config import Settings
 from scheduler.errors import ConfigError
-from scheduler.log import get_logger, scrub
+from scheduler.health import Check, CheckResult, LoopWatch, Readiness, ReadinessReport
+from scheduler.log import get_logger
 
 __all__ = [
     "Check",
@@ -61,9 +54,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-
-Check = Callable[[], Awaitable[object] | object]
-"""A readiness check: passes unless it raises or returns ``False``."""
 
 DEFAULT_HOST = "0.0.0.0"  # Prometheus scrapes from another machine
 MAX_HEAD_BYTES = 8192
@@ -79,34 +69,6 @@ _REASONS = {
     431: "Request Header Fields Too Large",
     503: "Service Unavailable",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class CheckResult:
-    name: str
-    ok: bool
-    seconds: float
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"ok": self.ok, "seconds": round(self.seconds, 4)}
-        if self.error is not None:
-            out["error"] = self.error
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class ReadinessReport:
-    ready: bool
-    checks: tuple[CheckResult, ...] = ()
-    failing: tuple[str, ...] = field(default=())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "status": "ready" if self.ready else "not_ready",
-            "failing": list(self.failing),
-            "checks": {c.name: c.to_dict() for c in self.checks},
-        }
 
 
 class Observability:
@@ -129,22 +91,24 @@ class Observability:
             raise ValueError("timeouts and intervals must be positive")
         self.host = host
         self.requested_port = port
-        self.check_timeout = check_timeout
         self.request_timeout = request_timeout
         self.max_connections = max_connections
-        self.loop_interval = loop_interval
-        self.stall_threshold = stall_threshold
         self._registry = registry
-        self._checks: dict[str, Check] = dict(checks or {})
+        self._readiness = Readiness(checks, timeout=check_timeout)
+        self._loop = LoopWatch(interval=loop_interval, stall_threshold=stall_threshold)
         self._server: asyncio.Server | None = None
         self._monitor: asyncio.Task[None] | None = None
-        self._evaluation: asyncio.Task[ReadinessReport] | None = None
         self._connections: set[asyncio.Task[Any]] = set()
-        self._draining = False
         self._closed = False
-        self._started_at = time.monotonic()
-        self.loop_lag = 0.0
-        self.last_tick = time.monotonic()
+
+    @property
+    def stall_threshold(self) -> float:
+        """Seconds of loop lag beyond which ``/healthz`` answers 503 (settable)."""
+        return self._loop.stall_threshold
+
+    @stall_threshold.setter
+    def stall_threshold(self, seconds: float) -> None:
+        self._loop.stall_threshold = seconds
 
     # -- public API --------------------------------------------------------------------
 
@@ -169,14 +133,14 @@ class Observability:
 
     def add_check(self, name: str, check: Check) -> None:
         """Register (or replace) a readiness check, e.g. once a connection exists."""
-        self._checks[name] = check
+        self._readiness.add(name, check)
 
     def remove_check(self, name: str) -> None:
-        self._checks.pop(name, None)
+        self._readiness.remove(name)
 
     def set_draining(self) -> None:
         """Shutdown began: readiness answers 503 from now on (liveness stays 200)."""
-        self._draining = True
+        self._readiness.draining = True
 
     async def start(self) -> Observability:
         if not self.enabled or self._server is not None:
@@ -192,21 +156,21 @@ class Observability:
                 f"cannot serve metrics on {self.host}:{self.requested_port}: {exc.strerror or exc}"
                 " (DUETIME_METRICS_PORT; each process on a host needs its own port)"
             ) from None
-        self.last_tick = time.monotonic()
-        self._monitor = asyncio.create_task(self._watch_loop(), name="observability:loop-lag")
+        self._monitor = asyncio.create_task(self._loop.run(), name="observability:loop-lag")
         log.info("observability_started", host=self.host, port=self.port)
         return self
 
     async def close(self) -> None:
         """Stop serving and cancel every task this server owns. Safe twice."""
         self._closed = True
-        self._draining = True
+        self._readiness.draining = True
         server, self._server = self._server, None
         if server is not None:
             server.close()
-        tasks = [t for t in (self._monitor, self._evaluation) if t is not None]
+        owned = (self._monitor, self._readiness.take_evaluation())
+        tasks: list[asyncio.Task[Any]] = [t for t in owned if t is not None]
         tasks.extend(self._connections)
-        self._monitor = self._evaluation = None
+        self._monitor = None
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -225,53 +189,12 @@ class Observability:
 
     async def readiness(self) -> ReadinessReport:
         """Run the checks (sharing an evaluation already in flight) and report."""
-        if self._draining:
-            return ReadinessReport(False, (), ("shutting_down",))
-        if self._evaluation is None or self._evaluation.done():
-            self._evaluation = asyncio.create_task(self._evaluate(), name="observability:readyz")
-        return await asyncio.shield(self._evaluation)
+        return await self._readiness.report()
 
     def liveness(self) -> tuple[bool, dict[str, Any]]:
-        since_tick = time.monotonic() - self.last_tick
-        lag = max(self.loop_lag, since_tick - self.loop_interval)
-        alive = lag <= self.stall_threshold
-        return alive, {
-            "status": "ok" if alive else "stalled",
-            "loop_lag_seconds": round(max(lag, 0.0), 4),
-            "uptime_seconds": round(time.monotonic() - self._started_at, 1),
-        }
+        return self._loop.liveness()
 
     # -- internals ---------------------------------------------------------------------
-
-    async def _watch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            before = loop.time()
-            await asyncio.sleep(self.loop_interval)
-            lag = max(0.0, loop.time() - before - self.loop_interval)
-            self.loop_lag = lag
-            self.last_tick = time.monotonic()
-
-    async def _evaluate(self) -> ReadinessReport:
-        names = sorted(self._checks)
-        results = await asyncio.gather(*(self._run_check(n, self._checks[n]) for n in names))
-        failing = tuple(r.name for r in results if not r.ok)
-        return ReadinessReport(not failing, tuple(results), failing)
-
-    async def _run_check(self, name: str, check: Check) -> CheckResult:
-        started = time.monotonic()
-        try:
-            async with asyncio.timeout(self.check_timeout):
-                value = check()
-                if inspect.isawaitable(value):
-                    value = await value
-        except TimeoutError:
-            error: str | None = f"timed out after {self.check_timeout:g}s"
-        except Exception as exc:
-            error = scrub(f"{type(exc).__name__}: {exc}")[:500]
-        else:
-            error = "check returned false" if value is False else None
-        return CheckResult(name, error is None, time.monotonic() - started, error)
 
     async def _on_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

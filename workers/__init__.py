@@ -14,7 +14,9 @@ Write tasks::
         await mailer.send(..., idempotency_key=ctx.idempotency_key)
         await ctx.db.execute("UPDATE users SET emailed_at = now() WHERE id = $1", ...)
 
-and run them: ``duetime worker --import myapp.tasks --queue default --concurrency 64``.
+and run them: ``duetime worker --import myapp.tasks --queue default --concurrency 64``,
+or from Python with ``Worker`` / ``run_worker``. The names below are the whole worker
+API (``docs/api.md``); ``workers.testing`` runs one handler in a test without a broker.
 
 Guarantee: delivery is at least once; effects done through ``ctx.db`` happen exactly
 once (they commit in the same transaction as the idempotency-ledger row and the job's

@@ -179,14 +179,8 @@ class Consumer:
                 msg = decode(message.body)
             except MalformedMessage as exc:
                 MALFORMED_MESSAGES.inc()
-                log.error(
-                    "message_malformed",
-                    message_id=message.message_id,
-                    queue=message.routing_key,
-                    redelivered=message.redelivered,
-                    error=str(exc),
-                )
-                await settle("reject", requeue=False)
+                log.error("message_malformed", error=str(exc), **_delivery(message))
+                await settle("reject", requeue=False)  # to the dead-letter queue
                 return
             job = {"job_id": msg.job_id, "attempt": msg.attempt, "task": msg.task}
             async with self._slot():
@@ -336,6 +330,15 @@ class AckCoalescer:
             for _, future in covered:
                 if not future.done():
                     future.set_result(None)
+
+
+def _delivery(message: AbstractIncomingMessage) -> dict[str, Any]:
+    """Which delivery a log line is about when its body says nothing usable."""
+    return {
+        "message_id": message.message_id,
+        "queue": message.routing_key,
+        "redelivered": message.redelivered,
+    }
 
 
 class _Settlement:

@@ -10,8 +10,9 @@ with the worker's statements already prepared (``scheduler.store.execution``), a
 close idle ones. Measured before: the first 1.5 s of jobs after READY started 300-400 ms late
 while the pool grew and planned on the first burst.
 
-``run_worker`` is what ``duetime worker`` runs: the shared service scaffold turns the
-first SIGTERM/SIGINT into a graceful stop and a second into an immediate exit.
+``Worker.run()`` (``run_worker``) is what ``duetime worker`` runs: the shared service
+scaffold turns the first SIGTERM/SIGINT into a graceful stop and a second into an
+immediate exit.
 
 Shutdown order matters: stop consuming first (nothing new arrives), then let running
 handlers finish within the grace period, cancel the rest (their transactions roll back
@@ -175,6 +176,22 @@ class Worker:
                     log.warning("pool_close_failed", error=repr(exc))
                     pool.terminate()
 
+    async def run(self) -> int:
+        """Run until SIGTERM/SIGINT, then stop gracefully; exit status 0."""
+        from scheduler.service import Service
+
+        async with Service("worker", metrics_port=self.settings.metrics_port) as service:
+            try:
+                # a broker or database blip at start is retried, not fatal (scheduler.startup)
+                if not await start_with_retry(self.start, service.stop_event, service="worker"):
+                    return 0
+                service.ready()
+                service.status(f"consuming {', '.join(self.queues)}")
+                await service.stop_event.wait()
+            finally:
+                await self.stop()
+        return 0
+
     async def __aenter__(self) -> Worker:
         await self.start()
         return self
@@ -183,32 +200,6 @@ class Worker:
         await self.stop()
 
 
-async def run_worker(
-    settings: Settings,
-    *,
-    queues: Sequence[str],
-    registry: Registry | None = None,
-    concurrency: int | None = None,
-    grace_period: float | None = None,
-) -> int:
-    """Run until SIGTERM/SIGINT, then stop gracefully; exit status 0."""
-    from scheduler.service import Service
-
-    worker = Worker(
-        settings,
-        queues=queues,
-        registry=registry,
-        concurrency=concurrency,
-        grace_period=grace_period,
-    )
-    async with Service("worker", metrics_port=settings.metrics_port) as service:
-        try:
-            # a broker or database blip at start is retried, not fatal (scheduler.startup)
-            if not await start_with_retry(worker.start, service.stop_event, service="worker"):
-                return 0
-            service.ready()
-            service.status(f"consuming {', '.join(worker.queues)}")
-            await service.stop_event.wait()
-        finally:
-            await worker.stop()
-    return 0
+async def run_worker(settings: Settings, **options: Any) -> int:
+    """``Worker(settings, **options).run()``: what ``duetime worker`` runs."""
+    return await Worker(settings, **options).run()

@@ -6,11 +6,19 @@ import argparse
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
+import asyncpg
+
+from scheduler import db
+from scheduler.config import Settings
 from scheduler.errors import InvalidInput
+
+T = TypeVar("T", int, float)
+S = TypeVar("S")
 
 _DURATION = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d|w)")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -85,14 +93,50 @@ def _jsonb_problem(value: Any) -> str | None:
     return None
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
+def bounded(
+    kind: Callable[[str], T], noun: str, minimum: float, *, exclusive: bool = False
+) -> Callable[[str], T]:
+    """An argparse ``type``: ``kind(text)``, at least (or, ``exclusive``, more than)
+    ``minimum``; a bad value is one line naming it, e.g. ``'x' is not an integer``."""
+    relation = ">" if exclusive else ">="
+
+    def parse(text: str) -> T:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if value < minimum or (exclusive and value == minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {relation} {minimum:g}")
+        return value
+
+    return parse
+
+
+positive_int = bounded(int, "an integer", 1)
+#: seconds >= 0, and seconds > 0
+seconds = bounded(float, "a number of seconds", 0)
+positive_seconds = bounded(float, "a number of seconds", 0, exclusive=True)
+
+
+def add_command(
+    sub: Any,
+    common: argparse.ArgumentParser,
+    name: str,
+    help: str,
+    description: str | None,
+    epilog: str | None = None,
+) -> Any:
+    """A sub-command whose ``--help`` shows ``description`` (its module's docstring) and
+    ``epilog`` as written, with the flags every command accepts. Returns the sub-parser
+    (a ``scheduler.cli.Parser``)."""
+    return sub.add_parser(
+        name,
+        parents=[common],
+        help=help,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 MAX_ID = 2**63 - 1  # ids are bigint
@@ -134,6 +178,42 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
 
 def print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, default=str, sort_keys=True))
+
+
+def add_actions(
+    sub: Any,
+    common: argparse.ArgumentParser,
+    actions: Sequence[tuple[str, str, Callable[..., Any]]],
+    target: str,
+    **target_options: Any,
+) -> None:
+    """Sub-commands ``(name, help, func)`` that each act on one ``target`` (a job id, a
+    schedule) and print it, or ``--json``."""
+    for name, helptext, func in actions:
+        parser = sub.add_parser(name, parents=[common], help=helptext)
+        parser.add_argument(target, **target_options)
+        parser.add_argument("--json", action="store_true")
+        parser.set_defaults(func=func)
+
+
+def emit(args: argparse.Namespace, data: Any, text: str) -> int:
+    """The outcome of a command: ``data`` as JSON with ``--json``, else ``text``; exit 0."""
+    if args.json:
+        print_json(data)
+    else:
+        print(text)
+    return 0
+
+
+@asynccontextmanager
+async def opened(settings: Settings, store: Callable[..., S]) -> AsyncIterator[S]:
+    """``store`` (``JobStore``, ``ScheduleStore``) on a pool of its own, closed after:
+    one command, a couple of statements."""
+    pool: asyncpg.Pool = await db.pool_from_settings(settings, max_size=2)
+    try:
+        yield store(pool, acquire_timeout=settings.db_timeout)
+    finally:
+        await pool.close()
 
 
 class SettingOverride(argparse.Action):

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from scheduler.cli._util import add_command
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput
 
@@ -80,14 +81,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(func=_unavailable, bench_error=str(exc))
 
 
+HELP = "run benchmarks: storm, steady, recurring, scale, baseline, all"
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    parser = sub.add_parser(
-        "bench",
-        parents=[common],
-        help="run benchmarks: storm, steady, recurring, scale, baseline, all",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(sub, common, "bench", HELP, __doc__)
     parser.set_defaults(func=run)
     # filled only when this sub-command is the one being parsed (scheduler.cli.Parser)
     parser.add_arguments_later = _add_arguments

@@ -11,18 +11,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from scheduler.cli._util import SettingOverride
+from scheduler.cli._util import SettingOverride, add_command
 from scheduler.config import Settings
+
+HELP = "serve the operations dashboard (jobs, schedules, cluster) in the browser"
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    parser = sub.add_parser(
-        "dashboard",
-        parents=[common],
-        help="serve the operations dashboard (jobs, schedules, cluster) in the browser",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(sub, common, "dashboard", HELP, __doc__)
     parser.add_argument(
         "--listen",
         dest="dashboard_listen",

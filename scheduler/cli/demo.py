@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from scheduler.cli._util import positive_int
+from scheduler.cli._util import add_command, positive_int, seconds
 from scheduler.config import Settings
 from scheduler.log import configure_logging
 
@@ -31,28 +31,14 @@ exit codes:
 """
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
+HELP = "run a local cluster live: jobs, cron, a leader killed, a summary (0 lost)"
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    parser = sub.add_parser(
-        "demo",
-        parents=[common],
-        help="run a local cluster live: jobs, cron, a leader killed, a summary (0 lost)",
-        description=__doc__,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(sub, common, "demo", HELP, __doc__, EPILOG)
     parser.add_argument(
         "--duration",
-        type=_seconds,
+        type=seconds,
         default=20.0,
         metavar="SECONDS",
         help="jobs are due over this many seconds (default %(default)g)",
@@ -95,14 +81,14 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--demo-lease-ttl",
         dest="demo_lease_ttl",
-        type=_seconds,
+        type=seconds,
         default=3.0,
         metavar="SECONDS",
         help="lease TTL of the demo's replicas: the failover time (default %(default)g)",
     )
     parser.add_argument(
         "--grace",
-        type=_seconds,
+        type=seconds,
         default=30.0,
         metavar="SECONDS",
         help="how long after --duration the backlog may take to drain (default %(default)g)",

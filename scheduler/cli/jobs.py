@@ -6,10 +6,12 @@ import argparse
 import json
 from typing import Any
 
-from scheduler import db
 from scheduler.cli._util import (
+    add_actions,
     after_id,
+    emit,
     job_id,
+    opened,
     parse_duration,
     parse_payload,
     parse_when,
@@ -52,20 +54,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(func=run_list)
 
-    for name, helptext, func in (
+    actions = (
         ("show", "show one job", run_show),
         ("cancel", "cancel a pending job", run_cancel),
         ("retry", "send a dead job back to pending (attempts reset)", run_retry),
-    ):
-        p = jsub.add_parser(name, parents=[common], help=helptext)
-        p.add_argument("job_id", type=job_id)
-        p.add_argument("--json", action="store_true")
-        p.set_defaults(func=func)
-
-
-async def _store(settings: Settings) -> tuple[Any, JobStore]:
-    pool = await db.pool_from_settings(settings, max_size=2)
-    return pool, JobStore(pool, acquire_timeout=settings.db_timeout)
+    )
+    add_actions(jsub, common, actions, "job_id", type=job_id)
 
 
 def _emit(job: Job, as_json: bool) -> None:
@@ -81,8 +75,7 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
     payload = parse_payload(args.payload)
     due_at = parse_when(args.at) if args.at else None
     delay = parse_duration(args.in_) if args.in_ else None
-    pool, store = await _store(settings)
-    try:
+    async with opened(settings, JobStore) as store:
         job = await store.enqueue(
             args.task,
             payload,
@@ -92,13 +85,8 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
             max_attempts=args.max_attempts,
             idempotency_key=args.key,
         )
-    finally:
-        await pool.close()
-    if args.json:
-        print_json(job.to_dict())
-    else:
-        print(f"enqueued job {job.id} ({job.task}) due {job.due_at.isoformat()} on {job.queue}")
-    return 0
+    text = f"enqueued job {job.id} ({job.task}) due {job.due_at.isoformat()} on {job.queue}"
+    return emit(args, job.to_dict(), text)
 
 
 async def run_list(args: argparse.Namespace, settings: Settings) -> int:
@@ -106,8 +94,7 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
     due_to = parse_when(args.due_to) if args.due_to else None
     if due_from and due_to and due_from >= due_to:
         raise InvalidInput("--due-from must be earlier than --due-to")
-    pool, store = await _store(settings)
-    try:
+    async with opened(settings, JobStore) as store:
         jobs = await store.list(
             status=args.status,
             queue=args.queue,
@@ -117,8 +104,6 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
             after_id=args.after,
             limit=args.limit,
         )
-    finally:
-        await pool.close()
     if args.json:
         print_json([j.to_dict() for j in jobs])
         return 0
@@ -136,11 +121,8 @@ def _row(job: Job) -> dict[str, Any]:
 
 
 async def _single(args: argparse.Namespace, settings: Settings, action: str) -> int:
-    pool, store = await _store(settings)
-    try:
+    async with opened(settings, JobStore) as store:
         job = await getattr(store, action)(args.job_id)
-    finally:
-        await pool.close()
     if action != "get" and not args.json:
         print(f"job {job.id} is now {job.status}")
     else:
@@ -158,4 +140,3 @@ async def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
 
 async def run_retry(args: argparse.Namespace, settings: Settings) -> int:
     return await _single(args, settings, "retry")
-

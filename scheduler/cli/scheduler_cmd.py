@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from scheduler.cli._util import add_command
 from scheduler.config import Settings
 from scheduler.duties import default_duties
 from scheduler.log import get_logger
@@ -18,15 +19,11 @@ from scheduler.observability import database_check
 from scheduler.replica import Replica
 from scheduler.service import Service
 
+HELP = "run a scheduler replica (leader election, dispatch and maintenance duties)"
+
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    parser = sub.add_parser(
-        "scheduler",
-        parents=[common],
-        help="run a scheduler replica (leader election, dispatch and maintenance duties)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(sub, common, "scheduler", HELP, __doc__)
     parser.set_defaults(func=run)
 
 

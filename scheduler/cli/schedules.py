@@ -13,8 +13,16 @@ from datetime import UTC, datetime
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from scheduler import db
-from scheduler.cli._util import parse_duration, parse_payload, parse_when, print_json, print_table
+from scheduler.cli._util import (
+    add_actions,
+    emit,
+    opened,
+    parse_duration,
+    parse_payload,
+    parse_when,
+    print_json,
+    print_table,
+)
 from scheduler.config import Settings
 from scheduler.cron import ScheduleSpecError
 from scheduler.errors import InvalidInput
@@ -94,16 +102,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=run_show)
 
-    for name, helptext, func in (
+    actions = (
         ("pause", "stop planning (jobs planned ahead are cancelled)", run_pause),
         ("resume", "plan again from now", run_resume),
         ("remove", "delete (jobs planned ahead are cancelled)", run_remove),
         ("trigger", "fire once now, outside the schedule", run_trigger),
-    ):
-        p = ssub.add_parser(name, parents=[common], help=helptext)
-        p.add_argument("schedule", help="name or id")
-        p.add_argument("--json", action="store_true")
-        p.set_defaults(func=func)
+    )
+    add_actions(ssub, common, actions, "schedule", help="name or id")
 
 
 # -- parsing (before any connection) ----------------------------------------------------
@@ -156,18 +161,10 @@ def spec_from_args(args: argparse.Namespace) -> ScheduleSpec:
 # -- commands ----------------------------------------------------------------------------
 
 
-async def _with_store(settings: Settings) -> tuple[Any, ScheduleStore]:
-    pool = await db.pool_from_settings(settings, max_size=2)
-    return pool, ScheduleStore(pool, acquire_timeout=settings.db_timeout)
-
-
 async def run_add(args: argparse.Namespace, settings: Settings) -> int:
     spec = spec_from_args(args)
-    pool, store = await _with_store(settings)
-    try:
+    async with opened(settings, ScheduleStore) as store:
         schedule = await store.add(spec)
-    finally:
-        await pool.close()
     if args.json:
         print_json(schedule.to_dict())
         return 0
@@ -181,21 +178,12 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
 async def run_list(args: argparse.Namespace, settings: Settings) -> int:
     after = _int(args.after, "--after", minimum=0) if args.after is not None else None
     limit = _int(args.limit, "--limit")
-    pool, store = await _with_store(settings)
-    try:
+    async with opened(settings, ScheduleStore) as store:
         schedules = await store.list(paused=args.paused, after_id=after, limit=limit)
-    finally:
-        await pool.close()
     if args.json:
         print_json([s.to_dict() for s in schedules])
         return 0
-    rows = []
-    for s in schedules:
-        row = {c: getattr(s, c) for c in LIST_COLUMNS}
-        if s.last_error and len(s.last_error) > 40:
-            row["last_error"] = s.last_error[:37] + "..."
-        rows.append(row)
-    print_table(rows, LIST_COLUMNS)
+    print_table([_row(s, LIST_COLUMNS) for s in schedules], LIST_COLUMNS)
     if len(schedules) == limit:
         print(f"... more: duetime schedules list --after {schedules[-1].id}")
     return 0
@@ -203,12 +191,9 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
 
 async def run_show(args: argparse.Namespace, settings: Settings) -> int:
     runs_limit = _int(args.runs, "--runs", minimum=0)
-    pool, store = await _with_store(settings)
-    try:
+    async with opened(settings, ScheduleStore) as store:
         schedule = await store.get(args.schedule)
         runs = await store.recent_runs(schedule.id, runs_limit) if runs_limit else []
-    finally:
-        await pool.close()
     now = datetime.now(UTC)
     try:
         upcoming = upcoming_fire_times(schedule, now, UPCOMING)
@@ -244,64 +229,50 @@ async def run_show(args: argparse.Namespace, settings: Settings) -> int:
     print()
     print(f"recent runs ({len(runs)}):")
     if runs:
-        print_table([_run_row(job) for job in runs], RUN_COLUMNS)
+        print_table([_row(job, RUN_COLUMNS) for job in runs], RUN_COLUMNS)
     else:
         print("  none yet")
     return 0
 
 
 async def run_pause(args: argparse.Namespace, settings: Settings) -> int:
-    pool, store = await _with_store(settings)
-    try:
-        schedule, cancelled = await store.pause(args.schedule)
-    finally:
-        await pool.close()
-    if args.json:
-        print_json({"schedule": schedule.to_dict(), "cancelled_jobs": cancelled})
-    else:
-        print(
-            f"paused schedule {schedule.id} {schedule.name!r}; {cancelled} planned job(s) cancelled"
-        )
-    return 0
+    return await _cancelling_planned(
+        args, settings, "pause", "paused schedule {} {!r}; {} planned job(s) cancelled"
+    )
 
 
 async def run_resume(args: argparse.Namespace, settings: Settings) -> int:
-    pool, store = await _with_store(settings)
-    try:
+    async with opened(settings, ScheduleStore) as store:
         schedule = await store.resume(args.schedule)
-    finally:
-        await pool.close()
-    if args.json:
-        print_json(schedule.to_dict())
-    else:
-        print(f"resumed schedule {schedule.id} {schedule.name!r}; it fires again from now")
-    return 0
+    text = f"resumed schedule {schedule.id} {schedule.name!r}; it fires again from now"
+    return emit(args, schedule.to_dict(), text)
 
 
 async def run_remove(args: argparse.Namespace, settings: Settings) -> int:
-    pool, store = await _with_store(settings)
-    try:
-        schedule, cancelled = await store.remove(args.schedule)
-    finally:
-        await pool.close()
-    if args.json:
-        print_json({"schedule": schedule.to_dict(), "cancelled_jobs": cancelled})
-    else:
-        print(f"removed schedule {schedule.id} {schedule.name!r}; cancelled {cancelled} job(s)")
-    return 0
+    return await _cancelling_planned(
+        args, settings, "remove", "removed schedule {} {!r}; cancelled {} job(s)"
+    )
+
+
+async def _cancelling_planned(
+    args: argparse.Namespace, settings: Settings, action: str, text: str
+) -> int:
+    """``pause`` or ``remove``: the store cancels the jobs planned ahead, and says how
+    many; ``text`` is formatted with the schedule's id, its name and that count."""
+    async with opened(settings, ScheduleStore) as store:
+        schedule, cancelled = await getattr(store, action)(args.schedule)
+    return emit(
+        args,
+        {"schedule": schedule.to_dict(), "cancelled_jobs": cancelled},
+        text.format(schedule.id, schedule.name, cancelled),
+    )
 
 
 async def run_trigger(args: argparse.Namespace, settings: Settings) -> int:
-    pool, store = await _with_store(settings)
-    try:
+    async with opened(settings, ScheduleStore) as store:
         job = await store.trigger(args.schedule)
-    finally:
-        await pool.close()
-    if args.json:
-        print_json(job.to_dict())
-    else:
-        print(f"triggered: job {job.id} ({job.task}) due now, key {job.idempotency_key}")
-    return 0
+    text = f"triggered: job {job.id} ({job.task}) due now, key {job.idempotency_key}"
+    return emit(args, job.to_dict(), text)
 
 
 # -- output ------------------------------------------------------------------------------
@@ -332,8 +303,9 @@ def _print_schedule(s: Schedule) -> None:
         print(f"{key:16} {'-' if value is None else shown}")
 
 
-def _run_row(job: Job) -> dict[str, Any]:
-    row = {c: getattr(job, c) for c in RUN_COLUMNS}
-    if job.last_error and len(job.last_error) > 40:
-        row["last_error"] = job.last_error[:37] + "..."
+def _row(item: Schedule | Job, columns: tuple[str, ...]) -> dict[str, Any]:
+    """A table row of ``columns``, the error cut to fit."""
+    row = {c: getattr(item, c) for c in columns}
+    if item.last_error and len(item.last_error) > 40:
+        row["last_error"] = item.last_error[:37] + "..."
     return row

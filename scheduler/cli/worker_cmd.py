@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from scheduler.cli._util import SettingOverride, positive_int
+from scheduler.cli._util import SettingOverride, add_command, positive_int
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput
 from scheduler.jobspec import validate_queue
@@ -24,13 +24,12 @@ def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+HELP = "execute jobs from RabbitMQ queues"
+DESCRIPTION = "Run registered tasks for jobs on the given queues until SIGTERM."
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    parser = sub.add_parser(
-        "worker",
-        parents=[common],
-        help="execute jobs from RabbitMQ queues",
-        description="Run registered tasks for jobs on the given queues until SIGTERM.",
-    )
+    parser = add_command(sub, common, "worker", HELP, DESCRIPTION)
     parser.add_argument(
         "--import",
         dest="imports",

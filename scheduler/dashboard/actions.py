@@ -9,6 +9,8 @@ Every action and refusal is logged with the client's address: the audit trail.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -86,6 +88,29 @@ def _refused(request: Request, exc: Refused) -> Response:
     return PlainTextResponse(exc.reason, status_code=exc.status)
 
 
+Endpoint = Callable[["Dashboard", Request], Awaitable[Response]]
+FormHandler = Callable[["Dashboard", Request, FormData], Awaitable[Response]]
+
+
+def posted(*, action: bool = True) -> Callable[[FormHandler], Endpoint]:
+    """An endpoint that runs its handler only on a form ``checked_form`` lets through
+    (``action``: refused in read-only mode too); a refusal is logged and answered with
+    its status, and the handler never sees it."""
+
+    def wrap(handler: FormHandler) -> Endpoint:
+        @functools.wraps(handler)
+        async def endpoint(dash: Dashboard, request: Request) -> Response:
+            try:
+                form = await checked_form(dash, request, action=action)
+            except Refused as exc:
+                return _refused(request, exc)
+            return await handler(dash, request, form)
+
+        return endpoint
+
+    return wrap
+
+
 async def login(dash: Dashboard, request: Request) -> Response:
     if not dash.auth.required:
         return redirect("/")
@@ -105,21 +130,15 @@ async def login(dash: Dashboard, request: Request) -> Response:
     return response
 
 
-async def logout(dash: Dashboard, request: Request) -> Response:
-    try:
-        await checked_form(dash, request, action=False)
-    except Refused as exc:
-        return _refused(request, exc)
+@posted(action=False)
+async def logout(dash: Dashboard, request: Request, form: FormData) -> Response:
     response = redirect("/login" if dash.auth.required else "/")
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response
 
 
-async def job_action(dash: Dashboard, request: Request) -> Response:
-    try:
-        await checked_form(dash, request)
-    except Refused as exc:
-        return _refused(request, exc)
+@posted()
+async def job_action(dash: Dashboard, request: Request, form: FormData) -> Response:
     job_id = request.path_params["job_id"]
     action = request.path_params["action"]
     if action not in JOB_ACTIONS:
@@ -138,11 +157,8 @@ async def job_action(dash: Dashboard, request: Request) -> Response:
     return redirect(f"/jobs/{job_id}", f"{action}: job {job_id} is now {job.status}")
 
 
-async def bulk(dash: Dashboard, request: Request) -> Response:
-    try:
-        form = await checked_form(dash, request)
-    except Refused as exc:
-        return _refused(request, exc)
+@posted()
+async def bulk(dash: Dashboard, request: Request, form: FormData) -> Response:
     fields = {k: str(v) for k, v in form.items() if isinstance(v, str)}
     where = parse_filter(fields)
     action = fields.get("action", "")
@@ -163,11 +179,8 @@ async def bulk(dash: Dashboard, request: Request) -> Response:
     return redirect(f"/jobs?{query}", f"{action}: {changed} job(s) changed")
 
 
-async def schedule_action(dash: Dashboard, request: Request) -> Response:
-    try:
-        form = await checked_form(dash, request)
-    except Refused as exc:
-        return _refused(request, exc)
+@posted()
+async def schedule_action(dash: Dashboard, request: Request, form: FormData) -> Response:
     name = str(form.get("name") or "")
     action = str(form.get("action") or "")
     if action not in SCHEDULE_ACTIONS:

@@ -1,0 +1,150 @@
+"""Value parsers of the settings table: each takes a raw value (a string from the
+environment or a flag, a typed value from TOML) and returns it typed, or raises
+``ValueError`` with the reason, which ``load_settings`` prefixes with the value's source.
+``redact_url`` is here too: every error about a URL shows it redacted.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+
+def redact_url(url: str) -> str:
+    """Replace the password of a URL by ``***`` so the URL can be logged."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    # Work on the raw netloc: it keeps IPv6 brackets and a port that does not parse
+    # (a bad port is exactly what an error message about this URL has to show).
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit((parts.scheme, f"{user}:***@{hostport}", parts.path, parts.query, ""))
+
+
+# -- parsers ------------------------------------------------------------------------------
+
+
+def url(schemes: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise ValueError("must be a non-empty URL string")
+        parts = urlsplit(value)
+        if parts.scheme not in schemes:
+            raise ValueError(
+                f"scheme must be one of {', '.join(schemes)} (got {parts.scheme or 'none'!r})"
+            )
+        if not parts.hostname and "host=" not in parts.query:
+            raise ValueError("has no host")
+        try:
+            _ = parts.port
+        except ValueError as exc:
+            raise ValueError(f"has an invalid port ({exc})") from None
+        return value
+
+    return parse
+
+
+def endpoints(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be a comma-separated list of host:port")
+    out: list[str] = []
+    for raw in items:
+        item = str(raw).strip()
+        for prefix in ("http://", "https://"):
+            if item.startswith(prefix):
+                item = item[len(prefix) :]
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"endpoint {raw!r} is not host:port")
+        out.append(item)
+    if not out:
+        raise ValueError("needs at least one endpoint")
+    return tuple(out)
+
+
+def number(kind: type, *, minimum: float | None = None, exclusive: bool = False) -> Callable:
+    def parse(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"must be a {kind.__name__}, not a boolean")
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be a {kind.__name__} (got {value!r})") from None
+        if minimum is not None and (number <= minimum if exclusive else number < minimum):
+            relation = ">" if exclusive else ">="
+            raise ValueError(f"must be {relation} {minimum} (got {value!r})")
+        return number
+
+    return parse
+
+
+def optional_seconds(*, minimum: float, exclusive: bool = False) -> Callable[[Any], Any]:
+    """Seconds, or unset (None / empty: the default derived from other settings)."""
+    seconds = number(float, minimum=minimum, exclusive=exclusive)
+
+    def parse(value: Any) -> float | None:
+        return None if value in (None, "") else float(seconds(value))
+
+    return parse
+
+
+def optional_port(value: Any) -> int | None:
+    if value in (None, "", "0", 0, "off", "none"):
+        return None
+    port = number(int, minimum=1)(value)
+    if port > 65535:
+        raise ValueError(f"must be a TCP port 1-65535 (got {value!r})")
+    return int(port)
+
+
+def choice(*options: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).lower()
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)} (got {value!r})")
+        return text
+
+    return parse
+
+
+def nonempty_text(value: Any) -> str:
+    text = str(value).strip()
+    if not text:
+        raise ValueError("must not be empty")
+    if len(text) > 200:
+        raise ValueError("is longer than 200 characters")
+    return text
+
+
+def optional_text(value: Any) -> str | None:
+    text = str(value).strip() if value is not None else ""
+    return text or None
+
+
+def key_prefix(value: Any) -> str:
+    text = nonempty_text(value).strip("/")
+    if not text or any(c.isspace() for c in text):
+        raise ValueError(f"must be a non-empty key prefix without spaces (got {value!r})")
+    return text
+
+
+def listen_address(value: Any) -> str:
+    """``host:port`` (``[v6]:port`` for IPv6); port 0 picks a free one."""
+    text = str(value).strip()
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"must be host:port, e.g. 127.0.0.1:8089 (got {value!r})")
+    return text
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"

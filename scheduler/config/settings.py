@@ -1,0 +1,208 @@
+"""``Settings`` and the table of its fields (``FIELDS``): for each setting its parser and
+the help text that doubles as ``--help`` and the README table, and which are secrets.
+
+The derived values (``effective_*``) live on ``Settings`` so every reader gets the same
+default; the checks across fields are in ``scheduler.config.loading``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.config import parsers as p
+
+#: Seconds any one wait on PostgreSQL may take by default: connecting, a connection from
+#: a pool, one statement (x3, client side). Stores built without settings use it too.
+DEFAULT_DB_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    parse: Callable[[Any], Any]
+    help: str
+    secret: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a duetime process needs to know, validated.
+
+    Field docs live in ``FIELDS`` (they double as ``--help`` and the README table).
+    """
+
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/duetime"
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    etcd_prefix: str = "duetime"
+    etcd_username: str | None = None
+    etcd_password: str | None = None
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
+    node_id: str = field(default_factory=p.default_node_id)
+    lease_ttl: float = 10.0
+    lease_safety_margin: float | None = None
+    etcd_timeout: float = 2.0
+    metrics_port: int | None = None
+    dashboard_listen: str = "127.0.0.1:8089"
+    dashboard_token: str | None = None
+    log_level: str = "info"
+    log_format: str = "auto"
+    db_timeout: float = DEFAULT_DB_TIMEOUT
+    amqp_timeout: float = 10.0
+    claim_batch_size: int = 500
+    poll_interval: float = 1.0
+    probe_interval: float = 0.05
+    visibility_timeout: float = 60.0
+    reconcile_interval: float = 5.0
+    max_republishes: int = 10
+    planner_horizon: float = 10.0
+    partition_days_ahead: int = 14
+    retention_days: float = 7.0
+    worker_concurrency: int = 16
+    worker_grace_period: float = 30.0
+    task_timeout: float = 1800.0
+    delivery_limit: int = 20
+    scheduler_statement_timeout: float | None = None
+    scheduler_tcp_user_timeout: float | None = None
+    fence_takeover_grace: float = 1.0
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict safe to log or print (no passwords)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            spec = FIELDS[f.name]
+            if spec.secret and value:
+                value = "***"
+            elif f.name.endswith("_url") and isinstance(value, str):
+                value = p.redact_url(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def __repr__(self) -> str:  # never leak a password through repr() in a traceback
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())
+        return f"Settings({inner})"
+
+    @property
+    def effective_safety_margin(self) -> float:
+        """Margin subtracted from the TTL before a leader stops trusting its lease."""
+        if self.lease_safety_margin is not None:
+            return self.lease_safety_margin
+        return min(max(0.25, self.lease_ttl * 0.2), 2.0)
+
+    @property
+    def effective_statement_timeout(self) -> float:
+        """``statement_timeout`` of scheduler sessions: at most (and by default) one TTL,
+        so a frozen leader's running statement ends before its successor needs the fence."""
+        if self.scheduler_statement_timeout is not None:
+            return self.scheduler_statement_timeout
+        return self.lease_ttl
+
+    @property
+    def effective_tcp_user_timeout(self) -> float:
+        """``tcp_user_timeout`` of scheduler sessions (0: off); default one TTL."""
+        if self.scheduler_tcp_user_timeout is not None:
+            return self.scheduler_tcp_user_timeout
+        return self.lease_ttl
+
+
+FIELDS: dict[str, Field] = {
+    f.name: f
+    for f in [
+        Field("database_url", p.url(("postgresql", "postgres")), "PostgreSQL URL (libpq form)"),
+        Field("amqp_url", p.url(("amqp", "amqps")), "RabbitMQ URL; its vhost isolates clusters"),
+        Field("etcd_endpoints", p.endpoints, "etcd endpoints, comma-separated host:port"),
+        Field("etcd_prefix", p.key_prefix, "key prefix isolating clusters sharing an etcd"),
+        Field("etcd_username", p.optional_text, "etcd user (auth enabled clusters)"),
+        Field("etcd_password", p.optional_text, "etcd password", secret=True),
+        # TLS to etcd (scheduler/etcd_client.py): on when a CA file is set.
+        Field("etcd_ca_file", p.optional_text, "CA file (PEM) for etcd; set: TLS to etcd"),
+        Field("etcd_cert_file", p.optional_text, "client cert (PEM) for etcd --client-cert-auth"),
+        Field("etcd_key_file", p.optional_text, "key (PEM) of etcd_cert_file"),
+        Field("node_id", p.nonempty_text, "this process's node id (default host-pid)"),
+        Field("lease_ttl", p.number(float, minimum=1.0), "leader lease TTL in seconds"),
+        Field(
+            "lease_safety_margin",
+            lambda v: None if v in (None, "") else p.number(float, minimum=0.0)(v),
+            "seconds before lease expiry at which a leader stops acting (default 20% of TTL)",
+        ),
+        Field("etcd_timeout", p.number(float, minimum=0.0, exclusive=True), "etcd call timeout"),
+        Field("metrics_port", p.optional_port, "Prometheus /metrics port (off when unset)"),
+        Field("dashboard_listen", p.listen_address, "host:port of `duetime dashboard`"),
+        Field(
+            "dashboard_token",
+            p.optional_text,
+            "token the dashboard asks for (login form or Bearer); unset: loopback only",
+            secret=True,
+        ),
+        Field("log_level", p.choice("debug", "info", "warning", "error"), "log level"),
+        Field("log_format", p.choice("auto", "json", "console"), "auto: JSON unless a TTY"),
+        Field("db_timeout", p.number(float, minimum=0.0, exclusive=True), "PostgreSQL timeout"),
+        Field("amqp_timeout", p.number(float, minimum=0.0, exclusive=True), "RabbitMQ timeout"),
+        Field("claim_batch_size", p.number(int, minimum=1), "jobs claimed per transaction"),
+        Field(
+            "poll_interval",
+            p.number(float, minimum=0.0, exclusive=True),
+            "backstop poll when no wake-up arrives",
+        ),
+        Field(
+            "probe_interval",
+            p.number(float, minimum=0.0, exclusive=True),
+            "how often the dispatcher re-reads the earliest pending run time",
+        ),
+        Field(
+            "visibility_timeout",
+            p.number(float, minimum=1.0),
+            "seconds a dispatched job may go without a sign of life before it is re-published",
+        ),
+        Field("reconcile_interval", p.number(float, minimum=0.1), "reconciler period"),
+        Field(
+            "max_republishes",
+            p.number(int, minimum=1),
+            "re-publishes of a silent dispatched job before it goes dead",
+        ),
+        Field("planner_horizon", p.number(float, minimum=1.0), "seconds of fire times planned"),
+        Field("partition_days_ahead", p.number(int, minimum=1), "daily partitions created ahead"),
+        Field("retention_days", p.number(float, minimum=0.0), "days finished jobs are kept"),
+        Field("worker_concurrency", p.number(int, minimum=1), "handlers run at once per worker"),
+        Field(
+            "worker_grace_period",
+            p.number(float, minimum=0.0),
+            "seconds in-flight handlers get after SIGTERM",
+        ),
+        Field(
+            "task_timeout",
+            p.number(float, minimum=0.0, exclusive=True),
+            "seconds a handler may run when its task sets no timeout",
+        ),
+        Field("delivery_limit", p.number(int, minimum=1), "broker redeliveries before dead-letter"),
+        # Zombie leaders (scheduler/replica.py session_settings, scheduler/fence.py).
+        Field(
+            "scheduler_statement_timeout",
+            p.optional_seconds(minimum=0.0, exclusive=True),
+            "statement_timeout of scheduler sessions (default and maximum: lease_ttl)",
+        ),
+        Field(
+            "scheduler_tcp_user_timeout",
+            p.optional_seconds(minimum=0.0),
+            "seconds PostgreSQL keeps sending to a scheduler that stopped reading (default "
+            "lease_ttl; 0: off)",
+        ),
+        Field(
+            "fence_takeover_grace",
+            p.number(float, minimum=0.0),
+            "seconds a new leader waits for an older epoch's open transactions before it "
+            "terminates their sessions (less than lease_ttl)",
+        ),
+    ]
+}
+
+assert set(FIELDS) == {f.name for f in dataclasses.fields(Settings)}, "FIELDS out of sync"
+

@@ -1,0 +1,184 @@
+"""The examples of docs/api.md run, as written, and do what the page says.
+
+Each ```sql block runs on the test's database; each ```python block is a program run in
+order (``python block.py``) with the ``DUETIME_*`` environment pointing at this test's
+own database, RabbitMQ vhost and etcd prefix, except a block whose first line names a
+module (``# receipts_tasks.py``), which is written as that module for the later ones to
+import. A ``duetime scheduler`` of the test's own leads, so jobs reach the worker of the
+last example. Then the effects are checked in the database: the rows the examples
+created, the outcomes of the handler (succeeded, dead, retried) and the receipts it
+wrote, once per order whatever the duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from scheduler import db
+from tests.conftest import _rabbitmqctl, own_database
+from tests.support.procs import REPO_ROOT, Processes, duetime_argv
+from tests.support.wait import wait_for
+
+DOC = REPO_ROOT / "docs" / "api.md"
+FENCE = re.compile(r"^```(python|sql)\n(.*?)^```$", re.M | re.S)
+MODULE_LINE = re.compile(r"^# (\w+)\.py\n")
+
+
+def doc_blocks() -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(DOC.read_text())]
+
+
+def test_the_page_has_the_examples_it_promises() -> None:
+    python = [code for kind, code in doc_blocks() if kind == "python"]
+    text = "\n".join(python)
+    for needle in (
+        "idempotency_key=",
+        "due_at=",
+        "delay=",
+        "conn=conn",
+        "bulk_enqueue",
+        "schedules.add(",
+        "schedules.pause(",
+        "ctx.db",
+        "raise Retry(",
+        "raise Fail(",
+        "run_task(",
+        "Worker(",
+    ):
+        assert needle in text, f"docs/api.md has no example using {needle}"
+
+
+async def run_program(path: Path, env: dict[str, str], cwd: Path) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(path),
+        cwd=cwd,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"{path.name} did not finish within 120 s") from None
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, f"{path.name} exited {proc.returncode}:\n{text}"
+    return text
+
+
+@pytest.fixture
+def own_vhost(amqp_url: str, unique: str) -> Any:
+    """A RabbitMQ vhost of this test's own: the examples use the queue ``default``,
+    which no other test's dispatcher or worker may share."""
+    parts = urlsplit(amqp_url)
+    vhost = f"duetime_api_{unique}"
+    if not (
+        _rabbitmqctl("add_vhost", vhost)
+        and _rabbitmqctl(
+            "set_permissions", "-p", vhost, parts.username or "guest", ".*", ".*", ".*"
+        )
+    ):
+        pytest.fail("rabbitmqctl could not create a vhost for the docs/api.md examples")
+    yield urlunsplit((parts.scheme, parts.netloc, "/" + vhost, parts.query, ""))
+    _rabbitmqctl("delete_vhost", vhost)
+
+
+async def test_every_example_runs_and_has_its_effect(
+    server_dsn: str,
+    own_vhost: str,
+    test_env: dict[str, str],
+    procs: Processes,
+    tmp_path: Path,
+    unique: str,
+) -> None:
+    async with own_database(server_dsn, f"api_{unique}") as url:
+        env = {**test_env, "DUETIME_DATABASE_URL": url, "DUETIME_AMQP_URL": own_vhost}
+        scheduler = procs.spawn(
+            duetime_argv("scheduler"), name="scheduler", env={**env, "DUETIME_NODE_ID": unique}
+        )
+        await wait_for(
+            lambda: '"leading"' in scheduler.output(), timeout=30, message=scheduler.tail()
+        )
+        conn = await db.connect(url)
+        try:
+            outputs = await run_blocks(conn, env, tmp_path)
+            await check_effects(conn)
+        finally:
+            await conn.close()
+            await procs.stop_all()
+    assert "handler test passed" in outputs[-2]
+
+
+async def run_blocks(conn: asyncpg.Connection, env: dict[str, str], where: Path) -> list[str]:
+    outputs: list[str] = []
+    for number, (kind, code) in enumerate(doc_blocks()):
+        if kind == "sql":
+            await conn.execute(code)
+            continue
+        module = MODULE_LINE.match(code)
+        if module is not None:
+            (where / f"{module.group(1)}.py").write_text(code)
+            continue
+        program = where / f"example_{number}.py"
+        program.write_text(code)
+        outputs.append(await run_program(program, env, where))
+    return outputs
+
+
+async def check_effects(conn: asyncpg.Connection) -> None:
+    # enqueueing
+    jobs = await conn.fetch("SELECT * FROM duetime.jobs ORDER BY id")
+    receipt_jobs = [j for j in jobs if j["task"] == "send_receipt"]
+    by_order: dict[int, list[asyncpg.Record]] = {}
+    for job in receipt_jobs:
+        by_order.setdefault(job["payload"]["order_id"], []).append(job)
+    assert [j["idempotency_key"] for j in by_order[2]] == ["receipt:2", "receipt:2"]
+    reminders = [j for j in jobs if j["task"] == "send_reminder"]
+    assert len(reminders) == 12  # one at a time, one after a delay (cancelled), ten in bulk
+    assert [j["status"] for j in reminders].count("cancelled") == 1
+    assert all(j["due_at"] > j["created_at"] for j in reminders)
+    assert await conn.fetchval("SELECT count(*) FROM orders WHERE id = 6") == 1
+
+    # schedules
+    nightly = await conn.fetchrow("SELECT * FROM duetime.schedules WHERE name = 'nightly-report'")
+    assert nightly["paused"] and nightly["timezone"] == "Europe/Berlin"
+    assert nightly["misfire_policy"] == "fire_once"
+    hourly = await conn.fetchrow("SELECT * FROM duetime.schedules WHERE name = 'sync-prices'")
+    assert hourly["paused"] and hourly["interval"].total_seconds() == 3600
+
+    # the worker ran the jobs of the first example too; the duplicate key was settled by
+    # the ledger without a second receipt
+    done = await conn.fetch(
+        "SELECT id, status FROM duetime.jobs WHERE task = 'send_receipt'"
+        " AND (payload->>'order_id')::int IN (1, 2, 6)"
+    )
+    assert {r["status"] for r in done} == {"succeeded"}, done
+    assert len(done) == 4
+    receipts = await conn.fetch("SELECT order_id, sent_with FROM receipts ORDER BY order_id")
+    assert [r["order_id"] for r in receipts] == [1, 2, 6]
+    assert receipts[1]["sent_with"] == "receipt:2"
+    assert receipts[0]["sent_with"] == f"job:{by_order[1][0]['id']}"
+    ledger = await conn.fetchval(
+        "SELECT count(*) FROM duetime.job_ledger WHERE idempotency_key = 'receipt:2'"
+    )
+    assert ledger == 1
+    (missing,) = by_order[404]
+    missing = await conn.fetchrow("SELECT * FROM duetime.jobs WHERE id = $1", missing["id"])
+    assert (missing["status"], missing["attempt"]) == ("dead", 1)
+    assert "no order 404" in missing["last_error"]
+    (no_email,) = by_order[3]
+    no_email = await conn.fetchrow("SELECT * FROM duetime.jobs WHERE id = $1", no_email["id"])
+    assert (no_email["status"], no_email["attempt"]) == ("pending", 2)
+    assert await conn.fetchval(
+        "SELECT $1::timestamptz > now() + interval '50 seconds'", no_email["run_at"]
+    )

@@ -1,0 +1,55 @@
+"""The public API cannot drift: every exported name resolves, ``duetime`` exports exactly
+what ``scheduler`` and ``workers`` export (the same objects), and the package roots stay
+cheap to import (``import scheduler.cron`` must not load asyncpg and the stores)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import duetime
+import scheduler
+import workers
+
+
+def test_every_exported_name_resolves() -> None:
+    for package in (scheduler, workers, duetime):
+        for name in package.__all__:
+            assert getattr(package, name) is not None, f"{package.__name__}.{name}"
+        assert package.__all__ == sorted(package.__all__)
+
+
+def test_duetime_is_exactly_the_two_roots() -> None:
+    assert set(duetime.__all__) == set(scheduler.__all__) | set(workers.__all__)
+    assert not set(scheduler.__all__) & set(workers.__all__)
+    for name in duetime.__all__:
+        home = scheduler if name in scheduler.__all__ else workers
+        assert getattr(duetime, name) is getattr(home, name), name
+
+
+def test_unknown_names_raise_attribute_error() -> None:
+    name = "no_such_name"
+    for package in (scheduler, duetime):
+        try:
+            getattr(package, name)
+        except AttributeError as exc:
+            assert "no_such_name" in str(exc)
+        else:
+            raise AssertionError(f"{package.__name__}.no_such_name resolved")
+
+
+def test_importing_the_roots_loads_nothing_heavy() -> None:
+    code = (
+        "import sys, duetime, scheduler, scheduler.cron\n"
+        "heavy = sorted(m for m in ('asyncpg', 'aio_pika', 'scheduler.store', 'workers')"
+        " if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == ""
+
+
+def test_the_lazy_map_is_the_export_list() -> None:
+    assert sorted(scheduler._EXPORTS) == scheduler.__all__
