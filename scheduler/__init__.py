@@ -38,9 +38,9 @@ _EXPORTS: dict[str, str] = {
     "Job": "scheduler.rows",
     # schedules
     "ScheduleStore": "scheduler.store.schedules",
-    "ScheduleSpec": "scheduler.schedules",
-    "Schedule": "scheduler.schedules",
-    "ScheduleNotFound": "scheduler.schedules",
+    "ScheduleSpec": "scheduler.planning",
+    "Schedule": "scheduler.planning",
+    "ScheduleNotFound": "scheduler.planning",
     # errors (the tree is drawn in scheduler/errors.py)
     "DuetimeError": "scheduler.errors",
     "ConfigError": "scheduler.errors",
@@ -85,8 +85,8 @@ if TYPE_CHECKING:
         ServiceUnavailable,
     )
     from scheduler.jobspec import JobSpec
+    from scheduler.planning import Schedule, ScheduleNotFound, ScheduleSpec
     from scheduler.rows import Job
-    from scheduler.schedules import Schedule, ScheduleNotFound, ScheduleSpec
     from scheduler.store.jobs import BulkPreview, JobFilter, JobStore
     from scheduler.store.schedules import ScheduleStore
 

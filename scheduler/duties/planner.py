@@ -4,7 +4,7 @@ One pass = batches of one fenced transaction each, until nothing is due:
 
 1. lock the fence row and check the epoch (``fenced_transaction``), then claim up to
    ``batch_size`` schedules whose ``plan_at`` has come, ``FOR UPDATE SKIP LOCKED``;
-2. decide each one with the pure :func:`scheduler.schedules.plan_schedule` (fire times
+2. decide each one with the pure :func:`scheduler.planning.plan_schedule` (fire times
    up to now + horizon, misfire / overlap policies, deterministic jitter, new
    ``next_fire_at``), in a worker thread when the batch is large so the event loop —
    and the lease renewal that shares it — keeps running. Schedules with the same
