@@ -19,11 +19,14 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from scheduler.errors import ConfigError
 from scheduler.secrets import read_credentials  # systemd credentials (security)
+
+if TYPE_CHECKING:
+    from scheduler.shards.config import Shard
 
 __all__ = ["DEFAULT_DB_TIMEOUT", "FIELDS", "Settings", "load_settings", "redact_url"]
 
@@ -165,6 +168,21 @@ def _listen(value: Any) -> str:
     return text
 
 
+def _shards(value: Any) -> tuple[Shard, ...] | None:
+    """``DUETIME_SHARDS`` (``name=url,...``) or a TOML ``[shards]`` table; unset or empty:
+    None, the single shard ``main`` at ``database_url`` (``Settings.shard_urls``)."""
+    from scheduler.shards.config import parse_shards_env, parse_shards_table  # cycle
+
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        if isinstance(value, str):
+            return parse_shards_env(value)
+        return parse_shards_table(value)
+    except ConfigError as exc:
+        raise ValueError(f"is invalid: {str(exc).removeprefix('invalid shards: ')}") from None
+
+
 def _default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -220,6 +238,7 @@ class Settings:
     scheduler_statement_timeout: float | None = None
     scheduler_tcp_user_timeout: float | None = None
     fence_takeover_grace: float = 1.0
+    shards: tuple[Shard, ...] | None = None
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict safe to log or print (no passwords)."""
@@ -227,7 +246,9 @@ class Settings:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             spec = FIELDS[f.name]
-            if spec.secret and value:
+            if f.name == "shards" and value is not None:
+                value = {s.name: redact_url(s.url) for s in value}
+            elif spec.secret and value:
                 value = "***"
             elif f.name.endswith("_url") and isinstance(value, str):
                 value = redact_url(value)
@@ -239,6 +260,14 @@ class Settings:
     def __repr__(self) -> str:  # never leak a password through repr() in a traceback
         inner = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())
         return f"Settings({inner})"
+
+    @property
+    def shard_urls(self) -> dict[str, str]:
+        """Shard name -> PostgreSQL URL, in configured order; without ``shards`` the one
+        shard ``main`` at ``database_url``."""
+        if self.shards is None:
+            return {"main": self.database_url}
+        return {s.name: s.url for s in self.shards}
 
     @property
     def effective_safety_margin(self) -> float:
@@ -351,6 +380,14 @@ FIELDS: dict[str, Field] = {
             "seconds a new leader waits for an older epoch's open transactions before it "
             "terminates their sessions (less than lease_ttl)",
         ),
+        # Shards (scheduler/shards/config.py): URLs hold passwords, shown redacted.
+        Field(
+            "shards",
+            _shards,
+            "shards as name=postgresql-url,... (TOML: a [shards] table); unset: one shard "
+            "'main' at database_url",
+            secret=True,
+        ),
     ]
 }
 
@@ -389,9 +426,9 @@ def _read_toml(path: Path) -> Mapping[str, Any]:
         raise ConfigError(f"config file {path} is not UTF-8 text") from None
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
-    # Accept either top-level keys or a [duetime] table.
-    if set(data) == {"duetime"} and isinstance(data["duetime"], dict):
-        data = data["duetime"]
+    # Accept either top-level keys or a [duetime] table (beside it, a [shards] table).
+    if set(data) - {"shards"} == {"duetime"} and isinstance(data["duetime"], dict):
+        data = {**data["duetime"], **{k: v for k, v in data.items() if k == "shards"}}
     return data
 
 
