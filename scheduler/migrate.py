@@ -13,7 +13,7 @@ same migrations on each, one after the other, and an error names the shard it ca
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import asyncpg
@@ -62,16 +62,22 @@ async def migrate(dsn: str, *, timeout: float = 10.0) -> MigrationResult:
 
 
 async def migrate_shards(
-    shards: Mapping[str, str], *, timeout: float = 10.0
+    shards: Mapping[str, str],
+    *,
+    timeout: float = 10.0,
+    on_migrated: Callable[[str, MigrationResult], None] | None = None,
 ) -> dict[str, MigrationResult]:
-    """``migrate`` each shard's database (name -> URL), in order. Raises
-    ``MigrationError`` naming the shard whose migration failed."""
+    """``migrate`` each shard's database (name -> URL), in order, calling
+    ``on_migrated(name, result)`` after each. Raises ``MigrationError`` naming the shard
+    whose migration failed."""
     results: dict[str, MigrationResult] = {}
     for name, url in shards.items():
         try:
             results[name] = await migrate(url, timeout=timeout)
         except (DuetimeError, asyncpg.PostgresError, OSError) as exc:
             raise MigrationError(f"shard {name!r}: {exc}") from exc
+        if on_migrated is not None:
+            on_migrated(name, results[name])
     return results
 
 

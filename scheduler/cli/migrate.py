@@ -45,11 +45,13 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         RoleNames.for_prefix(args.roles_prefix)  # a bad prefix fails before anything runs
     urls = _selected_shards(settings, getattr(args, "shard", None))
     if settings.shards is None:  # unsharded: the one database, output as it always was
-        results = {"": await migrate(settings.database_url, timeout=settings.db_timeout)}
+        print(_summary("", await migrate(settings.database_url, timeout=settings.db_timeout)))
     else:
-        results = await migrate_shards(urls, timeout=settings.db_timeout)
-    for shard, result in results.items():
-        print(_summary(shard, result))
+        await migrate_shards(
+            urls,
+            timeout=settings.db_timeout,
+            on_migrated=lambda shard, result: print(_summary(shard, result), flush=True),
+        )
     if getattr(args, "roles", False):
         for url in urls.values():
             names = await apply_roles(

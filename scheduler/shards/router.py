@@ -8,13 +8,15 @@ the job is created, in this order:
 2. else, with an idempotency key, ``shard_for_key``: BLAKE2b (8-byte digest) of the
    UTF-8 key, as a big-endian integer, modulo K over the shard names **sorted**. The
    same key always lands in the same shard, on every producer, whatever order the
-   shards are configured in, so the database's unique key still refuses a duplicate;
+   shards are configured in, so two jobs with one key meet the same idempotency ledger
+   and the effect is applied once, as on a single database;
 3. else round-robin over the shards (per router), spreading keyless jobs evenly.
 
 Resizing: going from K to K+1 shards changes the shard of most keys (modulo, not a
 consistent hash), so a key enqueued before the resize and again after it may land in
-two different shards and run twice. Deduplication by idempotency key is per shard; a
-resize is a moment to drain keyed producers or route them explicitly.
+two different shards, meet two ledgers, and run twice. Deduplication by idempotency key
+is per shard; a resize is a moment to let keyed jobs finish first, or to route the keys
+that must not run twice explicitly.
 
 Plain-SQL producers are unaffected: they insert into whichever shard's database they
 are connected to. The single-shard ``JobStore`` stays the API of one database; the
