@@ -19,14 +19,12 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from scheduler.errors import ConfigError
 from scheduler.secrets import read_credentials  # systemd credentials (security)
-
-if TYPE_CHECKING:
-    from scheduler.shards.config import Shard
+from scheduler.shards.config import Shard, parse_shards_env, parse_shards_table
 
 __all__ = ["DEFAULT_DB_TIMEOUT", "FIELDS", "Settings", "load_settings", "redact_url"]
 
@@ -171,8 +169,6 @@ def _listen(value: Any) -> str:
 def _shards(value: Any) -> tuple[Shard, ...] | None:
     """``DUETIME_SHARDS`` (``name=url,...``) or a TOML ``[shards]`` table; unset or empty:
     None, the single shard ``main`` at ``database_url`` (``Settings.shard_urls``)."""
-    from scheduler.shards.config import parse_shards_env, parse_shards_table  # cycle
-
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     try:
