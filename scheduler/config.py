@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from scheduler.errors import ConfigError
 from scheduler.secrets import read_credentials  # systemd credentials (security)
-from scheduler.shards.config import Shard, parse_shards_env, parse_shards_table
+from scheduler.shards.config import DEFAULT_SHARD, Shard, parse_shards_env, parse_shards_table
 
 __all__ = ["DEFAULT_DB_TIMEOUT", "FIELDS", "Settings", "load_settings", "redact_url"]
 
@@ -262,7 +262,7 @@ class Settings:
         """Shard name -> PostgreSQL URL, in configured order; without ``shards`` the one
         shard ``main`` at ``database_url``."""
         if self.shards is None:
-            return {"main": self.database_url}
+            return {DEFAULT_SHARD: self.database_url}
         return {s.name: s.url for s in self.shards}
 
     @property
