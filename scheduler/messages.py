@@ -14,6 +14,11 @@ so messages already queued during an upgrade still run; they are validated and i
 It is strict about the fields it uses (types, ranges) and tolerant of extra fields, so a
 newer producer can add fields without breaking older workers. Nothing in a message is
 ever executed, imported or unpickled.
+
+``shard`` names the database the job row lives in (``scheduler/shards``): workers run
+the delivery against that shard's pool. A body without it (from a dispatcher that
+predates shards) is a job of shard ``main``, the one shard of an unsharded cluster; a
+shard name that breaks the naming rule makes the message malformed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from scheduler.errors import DuetimeError
+from scheduler.shards.config import DEFAULT_SHARD, SHARD_NAME
 
 CONTENT_TYPE = "application/json"
 # A payload the database accepts (<= 1 MiB stored, migration 0005) can encode to ~6x
@@ -34,6 +40,7 @@ BIGINT_MAX = 2**63 - 1
 INT_MAX = 2**31 - 1
 FIELDS = ("job_id", "due_at", "attempt", "epoch")
 OPTIONAL_FIELDS = ("task", "payload", "idempotency_key")
+SHARD_FIELD = "shard"
 
 
 class MalformedMessage(DuetimeError):
@@ -44,7 +51,7 @@ class MalformedMessage(DuetimeError):
 class JobMessage:
     """One delivery's pointer at a job attempt. ``task`` (the dispatcher always sets it),
     ``payload`` and ``idempotency_key`` (older bodies only) are informational: the
-    worker runs what the row says."""
+    worker runs what the row says. ``shard``: which database holds the row."""
 
     job_id: int
     due_at: datetime
@@ -53,6 +60,7 @@ class JobMessage:
     task: str | None = None
     payload: dict[str, Any] | None = None
     idempotency_key: str | None = None
+    shard: str = DEFAULT_SHARD
 
     @property
     def message_id(self) -> str:
@@ -64,6 +72,7 @@ class JobMessage:
             "due_at": self.due_at.isoformat(),
             "attempt": self.attempt,
             "epoch": self.epoch,
+            SHARD_FIELD: self.shard,
         }
         for name in OPTIONAL_FIELDS:
             value = getattr(self, name)
@@ -123,6 +132,9 @@ def decode(body: bytes) -> JobMessage:
         not isinstance(key, str) or not 1 <= len(key) <= 500 or not _text_ok(key)
     ):
         raise MalformedMessage("field 'idempotency_key' must be a string of 1-500 characters")
+    shard = data.get(SHARD_FIELD, DEFAULT_SHARD)
+    if not isinstance(shard, str) or SHARD_NAME.fullmatch(shard) is None:
+        raise MalformedMessage(f"field 'shard' must match [a-z0-9_-]{{1,32}}, got {shard!r:.60}")
     if payload is not None and not isinstance(payload, dict):
         raise MalformedMessage(f"field 'payload' must be an object, got {type(payload).__name__}")
     raw_due = data["due_at"]
@@ -147,4 +159,5 @@ def decode(body: bytes) -> JobMessage:
         task=task,
         payload=payload,
         idempotency_key=key,
+        shard=shard,
     )

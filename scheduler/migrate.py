@@ -4,11 +4,16 @@ Safe to run from many processes at once (a session advisory lock serialises them
 the loser finds nothing left to do) and idempotent (``schema_migrations`` records
 each applied version with a checksum, and a changed file is refused loudly rather
 than silently skipped). Each migration runs in its own transaction.
+
+With shards every shard's database holds the whole schema: ``migrate_shards`` runs the
+same migrations on each, one after the other, and an error names the shard it came from
+(the shards before it stay migrated; running it again finishes the rest).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import asyncpg
@@ -54,6 +59,26 @@ async def migrate(dsn: str, *, timeout: float = 10.0) -> MigrationResult:
         return await migrate_connection(conn)
     finally:
         await conn.close()
+
+
+async def migrate_shards(
+    shards: Mapping[str, str],
+    *,
+    timeout: float = 10.0,
+    on_migrated: Callable[[str, MigrationResult], None] | None = None,
+) -> dict[str, MigrationResult]:
+    """``migrate`` each shard's database (name -> URL), in order, calling
+    ``on_migrated(name, result)`` after each. Raises ``MigrationError`` naming the shard
+    whose migration failed."""
+    results: dict[str, MigrationResult] = {}
+    for name, url in shards.items():
+        try:
+            results[name] = await migrate(url, timeout=timeout)
+        except (DuetimeError, asyncpg.PostgresError, OSError) as exc:
+            raise MigrationError(f"shard {name!r}: {exc}") from exc
+        if on_migrated is not None:
+            on_migrated(name, results[name])
+    return results
 
 
 async def migrate_connection(conn: asyncpg.Connection) -> MigrationResult:

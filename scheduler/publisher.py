@@ -46,6 +46,7 @@ from scheduler.errors import DuetimeError
 from scheduler.log import get_logger
 from scheduler.messages import CONTENT_TYPE, JobMessage, message_id
 from scheduler.rows import ClaimedJob
+from scheduler.shards.config import DEFAULT_SHARD
 
 log = get_logger(__name__)
 
@@ -94,13 +95,20 @@ def _shortstr(text: str) -> str:
     return data[:MAX_SHORTSTR].decode("utf-8", "ignore")
 
 
-def encode_job(job: ClaimedJob, epoch: int) -> tuple[bytes, spec.Basic.Properties]:
+def encode_job(
+    job: ClaimedJob, epoch: int, shard: str = DEFAULT_SHARD
+) -> tuple[bytes, spec.Basic.Properties]:
     """The contract message for one job: a JSON pointer body (``scheduler.messages``),
     persistent, ``message_id`` ``<job_id>:<attempt>``; ``type`` carries the task name for
     operators' tools (cut to 255 bytes: workers read the task from the row, never from
-    the message)."""
+    the message). ``shard``: the shard whose database holds the job's row."""
     body = JobMessage(
-        job_id=job.id, due_at=job.due_at, attempt=job.attempt, epoch=epoch, task=job.task
+        job_id=job.id,
+        due_at=job.due_at,
+        attempt=job.attempt,
+        epoch=epoch,
+        task=job.task,
+        shard=shard,
     ).encode()
     properties = spec.Basic.Properties(
         delivery_mode=PERSISTENT,

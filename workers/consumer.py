@@ -20,6 +20,9 @@ Settlement rules (DESIGN §6):
   not become a hot redelivery loop. Past the queue's delivery limit RabbitMQ
   dead-letters the message; the job row is still ``dispatched`` and the reconciler
   publishes it again after the visibility timeout, so nothing is lost;
+- a shard this worker is not configured with (``UnknownShard``) → logged as an error
+  naming both, nack with requeue after ``UNKNOWN_SHARD_DELAY`` (jittered), so another
+  worker that knows the shard can take it; the job is never failed for it;
 - shutdown: deliveries waiting for a slot are nacked with requeue at once; running ones
   get the grace period, then are cancelled (their transaction rolls back) and nacked.
 
@@ -42,6 +45,7 @@ from scheduler.log import get_logger
 from scheduler.messages import MalformedMessage, decode
 from scheduler.metrics import DELIVERIES_REQUEUED, MALFORMED_MESSAGES
 from workers.executor import DatabaseUnavailable, Executor
+from workers.shards import ShardExecutors, UnknownShard
 
 log = get_logger("duetime.worker")
 
@@ -53,6 +57,9 @@ log = get_logger("duetime.worker")
 PREFETCH_PER_SLOT = 2
 DB_RETRY_BASE = 0.5
 DB_RETRY_CAP = 10.0
+#: Seconds (at most; at least half) a delivery for an unknown shard is held before it is
+#: requeued: long enough not to spin, short enough for another worker to get it soon.
+UNKNOWN_SHARD_DELAY = 2.0
 
 
 class Consumer:
@@ -60,7 +67,7 @@ class Consumer:
 
     def __init__(
         self,
-        executor: Executor,
+        executor: Executor | ShardExecutors,
         *,
         concurrency: int,
         timeout: float = 10.0,
@@ -197,17 +204,35 @@ class Consumer:
             raise
         except DatabaseUnavailable as exc:
             await self._requeue_later(settle, exc, job)
+        except UnknownShard as exc:
+            log.error(
+                "delivery_unknown_shard",
+                message_id=message.message_id,
+                shard=exc.shard,
+                worker_shards=list(exc.known),
+                **job,
+            )
+            delay = bounded_jitter(1, base=UNKNOWN_SHARD_DELAY, cap=UNKNOWN_SHARD_DELAY)
+            await self._requeue_later(settle, exc, job, delay=delay)
         except Exception as exc:  # a bug: never crash the consumer, never lose the message
             log.exception("delivery_failed", message_id=message.message_id, **job)
             await self._requeue_later(settle, exc, job)
 
     async def _requeue_later(
-        self, settle: _Settlement, exc: BaseException, job: dict[str, Any]
+        self,
+        settle: _Settlement,
+        exc: BaseException,
+        job: dict[str, Any],
+        *,
+        delay: float | None = None,
     ) -> None:
-        self._db_failures += 1
+        """Nack with requeue after ``delay``; by default a delay that grows with the
+        consecutive database failures."""
+        if delay is None:
+            self._db_failures += 1
+            delay = bounded_jitter(self._db_failures, base=DB_RETRY_BASE, cap=self._db_retry_cap)
         self.requeued += 1
         DELIVERIES_REQUEUED.inc()
-        delay = bounded_jitter(self._db_failures, base=DB_RETRY_BASE, cap=self._db_retry_cap)
         log.warning(
             "delivery_requeued",
             message_id=settle.message.message_id,

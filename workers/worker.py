@@ -1,14 +1,19 @@
 """The worker process: connections, pools, lifecycle and graceful shutdown.
 
-``Worker`` wires the pieces: an asyncpg pool sized to ``concurrency`` plus a few for the
+``Worker`` wires the pieces: per shard (``Settings.shard_urls``; one, ``main``, unless
+shards are configured) an asyncpg pool for the handlers plus a few connections for the
 batched statements and heartbeats (without asyncpg's session reset on release:
-``db.keep_session``), a robust RabbitMQ connection with one channel, an ``Executor``
-(runs a delivery and records its outcome) and a ``Consumer`` (deliveries, acks).
+``db.keep_session``) and an ``Executor`` (runs a delivery and records its outcome);
+``workers.shards`` sizes the pools and routes each delivery to its shard's executor. One
+robust RabbitMQ connection with one channel and one ``Consumer`` (deliveries, acks, the
+concurrency limit) serve every shard.
 
 No cold start: the pools open every connection before the worker reports ready, each
 with the worker's statements already prepared (``scheduler.store.execution``), and never
 close idle ones. Measured before: the first 1.5 s of jobs after READY started 300-400 ms late
-while the pool grew and planned on the first burst.
+while the pool grew and planned on the first burst. (With several shards the handler
+pools open one connection each and grow on demand: the connection budget in
+``workers.shards``.)
 
 ``Worker.run()`` (``run_worker``) is what ``duetime worker`` runs: the shared service
 scaffold turns the first SIGTERM/SIGINT into a graceful stop and a second into an
@@ -30,26 +35,26 @@ from typing import Any
 import asyncpg
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
-from scheduler import broker, db
+from scheduler import broker
 from scheduler.config import Settings
 from scheduler.jobspec import validate_queue
 from scheduler.log import get_logger
 from scheduler.startup import start_with_retry
-from scheduler.store.execution import (
-    ExecutionStore,
-    prepare_handler_connection,
-    prepare_store_connection,
-)
 from workers.consumer import Consumer
 from workers.executor import Executor
 from workers.registry import Registry, default_registry
+from workers.shards import (
+    STORE_CONNECTIONS,
+    ShardExecutors,
+    WorkerShard,
+    close_pools,
+    open_shard,
+    pool_sizes,
+)
+
+__all__ = ["STORE_CONNECTIONS", "Worker", "run_worker"]
 
 log = get_logger("duetime.worker")
-
-#: The worker's own statements (batched begin/complete, failure outcomes, heartbeats) run
-#: on a pool of this size beside the ``concurrency`` connections of the handlers: four
-#: batched reads and two batched completions in flight, two for failures and heartbeats.
-STORE_CONNECTIONS = 8
 
 
 class Worker:
@@ -74,45 +79,39 @@ class Worker:
         self.registry = registry if registry is not None else default_registry
         self.concurrency = concurrency or settings.worker_concurrency
         self.grace_period = settings.worker_grace_period if grace_period is None else grace_period
-        self.pool: asyncpg.Pool | None = None
-        self.store_pool: asyncpg.Pool | None = None
+        #: name -> pools and executor of each shard, in configured order (set by start)
+        self.shards: dict[str, WorkerShard] = {}
+        self.executors: ShardExecutors | None = None
         self.connection: AbstractRobustConnection | None = None
         self.channel: AbstractChannel | None = None
         self.consumer: Consumer | None = None
-        self.executor: Executor | None = None
         self._stopped = False
+
+    # The first shard's pools and executor: with one shard (the default), the worker's.
+    @property
+    def pool(self) -> asyncpg.Pool | None:
+        return next(iter(self.shards.values())).pool if self.shards else None
+
+    @property
+    def store_pool(self) -> asyncpg.Pool | None:
+        return next(iter(self.shards.values())).store_pool if self.shards else None
+
+    @property
+    def executor(self) -> Executor | None:
+        return next(iter(self.shards.values())).executor if self.shards else None
 
     async def start(self) -> None:
         s = self.settings
-        self.pool = await db.pool_from_settings(
-            s,
-            max_size=self.concurrency,
-            min_size=self.concurrency,
-            max_inactive_connection_lifetime=0,
-            prepare=prepare_handler_connection,
-            reset=db.keep_session,  # see workers.executor: ctx.db work is transaction-scoped
-        )
+        urls = s.shard_urls
+        sizes = pool_sizes(len(urls), self.concurrency)
         try:
-            self.store_pool = await db.pool_from_settings(
-                s,
-                max_size=STORE_CONNECTIONS,
-                min_size=STORE_CONNECTIONS // 2,  # the reads and completions of a burst
-                max_inactive_connection_lifetime=0,
-                prepare=prepare_store_connection,
-                server_settings={"plan_cache_mode": "force_generic_plan"},
-                reset=db.keep_session,  # only our statements run here: nothing to reset
-            )
-            self.executor = Executor(
-                self.pool,
-                self.registry,
-                worker_name=s.node_id,
-                heartbeat_interval=s.visibility_timeout / 3,
-                acquire_timeout=s.db_timeout,
-                task_timeout=s.task_timeout,
-                store=ExecutionStore(self.store_pool, timeout=s.db_timeout),
-            )
+            for name, url in urls.items():
+                self.shards[name] = await open_shard(
+                    s, name, url, registry=self.registry, sizes=sizes
+                )
+            self.executors = ShardExecutors({n: sh.executor for n, sh in self.shards.items()})
             self.consumer = Consumer(
-                self.executor, concurrency=self.concurrency, timeout=s.amqp_timeout
+                self.executors, concurrency=self.concurrency, timeout=s.amqp_timeout
             )
             # Reconnect every second (aio-pika's default is 5 s): each broker blip would
             # otherwise cost at least 5 s of consumption (found by the chaos suite).
@@ -136,6 +135,7 @@ class Worker:
             concurrency=self.concurrency,
             tasks=self.registry.names(),
             node_id=s.node_id,
+            shards=list(self.shards),
         )
 
     async def stop(self, grace_period: float | None = None) -> None:
@@ -148,33 +148,29 @@ class Worker:
         if self.consumer is not None:
             log.info("worker_stopping", in_flight=self.consumer.in_flight, grace=grace)
             cancelled = await self.consumer.drain(grace)
-        batching = self.executor.batching() if self.executor is not None else {}
+        per_shard = self.executors.batching() if self.executors is not None else {}
+        # one shard: its counters as before; several: one dict per shard
+        batching = next(iter(per_shard.values())) if len(per_shard) == 1 else {"shards": per_shard}
         acks = self.consumer.ack_frames if self.consumer is not None else 0
         await self._close()
         log.info("worker_stopped", cancelled=cancelled, ack_frames=acks, **batching)
 
     async def _close(self) -> None:
-        executor, self.executor = self.executor, None
-        if executor is not None:
-            await executor.close()
+        shards, self.shards = self.shards, {}
+        self.executors = None
+        for shard in shards.values():
+            await shard.executor.close()
         timeout = self.settings.amqp_timeout
         channel, self.channel = self.channel, None
         connection, self.connection = self.connection, None
-        pools = (self.pool, self.store_pool)
-        self.pool = self.store_pool = None
         for resource in (channel, connection):
             if resource is not None:
                 try:
                     await asyncio.wait_for(resource.close(), timeout)
                 except Exception as exc:
                     log.warning("broker_close_failed", error=repr(exc))
-        for pool in pools:
-            if pool is not None:
-                try:
-                    await asyncio.wait_for(pool.close(), self.settings.db_timeout)
-                except Exception as exc:
-                    log.warning("pool_close_failed", error=repr(exc))
-                    pool.terminate()
+        pools = [pool for shard in shards.values() for pool in (shard.pool, shard.store_pool)]
+        await close_pools(pools, self.settings.db_timeout)
 
     async def run(self) -> int:
         """Run until SIGTERM/SIGINT, then stop gracefully; exit status 0."""

@@ -22,6 +22,7 @@ from scheduler.cli._util import (
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput
 from scheduler.rows import JOB_STATUSES, Job
+from scheduler.shards.router import ShardRouter
 from scheduler.store import JobStore
 
 LIST_COLUMNS = ("id", "task", "queue", "status", "attempt", "due_at", "run_at", "last_error")
@@ -40,6 +41,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     add.add_argument("--queue", default="default")
     add.add_argument("--max-attempts", type=positive_int, default=5)
     add.add_argument("--key", help="idempotency key (default job:<id>)")
+    add.add_argument(
+        "--shard",
+        metavar="NAME",
+        help="shard to write to (default: by --key's hash, else round-robin)",
+    )
     add.add_argument("--json", action="store_true", help="print the job as JSON")
     add.set_defaults(func=run_add)
 
@@ -75,18 +81,25 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
     payload = parse_payload(args.payload)
     due_at = parse_when(args.at) if args.at else None
     delay = parse_duration(args.in_) if args.in_ else None
-    async with opened(settings, JobStore) as store:
-        job = await store.enqueue(
+    router = await ShardRouter.open(settings, max_size=2)
+    try:
+        routed = await router.enqueue(
             args.task,
             payload,
+            shard=args.shard,
             due_at=due_at,
             delay=delay,
             queue=args.queue,
             max_attempts=args.max_attempts,
             idempotency_key=args.key,
         )
-    text = f"enqueued job {job.id} ({job.task}) due {job.due_at.isoformat()} on {job.queue}"
-    return emit(args, job.to_dict(), text)
+    finally:
+        await router.close()
+    job = routed.job
+    sharded = settings.shards is not None  # unsharded output stays as it always was
+    where = f" in shard {routed.shard}" if sharded else ""
+    text = f"enqueued job {job.id} ({job.task}) due {job.due_at.isoformat()} on {job.queue}{where}"
+    return emit(args, {**job.to_dict(), "shard": routed.shard} if sharded else job.to_dict(), text)
 
 
 async def run_list(args: argparse.Namespace, settings: Settings) -> int:

@@ -10,12 +10,16 @@ import argparse
 from typing import Any
 
 from scheduler.config import Settings
-from scheduler.migrate import migrate
+from scheduler.errors import InvalidInput
+from scheduler.migrate import MigrationResult, migrate, migrate_shards
 from scheduler.roles import DEFAULT_PREFIX, RoleNames, apply_roles
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     parser = sub.add_parser("migrate", parents=[common], help="create or upgrade the schema")
+    parser.add_argument(
+        "--shard", metavar="NAME", help="migrate only this shard (default: every shard)"
+    )
     roles = parser.add_argument_group("roles (docs/security.md)")
     roles.add_argument(
         "--roles",
@@ -39,18 +43,23 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 async def run(args: argparse.Namespace, settings: Settings) -> int:
     if getattr(args, "roles", False):
         RoleNames.for_prefix(args.roles_prefix)  # a bad prefix fails before anything runs
-    result = await migrate(settings.database_url, timeout=settings.db_timeout)
-    if result.applied:
-        print(f"applied {', '.join(result.applied)}; schema at version {result.current_version}")
+    urls = _selected_shards(settings, getattr(args, "shard", None))
+    if settings.shards is None:  # unsharded: the one database, output as it always was
+        print(_summary("", await migrate(settings.database_url, timeout=settings.db_timeout)))
     else:
-        print(f"schema up to date at version {result.current_version}")
-    if getattr(args, "roles", False):
-        names = await apply_roles(
-            settings.database_url,
-            prefix=args.roles_prefix,
-            producer_schedules=args.producer_schedules,
+        await migrate_shards(
+            urls,
             timeout=settings.db_timeout,
+            on_migrated=lambda shard, result: print(_summary(shard, result), flush=True),
         )
+    if getattr(args, "roles", False):
+        for url in urls.values():
+            names = await apply_roles(
+                url,
+                prefix=args.roles_prefix,
+                producer_schedules=args.producer_schedules,
+                timeout=settings.db_timeout,
+            )
         scope = "jobs and schedules" if args.producer_schedules else "jobs"
         print(
             f"roles granted: {names.producer} (inserts {scope}), {names.worker}, "
@@ -58,3 +67,22 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
             f"CREATE ROLE <user> LOGIN PASSWORD '...' IN ROLE <role>"
         )
     return 0
+
+
+def _selected_shards(settings: Settings, shard: str | None) -> dict[str, str]:
+    urls = settings.shard_urls
+    if shard is None:
+        return urls
+    if shard not in urls:
+        raise InvalidInput(f"--shard {shard!r} is not a configured shard ({', '.join(urls)})")
+    return {shard: urls[shard]}
+
+
+def _summary(shard: str, result: MigrationResult) -> str:
+    prefix = f"shard {shard}: " if shard else ""
+    if result.applied:
+        return (
+            f"{prefix}applied {', '.join(result.applied)}; "
+            f"schema at version {result.current_version}"
+        )
+    return f"{prefix}schema up to date at version {result.current_version}"

@@ -50,9 +50,9 @@ def _read_toml(path: Path) -> Mapping[str, Any]:
         raise ConfigError(f"config file {path} is not UTF-8 text") from None
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
-    # Accept either top-level keys or a [duetime] table.
-    if set(data) == {"duetime"} and isinstance(data["duetime"], dict):
-        data = data["duetime"]
+    # Accept either top-level keys or a [duetime] table (beside it, a [shards] table).
+    if set(data) - {"shards"} == {"duetime"} and isinstance(data["duetime"], dict):
+        data = {**data["duetime"], **{k: v for k, v in data.items() if k == "shards"}}
     return data
 
 

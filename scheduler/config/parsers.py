@@ -12,6 +12,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from scheduler.errors import ConfigError
+from scheduler.shards.config import Shard, parse_shards_env, parse_shards_table
+
 
 def redact_url(url: str) -> str:
     """Replace the password of a URL by ``***`` so the URL can be logged."""
@@ -144,6 +147,19 @@ def listen_address(value: Any) -> str:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"must be host:port, e.g. 127.0.0.1:8089 (got {value!r})")
     return text
+
+
+def shards(value: Any) -> tuple[Shard, ...] | None:
+    """``DUETIME_SHARDS`` (``name=url,...``) or a TOML ``[shards]`` table; unset or empty:
+    None, the single shard ``main`` at ``database_url`` (``Settings.shard_urls``)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        if isinstance(value, str):
+            return parse_shards_env(value)
+        return parse_shards_table(value)
+    except ConfigError as exc:
+        raise ValueError(f"is invalid: {str(exc).removeprefix('invalid shards: ')}") from None
 
 
 def default_node_id() -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.config import parsers as p
+from scheduler.shards.config import DEFAULT_SHARD, Shard
 
 #: Seconds any one wait on PostgreSQL may take by default: connecting, a connection from
 #: a pool, one statement (x3, client side). Stores built without settings use it too.
@@ -70,6 +71,7 @@ class Settings:
     scheduler_statement_timeout: float | None = None
     scheduler_tcp_user_timeout: float | None = None
     fence_takeover_grace: float = 1.0
+    shards: tuple[Shard, ...] | None = None
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict safe to log or print (no passwords)."""
@@ -77,7 +79,9 @@ class Settings:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             spec = FIELDS[f.name]
-            if spec.secret and value:
+            if f.name == "shards" and value is not None:
+                value = {s.name: p.redact_url(s.url) for s in value}
+            elif spec.secret and value:
                 value = "***"
             elif f.name.endswith("_url") and isinstance(value, str):
                 value = p.redact_url(value)
@@ -89,6 +93,14 @@ class Settings:
     def __repr__(self) -> str:  # never leak a password through repr() in a traceback
         inner = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())
         return f"Settings({inner})"
+
+    @property
+    def shard_urls(self) -> dict[str, str]:
+        """Shard name -> PostgreSQL URL, in configured order; without ``shards`` the one
+        shard ``main`` at ``database_url``."""
+        if self.shards is None:
+            return {DEFAULT_SHARD: self.database_url}
+        return {s.name: s.url for s in self.shards}
 
     @property
     def effective_safety_margin(self) -> float:
@@ -200,6 +212,14 @@ FIELDS: dict[str, Field] = {
             p.number(float, minimum=0.0),
             "seconds a new leader waits for an older epoch's open transactions before it "
             "terminates their sessions (less than lease_ttl)",
+        ),
+        # Shards (scheduler/shards/config.py): URLs hold passwords, shown redacted.
+        Field(
+            "shards",
+            p.shards,
+            "shards as name=postgresql-url,... (TOML: a [shards] table); unset: one shard "
+            "'main' at database_url",
+            secret=True,
         ),
     ]
 }

@@ -1,0 +1,194 @@
+"""A worker's shards: one handler pool, one store pool and one ``Executor`` per shard,
+and the router that sends each delivery to the executor of its message's shard.
+
+Why per shard, and not one pool that switches databases: effectively-once rests on the
+ledger row, the job's status and the handler's ``ctx.db`` writes committing in one
+transaction, and a transaction lives in one database. So ``ctx.db`` is a connection of
+the job's own shard, the ledger is per shard, and a duplicate delivery is recognised by
+the ledger of the shard that holds the job: effectively-once holds per shard.
+
+Connection budget. One shard keeps the sizes an unsharded worker always had: handler
+connections min = max = concurrency (no cold start) plus ``STORE_CONNECTIONS`` for the
+batched statements. With K > 1 shards a worker would otherwise hold K x (concurrency +
+8) connections on every database server it touches, so each shard's handler pool opens
+one connection and grows up to concurrency, and its store pool keeps 2 of at most 8: at
+concurrency 8, three shards open 9 connections and use at most 48, far below
+PostgreSQL's default ``max_connections`` of 100. The concurrency limit stays one limit
+across shards (the consumer's), so the handler pools together never run more than
+``concurrency`` handlers.
+
+A delivery for a shard this worker is not configured with is not its to settle: it is
+requeued after a delay (``workers.consumer``), so a worker that knows the shard can take
+it and a misconfigured worker never fails or kills the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import asyncpg
+
+from scheduler import db
+from scheduler.config import Settings
+from scheduler.errors import DuetimeError
+from scheduler.log import get_logger
+from scheduler.messages import JobMessage
+from scheduler.store.execution import (
+    ExecutionStore,
+    prepare_handler_connection,
+    prepare_store_connection,
+)
+from workers.executor import Executor, Outcome
+from workers.registry import Registry
+
+__all__ = [
+    "STORE_CONNECTIONS",
+    "PoolSizes",
+    "ShardExecutors",
+    "UnknownShard",
+    "WorkerShard",
+    "close_pools",
+    "open_shard",
+    "pool_sizes",
+]
+
+log = get_logger("duetime.worker")
+
+#: The worker's own statements (batched begin/complete, failure outcomes, heartbeats) run
+#: on a pool of this size beside the ``concurrency`` connections of the handlers: four
+#: batched reads and two batched completions in flight, two for failures and heartbeats.
+STORE_CONNECTIONS = 8
+#: Connections each pool of a shard keeps open when the worker has several shards.
+SHARDED_HANDLER_MIN = 1
+SHARDED_STORE_MIN = 2
+
+
+class UnknownShard(DuetimeError):
+    """A delivery names a shard this worker is not configured with."""
+
+    def __init__(self, shard: str, known: tuple[str, ...]) -> None:
+        super().__init__(
+            f"shard {shard!r} is not one of this worker's shards ({', '.join(known)})"
+        )
+        self.shard = shard
+        self.known = known
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizes:
+    """min/max connections of one shard's handler pool and store pool."""
+
+    handler_min: int
+    handler_max: int
+    store_min: int
+    store_max: int
+
+
+def pool_sizes(shards: int, concurrency: int) -> PoolSizes:
+    """The pools of one shard of a worker with ``shards`` shards (module docstring)."""
+    if shards < 1 or concurrency < 1:
+        raise ValueError(f"need shards >= 1 and concurrency >= 1 (got {shards}, {concurrency})")
+    if shards == 1:
+        return PoolSizes(concurrency, concurrency, STORE_CONNECTIONS // 2, STORE_CONNECTIONS)
+    return PoolSizes(SHARDED_HANDLER_MIN, concurrency, SHARDED_STORE_MIN, STORE_CONNECTIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerShard:
+    """One shard as a worker holds it."""
+
+    name: str
+    pool: asyncpg.Pool  # the handlers' transactions (``ctx.db``)
+    store_pool: asyncpg.Pool  # the worker's own batched statements
+    executor: Executor
+
+
+async def open_shard(
+    settings: Settings,
+    name: str,
+    url: str,
+    *,
+    registry: Registry,
+    sizes: PoolSizes,
+) -> WorkerShard:
+    """Open one shard's pools (every ``min`` connection, statements prepared) and its
+    executor. Raises after closing whatever it opened."""
+    shard_settings = dataclasses.replace(settings, database_url=url)
+    pool = await db.pool_from_settings(
+        shard_settings,
+        max_size=sizes.handler_max,
+        min_size=sizes.handler_min,
+        max_inactive_connection_lifetime=0,
+        prepare=prepare_handler_connection,
+        reset=db.keep_session,  # see workers.executor: ctx.db work is transaction-scoped
+    )
+    try:
+        store_pool = await db.pool_from_settings(
+            shard_settings,
+            max_size=sizes.store_max,
+            min_size=sizes.store_min,  # the reads and completions of a burst
+            max_inactive_connection_lifetime=0,
+            prepare=prepare_store_connection,
+            server_settings={"plan_cache_mode": "force_generic_plan"},
+            reset=db.keep_session,  # only our statements run here: nothing to reset
+        )
+    except BaseException:
+        await close_pools([pool], settings.db_timeout)
+        raise
+    executor = Executor(
+        pool,
+        registry,
+        worker_name=settings.node_id,
+        heartbeat_interval=settings.visibility_timeout / 3,
+        acquire_timeout=settings.db_timeout,
+        task_timeout=settings.task_timeout,
+        store=ExecutionStore(store_pool, timeout=settings.db_timeout),
+    )
+    return WorkerShard(name, pool, store_pool, executor)
+
+
+async def close_pools(pools: list[asyncpg.Pool], timeout: float) -> None:
+    """Close each pool gracefully within ``timeout``, else terminate it."""
+    for pool in pools:
+        try:
+            await asyncio.wait_for(pool.close(), timeout)
+        except Exception as exc:
+            log.warning("pool_close_failed", error=repr(exc))
+            pool.terminate()
+
+
+class ShardExecutors:
+    """Runs each delivery on the executor of its message's shard.
+
+    ``execute`` has the ``Executor.execute`` contract (every return value: an outcome is
+    committed; ``DatabaseUnavailable``: none could be) plus ``UnknownShard`` for a shard
+    that has no executor here."""
+
+    def __init__(self, executors: Mapping[str, Executor]) -> None:
+        if not executors:
+            raise ValueError("a worker needs at least one shard")
+        self._executors = dict(executors)
+        self.names = tuple(self._executors)
+
+    def __getitem__(self, shard: str) -> Executor:
+        return self._executors[shard]
+
+    def __contains__(self, shard: object) -> bool:
+        return shard in self._executors
+
+    async def execute(self, msg: JobMessage) -> Outcome:
+        executor = self._executors.get(msg.shard)
+        if executor is None:
+            raise UnknownShard(msg.shard, self.names)
+        return await executor.execute(msg)
+
+    def batching(self) -> dict[str, dict[str, float]]:
+        """Each shard's ``Executor.batching()``."""
+        return {name: executor.batching() for name, executor in self._executors.items()}
+
+    async def close(self) -> None:
+        for executor in self._executors.values():
+            await executor.close()
