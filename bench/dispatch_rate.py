@@ -46,7 +46,7 @@ from scheduler import broker, db
 from scheduler.config import load_settings
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from scheduler.publisher import Publisher

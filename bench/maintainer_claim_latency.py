@@ -43,7 +43,7 @@ from scheduler import db
 from scheduler.config import load_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from scheduler.store.dispatch import DispatchStore

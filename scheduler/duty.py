@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from typing import Self
 
     from scheduler.config import Settings
-    from scheduler.replica import ReplicaContext
+    from scheduler.leadership.replica import ReplicaContext
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from scheduler.config import Settings
 from scheduler.duties import default_duties
 from scheduler.log import get_logger
 from scheduler.observability import database_check
-from scheduler.replica import Replica
+from scheduler.leadership.replica import Replica
 from scheduler.service import Service
 
 

@@ -16,7 +16,7 @@ from scheduler.duties.reconciler import Reconciler
 from scheduler.duty import LoopDuty
 
 if TYPE_CHECKING:
-    from scheduler.replica import ReplicaContext
+    from scheduler.leadership.replica import ReplicaContext
 
 __all__ = ["Dispatcher", "FenceHeartbeat", "Maintainer", "Planner", "Reconciler", "default_duties"]
 

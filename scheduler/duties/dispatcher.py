@@ -61,7 +61,7 @@ from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
 from scheduler.duties.publishing import PublishingDuty
-from scheduler.fence import fenced_transaction
+from scheduler.leadership.fence import fenced_transaction
 from scheduler.metrics import (
     BACKLOG,
     DISPATCH_LAG,

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.duty import LoopDuty
-from scheduler.fence import FenceStore
+from scheduler.leadership.fence import FenceStore
 
 if TYPE_CHECKING:
-    from scheduler.replica import ReplicaContext
+    from scheduler.leadership.replica import ReplicaContext
 
 
 class FenceHeartbeat(LoopDuty):

@@ -68,7 +68,7 @@ from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
 from scheduler.duty import LeaderDuty
-from scheduler.fence import fenced_transaction
+from scheduler.leadership.fence import fenced_transaction
 from scheduler.store.maintenance import MaintenanceStore
 
 T = TypeVar("T")

@@ -59,7 +59,7 @@ from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
 from scheduler.duty import LeaderDuty
-from scheduler.fence import fenced_transaction
+from scheduler.leadership.fence import fenced_transaction
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.rows import UNREADABLE
 from scheduler.schedules import PlanConfig, PlanDecision, invalid_decision, plan_schedule

@@ -30,8 +30,8 @@ from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.maintainer import Maintainer
 from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler
-from scheduler.fence import FenceStore
-from scheduler.replica import Replica, ReplicaContext
+from scheduler.leadership.fence import FenceStore
+from scheduler.leadership.replica import Replica, ReplicaContext
 from scheduler.status import StatusStore
 from scheduler.store import DispatchStore, JobStore, ScheduleStore
 

@@ -26,7 +26,7 @@ from scheduler.config import Settings
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore
+from scheduler.leadership.fence import FenceStore
 from scheduler.publisher import Publisher, PublishResult
 from scheduler.rows import ClaimedJob
 from scheduler.store.jobs import JobStore

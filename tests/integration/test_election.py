@@ -20,7 +20,7 @@ import aetcd
 import pytest
 import pytest_asyncio
 
-from scheduler.election import Election, LeadershipLost, Term
+from scheduler.leadership.election import Election, LeadershipLost, Term
 from scheduler.errors import ServiceUnavailable
 from tests.support.etcd import PrivateEtcd, free_port
 from tests.support.proxy import FaultProxy

@@ -24,7 +24,7 @@ from scheduler.config import Settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced, LeadershipLost
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.store.dispatch import DispatchStore
 from tests.support.wait import wait_for
 

@@ -29,7 +29,7 @@ from scheduler.cron import deterministic_jitter
 from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore
+from scheduler.leadership.fence import FenceStore
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.schedules import ScheduleSpec, fire_key
 from scheduler.store.schedules import ScheduleStore

@@ -22,9 +22,9 @@ from scheduler.config import Settings
 from scheduler.duties import FenceHeartbeat, default_duties
 from scheduler.duty import LeaderTerm, LoopDuty
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.metrics import DUTY_FAILURES, LEADER_TRANSITIONS
-from scheduler.replica import Replica, ReplicaContext, session_settings
+from scheduler.leadership.replica import Replica, ReplicaContext, session_settings
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(90)

@@ -29,7 +29,7 @@ from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.jobspec import JobSpec
 from scheduler.messages import JobMessage
 from scheduler.roles import RoleNames, apply_roles, drop_roles_connection

@@ -1,10 +1,10 @@
-"""The trust window arithmetic of ``scheduler.election``, without etcd."""
+"""The trust window arithmetic of ``scheduler.leadership.election``, without etcd."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduler.election import (
+from scheduler.leadership.election import (
     Election,
     LeaseDeadline,
     default_safety_margin,

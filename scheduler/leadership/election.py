@@ -68,7 +68,7 @@ host) and clock-rate skew (ppm). Those do not grow with the TTL, hence the 2 s c
 stops while a VM is suspended, and a process can stall between checking ``is_leader()``
 and committing. The database fence (``leader_fence``) is what makes a zombie harmless.
 
-**Connections.** The client comes from ``scheduler.etcd_client``: plain gRPC, or TLS
+**Connections.** The client comes from ``scheduler.leadership.etcd_client``: plain gRPC, or TLS
 when an ``EtcdTLS`` is given, with the same keepalive options either way. Every call
 has a deadline (gRPC and ``asyncio.wait_for``). gRPC keepalive notices a frozen etcd
 under an idle watch in 5-7 s (a killed one at once, by the connection reset); a leader
@@ -93,7 +93,7 @@ import grpc
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK
 from scheduler.errors import ConfigError, DuetimeError, LeadershipLost, ServiceUnavailable
-from scheduler.etcd_client import GRPC_OPTIONS, EtcdTLS, make_client, refused_credentials
+from scheduler.leadership.etcd_client import GRPC_OPTIONS, EtcdTLS, make_client, refused_credentials
 from scheduler.log import get_logger
 
 __all__ = [
@@ -235,7 +235,7 @@ class Election:
         self.call_timeout = call_timeout
         self._clock: MonotonicClock = clock or SYSTEM_CLOCK
         self._auth = (username, password)
-        self._tls = tls  # None: plain gRPC (see scheduler/etcd_client.py)
+        self._tls = tls  # None: plain gRPC (see scheduler/leadership/etcd_client.py)
         self._rng = rng or random.Random()
         self._client: aetcd.Client | None = None
         self._endpoint_index = 0

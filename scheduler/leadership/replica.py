@@ -51,10 +51,10 @@ from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.duty import LeaderTerm, LoopDuty
-from scheduler.election import Election, Term
+from scheduler.leadership.election import Election, Term
 from scheduler.errors import Fenced, LeadershipLost, ServiceUnavailable
-from scheduler.etcd_client import etcd_tls
-from scheduler.fence import FenceStore
+from scheduler.leadership.etcd_client import etcd_tls
+from scheduler.leadership.fence import FenceStore
 from scheduler.log import get_logger
 from scheduler.metrics import IS_LEADER, LEADER_EPOCH, LEADER_TRANSITIONS
 from scheduler.startup import start_with_retry
@@ -168,7 +168,7 @@ def session_settings(settings: Settings) -> dict[str, str]:
       after 2.0-2.5 s). Keepalives and ``client_connection_check_interval`` do not help
       (the frozen client's kernel still answers). Not every kernel enforces the user
       timeout on a zero window, so the new leader also terminates the sessions that
-      still block its fence update after ``fence_takeover_grace`` (scheduler/fence.py).
+      still block its fence update after ``fence_takeover_grace`` (scheduler/leadership/fence.py).
     """
     out = {
         "idle_in_transaction_session_timeout": _ms(max(1.0, settings.lease_ttl)),
