@@ -13,9 +13,9 @@ from typing import Any
 
 from scheduler.config import Settings
 from scheduler.duties import default_duties
+from scheduler.leadership.replica import Replica
 from scheduler.log import get_logger
 from scheduler.observability import database_check
-from scheduler.leadership.replica import Replica
 from scheduler.service import Service
 
 

@@ -45,7 +45,6 @@ down the cap is ``probe_interval`` and it is re-established with back-off.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,12 +57,12 @@ from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
-from scheduler.duty import LeaderDuty
+from scheduler.duties.base import DutyLoop, FencedWrites, duty_listener
+from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.leadership.fence import fenced_transaction
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.rows import UNREADABLE
 from scheduler.schedules import PlanConfig, PlanDecision, invalid_decision, plan_schedule
-from scheduler.store.listener import KeptListener
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
 from scheduler.store.schedules import ClaimedSchedule, ScheduleStore
 
@@ -83,48 +82,36 @@ MAX_LOGGED = 50
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
-    """How the planner paces itself; ``from_settings`` fills it from ``Settings``."""
+    """How the planner paces itself (``config_from_settings`` fills it)."""
 
-    horizon: float = 10.0
+    horizon: float = knob(10.0, setting="planner_horizon")
     """Seconds ahead that fire times of ``allow`` schedules become jobs."""
     lead: float | None = None
     """Revisit a schedule when its next fire time is this close (default horizon / 2)."""
     misfire_grace: float = 1.0
     """A fire time at most this late still fires normally (not a misfire)."""
-    batch_size: int = 1000
+    batch_size: int = knob(1000, ge=1)
     """Schedules claimed (and written in one statement) per transaction."""
-    max_batches_per_pass: int = 100
+    max_batches_per_pass: int = knob(100, ge=1)
     """Batches in one ``run_once`` before the loop yields (and comes straight back)."""
-    poll_interval: float = 1.0
+    poll_interval: float = knob(1.0, setting="poll_interval", gt=0)
     """Longest sleep while the LISTEN connection is healthy (backstop)."""
-    probe_interval: float = 0.25
+    probe_interval: float = knob(0.25, gt=0)
     """Longest sleep while it is not."""
-    buffer_poll: float = 1.0
+    buffer_poll: float = knob(1.0, gt=0)
     """``buffer_one``: how often a waiting fire time checks the running job."""
-    listen_check_interval: float = 10.0
+    listen_check_interval: float = knob(10.0, gt=0)
     """How often the LISTEN connection is pinged (a half-open socket is silent)."""
-    decide_budget: float = 0.5
+    decide_budget: float = knob(0.5, gt=0)
     """Seconds of planning per batch, while its transaction waits idle: far below the
     replica's ``idle_in_transaction_session_timeout`` (≈ lease TTL), whatever the batch
     holds (a long catch-up can cost tens of ms per schedule). The rest waits for the
     next batch."""
-    max_fires_per_batch: int = 20_000
+    max_fires_per_batch: int = knob(20_000, ge=1)
     """Fire times written by one statement, at most (plus one schedule's worth)."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_batches_per_pass < 1:
-            raise ValueError("batch_size and max_batches_per_pass must be >= 1")
-        if self.max_fires_per_batch < 1:
-            raise ValueError("max_fires_per_batch must be >= 1")
-        for name in (
-            "poll_interval",
-            "probe_interval",
-            "buffer_poll",
-            "listen_check_interval",
-            "decide_budget",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        check_knobs(self)
         self.plan_config()  # validates horizon, lead, grace
 
     def plan_config(self) -> PlanConfig:
@@ -134,15 +121,6 @@ class PlannerConfig:
             misfire_grace=timedelta(seconds=self.misfire_grace),
             buffer_poll=timedelta(seconds=self.buffer_poll),
         )
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **overrides: object) -> PlannerConfig:
-        values: dict[str, object] = {
-            "horizon": settings.planner_horizon,
-            "poll_interval": settings.poll_interval,
-        }
-        values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -177,9 +155,8 @@ class PlanReport:
         self.write_seconds += other.write_seconds
 
 
-class Planner(LeaderDuty):
+class Planner:
     name = "planner"
-    fenced_write = "fenced planner batch"
 
     def __init__(
         self,
@@ -190,18 +167,23 @@ class Planner(LeaderDuty):
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
-        super().__init__(settings, pool, clock=clock, is_leader=is_leader)
+        self.config = config = config or config_from_settings(PlannerConfig, settings)
+        self.settings = settings
+        self.pool = pool
+        self.clock = clock
+        self.loop = DutyLoop(self)
+        self.writes = FencedWrites(
+            settings, pool, write="fenced planner batch", is_leader=is_leader
+        )
         self.store = ScheduleStore(pool, acquire_timeout=settings.db_timeout)
-        self.config = config or PlannerConfig.from_settings(settings)
-        self._plan_config = self.config.plan_config()
-        self._wakeups = KeptListener(
-            settings.database_url,
+        self._plan_config = config.plan_config()
+        self._wakeups = duty_listener(
+            settings,
             SCHEDULES_CHANNEL,
-            self.wake,
-            timeout=settings.db_timeout,
-            application_name=f"duetime:{settings.node_id}:planner-listen",
-            check_interval=self.config.listen_check_interval,
-            log=lambda: self.log,
+            self.loop.wake,
+            role="planner-listen",
+            check_interval=config.listen_check_interval,
+            log=lambda: self.loop.log,
         )
         self._isolate = False  # the last batch was refused: apply the next one row by row
         self.invalid_total = 0  # schedules paused for an error, since start
@@ -228,7 +210,7 @@ class Planner(LeaderDuty):
         try:
             report = await self.plan_pass()
         except RETRYABLE as exc:
-            self.log.warning("plan_retry", error=f"{type(exc).__name__}: {exc}")
+            self.loop.log.warning("plan_retry", error=f"{type(exc).__name__}: {exc}")
             return bounded_jitter(1, base=0.05)
         if report.revisit:  # max_batches_per_pass reached with work left
             return 0.0
@@ -268,22 +250,22 @@ class Planner(LeaderDuty):
         under its own savepoint and pauses the ones refused. The normal path has no
         savepoints: five round trips per batch.
         """
-        epoch = self.term.epoch
-        self._check_leader()
+        epoch = self.loop.term.epoch
+        self.writes.check_lease()
         now = now or self.clock.now()
         isolate = self._isolate
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         try:
             async with fenced_transaction(conn, epoch):
                 claimed = await self._claim(conn, now)
                 if not claimed:
                     return PlanReport()
-                claimed_at = time.perf_counter()
+                claimed_at = self.clock.monotonic()
                 if len(claimed) > INLINE_BATCH:
                     decisions = await asyncio.to_thread(self._decide, claimed, now)
                 else:
                     decisions = self._decide(claimed, now)
-                decided_at = time.perf_counter()
+                decided_at = self.clock.monotonic()
                 # schedules left undecided (budget spent) stay as they are and due
                 deferred = len(claimed) - len(decisions)
                 claimed = claimed[: len(decisions)]
@@ -295,20 +277,20 @@ class Planner(LeaderDuty):
             if isolate:  # not a row's fault after all: let the duty back off and retry
                 raise
             self._isolate = True
-            self.log.warning(
+            self.loop.log.warning(
                 "plan_batch_refused",
                 error=f"{type(exc).__name__}: {exc}",
                 next_step="apply the batch one schedule at a time",
             )
             return PlanReport(revisit=True)
         self._isolate = False
-        committed_at = time.perf_counter()
+        committed_at = self.clock.monotonic()
         report = self._account(claimed, decisions, fired, now)
         report.revisit = report.revisit or deferred > 0
         report.claim_seconds = claimed_at - started
         report.decide_seconds = decided_at - claimed_at
         report.write_seconds = committed_at - decided_at
-        self.log.debug(
+        self.loop.log.debug(
             "plan_batch",
             claimed=report.claimed,
             fired=report.fired,
@@ -325,7 +307,7 @@ class Planner(LeaderDuty):
         try:
             return await self.store.claim_due(conn, now, self.config.batch_size)
         except UNREADABLE as exc:
-            self.log.warning(
+            self.loop.log.warning(
                 "claim_unreadable",
                 error=f"{type(exc).__name__}: {exc}",
                 next_step="read the batch row by row and pause the unreadable schedules",
@@ -342,7 +324,7 @@ class Planner(LeaderDuty):
                 paused = False
                 reason = f"{reason}; the pause was refused: {type(exc).__name__}: {exc}"
             self.invalid_total += paused
-            self.log.error(
+            self.loop.log.error(
                 "schedule_unreadable",
                 schedule_id=schedule_id,
                 error=reason,
@@ -355,11 +337,11 @@ class Planner(LeaderDuty):
         ``decide_budget`` seconds or produced ``max_fires_per_batch`` fire times."""
         decisions: list[PlanDecision] = []
         memo: dict[tuple[Any, ...], Any] = {}  # schedules with the same timing share work
-        deadline = time.perf_counter() + self.config.decide_budget
+        deadline = self.clock.monotonic() + self.config.decide_budget
         fires = 0
         for item in claimed:
             if decisions and (
-                fires >= self.config.max_fires_per_batch or time.perf_counter() > deadline
+                fires >= self.config.max_fires_per_batch or self.clock.monotonic() > deadline
             ):
                 break
             try:
@@ -371,7 +353,7 @@ class Planner(LeaderDuty):
                     memo=memo,
                 )
             except Exception as exc:  # a bug must not stall every other schedule
-                self.log.exception("plan_schedule_failed", schedule_id=item.schedule.id)
+                self.loop.log.exception("plan_schedule_failed", schedule_id=item.schedule.id)
                 decision = invalid_decision(
                     item.schedule, f"planning failed: {type(exc).__name__}: {exc}"
                 )
@@ -421,7 +403,7 @@ class Planner(LeaderDuty):
             if d.invalid:
                 report.invalid += 1
                 self.invalid_total += 1
-                self.log.error(
+                self.loop.log.error(
                     "schedule_invalid",
                     schedule_id=s.id,
                     schedule=s.name,
@@ -449,20 +431,20 @@ class Planner(LeaderDuty):
         for policy, count in report.missed_by_policy.items():
             SCHEDULE_MISFIRES.labels(policy).inc(count)
         if report.missed:
-            self.log.warning(
+            self.loop.log.warning(
                 "schedules_misfired",
                 missed=report.missed,
                 by_policy=dict(report.missed_by_policy),
                 schedules=missed_log,
             )
         if overlap_log:
-            self.log.info(
+            self.loop.log.info(
                 "schedules_overlap_skipped",
                 skipped=sum(d.skipped_overlap for d in decisions),
                 schedules=overlap_log,
             )
         if report.duplicates:
-            self.log.warning("schedule_fires_deduplicated", duplicates=report.duplicates)
+            self.loop.log.warning("schedule_fires_deduplicated", duplicates=report.duplicates)
         return report
 
     # -- wake-ups --------------------------------------------------------------------

@@ -29,7 +29,7 @@ Rules, and why:
 - **No flapping.** A term shorter than one TTL counts as a failure; consecutive ones
   delay the next campaign with jittered back-off (e.g. a fence that is ahead).
 
-The duty list comes from a factory called once per replica with a ``ReplicaContext``
+The duty list comes from a factory called once per replica with a ``DutyContext``
 (pool, settings, clock, node id, fence), so ``duetime scheduler`` passes
 ``scheduler.duties.default_duties`` and tests pass whatever they need.
 """
@@ -50,9 +50,9 @@ from scheduler import db
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.duty import LeaderTerm, LoopDuty
-from scheduler.leadership.election import Election, Term
+from scheduler.duties.base import Duty, DutyContext, LeaderTerm
 from scheduler.errors import Fenced, LeadershipLost, ServiceUnavailable
+from scheduler.leadership.election import Election, Term
 from scheduler.leadership.etcd_client import etcd_tls
 from scheduler.leadership.fence import FenceStore
 from scheduler.log import get_logger
@@ -63,7 +63,6 @@ __all__ = [
     "STEP_DOWN_REASONS",
     "DutiesFactory",
     "Replica",
-    "ReplicaContext",
     "Transition",
     "recampaign_delay",
     "session_settings",
@@ -79,20 +78,7 @@ DUTY_STOP_TIMEOUT = 10.0  # a duty whose cleanup takes longer is abandoned (and 
 CLOSE_TIMEOUT = 5.0
 
 
-@dataclass(frozen=True)
-class ReplicaContext:
-    """What a duty may use: built once per replica, shared by every duty it runs."""
-
-    settings: Settings
-    pool: asyncpg.Pool
-    fence: FenceStore
-    clock: Clock
-    node_id: str
-    is_leader: Callable[[], bool]
-    """True only inside the lease's trust window; check right before acting (fail closed)."""
-
-
-DutiesFactory = Callable[[ReplicaContext], Sequence[LoopDuty]]
+DutiesFactory = Callable[[DutyContext], Sequence[Duty]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +197,7 @@ class Replica:
         self._pool: asyncpg.Pool | None = None
         self._election: Election | None = None
         self._fence: FenceStore | None = None
-        self.duties: list[LoopDuty] = []
+        self.duties: list[Duty] = []
         self.term: LeaderTerm | None = None  # set while leading (fence advanced, duties up)
         self.transitions: deque[Transition] = deque(maxlen=200)
         self._short_terms = 0
@@ -287,7 +273,7 @@ class Replica:
                 settings.etcd_password,
                 tls=etcd_tls(settings),
             )
-            ctx = ReplicaContext(
+            ctx = DutyContext(
                 settings=settings,
                 pool=self._pool,
                 fence=self._fence,
@@ -391,7 +377,7 @@ class Replica:
             tlog.info("elected", lease_id=term.lease_id)
             self._record("elected", epoch, None)
             hold = asyncio.create_task(self._election.hold(term), name=f"election:hold:{epoch}")
-            running: list[LoopDuty] = []
+            running: list[Duty] = []
             reason, detail = "stopped", "cancelled"
             try:
                 reason, detail = await self._advance_fence(term, hold, stop_waiter, tlog)
@@ -471,11 +457,11 @@ class Replica:
         tlog.info("fence_advanced")
         return "", ""
 
-    def _start_duties(self, leader_term: LeaderTerm, tlog: Any) -> list[LoopDuty]:
-        running: list[LoopDuty] = []
+    def _start_duties(self, leader_term: LeaderTerm, tlog: Any) -> list[Duty]:
+        running: list[Duty] = []
         for duty in self.duties:
             try:
-                duty.start(leader_term)
+                duty.loop.start(leader_term)
             except Exception:
                 tlog.exception("duty_start_failed", duty=duty.name)
                 continue  # its missing task is noticed by _watch: the term ends
@@ -484,11 +470,11 @@ class Replica:
         return running
 
     async def _watch(
-        self, hold: asyncio.Task[Any], running: list[LoopDuty], stop_waiter: asyncio.Task[Any]
+        self, hold: asyncio.Task[Any], running: list[Duty], stop_waiter: asyncio.Task[Any]
     ) -> tuple[str, str]:
         tasks: dict[str, asyncio.Future[Any]] = {}
         for duty in self.duties:
-            task = duty.task if duty in running else None
+            task = duty.loop.task if duty in running else None
             if task is None:
                 return "duty_exited", f"{duty.name}: not running"
             tasks[duty.name] = task
@@ -497,14 +483,14 @@ class Replica:
         )
         return term_end_reason(hold=hold, duties=tasks, stopped=stop_waiter.done())
 
-    async def _stop_duties(self, running: list[LoopDuty], tlog: Any) -> None:
+    async def _stop_duties(self, running: list[Duty], tlog: Any) -> None:
         """Stop every duty and await its cleanup, concurrently, bounded per duty."""
         if not running:
             return
 
-        async def stop_one(duty: LoopDuty) -> None:
+        async def stop_one(duty: Duty) -> None:
             try:
-                await asyncio.wait_for(duty.stop(), self._duty_stop_timeout)
+                await asyncio.wait_for(duty.loop.stop(), self._duty_stop_timeout)
             except TimeoutError:
                 tlog.error("duty_stop_timeout", duty=duty.name, timeout=self._duty_stop_timeout)
             except Exception:

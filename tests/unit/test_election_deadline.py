@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler.errors import ConfigError
 from scheduler.leadership.election import (
     Election,
     LeaseDeadline,
     default_safety_margin,
     parse_endpoint,
 )
-from scheduler.errors import ConfigError
 
 
 def test_never_renewed_is_expired() -> None:
