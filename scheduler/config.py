@@ -333,7 +333,7 @@ FIELDS: dict[str, Field] = {
             "seconds a handler may run when its task sets no timeout",
         ),
         Field("delivery_limit", _number(int, minimum=1), "broker redeliveries before dead-letter"),
-        # Zombie leaders (scheduler/leadership/replica.py session_settings,
+        # Zombie leaders (scheduler/leadership/policy.py session_settings,
         # scheduler/leadership/fence.py).
         Field(
             "scheduler_statement_timeout",

@@ -23,7 +23,8 @@ from scheduler.duties import FenceHeartbeat, default_duties
 from scheduler.duties.base import Duty, DutyContext, DutyLoop, LeaderTerm
 from scheduler.errors import Fenced
 from scheduler.leadership.fence import FenceStore, fenced_transaction
-from scheduler.leadership.replica import Replica, session_settings
+from scheduler.leadership.policy import session_settings
+from scheduler.leadership.replica import Replica
 from scheduler.metrics import DUTY_FAILURES, LEADER_TRANSITIONS
 from tests.support.wait import wait_for
 
