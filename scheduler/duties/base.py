@@ -55,13 +55,14 @@ from scheduler.leadership.fence import fenced_transaction
 from scheduler.log import get_logger
 from scheduler.metrics import DUTY_FAILURES, JOBS_PARKED
 from scheduler.publisher import Publisher
+from scheduler.store.dispatch import DispatchStore
 from scheduler.store.listener import KeptListener
 
 if TYPE_CHECKING:
     from scheduler.config import Settings
     from scheduler.db import Conn
     from scheduler.leadership.fence import FenceStore
-    from scheduler.store.dispatch import DispatchStore, UnreadableRow
+    from scheduler.store.dispatch import UnreadableRow
 
 D_co = TypeVar("D_co", covariant=True)
 
@@ -288,20 +289,27 @@ class FencedWrites:
 
 
 class DutyPublisher:
-    """The duty's own publisher (opened per term, closed on teardown), or a shared one."""
+    """What a duty that publishes job messages holds: the ``DispatchStore`` it claims
+    with, its publisher (its own, opened per term and closed on teardown, or a shared
+    one) and the ``BrokerGate`` in front of it."""
 
     def __init__(
         self,
         settings: Settings,
+        pool: asyncpg.Pool,
         *,
         name: str,
         publish_timeout: float,
-        publisher: Publisher | None = None,
+        publisher: Publisher | None,
+        gate: GateConfig,
+        log: Callable[[], Any],
     ) -> None:
+        self.store = DispatchStore(pool, acquire_timeout=settings.db_timeout)
         self.owned = publisher is None
         self.publisher = publisher or Publisher.from_settings(
             settings, name=f"duetime-{name}", publish_timeout=publish_timeout
         )
+        self.gate = BrokerGate(self.publisher, log, gate)
 
     async def open(self) -> None:
         await self.publisher.open()
@@ -309,6 +317,15 @@ class DutyPublisher:
     async def close(self) -> None:
         if self.owned:
             await self.publisher.close()
+
+
+@dataclass(frozen=True, slots=True)
+class GateConfig:
+    """How long a pass waits for a reconnecting broker, and the back-off after it."""
+
+    ready_timeout: float
+    base: float
+    cap: float
 
 
 class BrokerGate:
@@ -320,20 +337,10 @@ class BrokerGate:
     Transitions are logged, not every pause.
     """
 
-    def __init__(
-        self,
-        publisher: Publisher,
-        log: Callable[[], Any],
-        *,
-        ready_timeout: float,
-        base: float,
-        cap: float,
-    ) -> None:
+    def __init__(self, publisher: Publisher, log: Callable[[], Any], config: GateConfig) -> None:
         self._publisher = publisher
         self._log = log
-        self._ready_timeout = ready_timeout
-        self._base = base
-        self._cap = cap
+        self._config = config
         self.throttled = False
         self.not_ready = 0  # consecutive passes the broker was not ready
 
@@ -353,9 +360,9 @@ class BrokerGate:
         if self.throttled:
             self.throttled = False
             self._log().info("dispatch_unthrottled", pressure=round(publisher.pressure, 3))
-        if not await publisher.wait_ready(self._ready_timeout):
+        if not await publisher.wait_ready(self._config.ready_timeout):
             self.not_ready += 1
-            delay = bounded_jitter(self.not_ready, base=self._base, cap=self._cap)
+            delay = bounded_jitter(self.not_ready, base=self._config.base, cap=self._config.cap)
             self._log().warning(
                 "broker_not_ready", failures=self.not_ready, retry_in=round(delay, 3)
             )

@@ -61,10 +61,10 @@ from scheduler.config import Settings
 from scheduler.db import Conn
 from scheduler.duties.base import (
     MAX_IDS_LOGGED,
-    BrokerGate,
     DutyLoop,
     DutyPublisher,
     FencedWrites,
+    GateConfig,
     duty_listener,
     park_unreadable,
     some_ids,
@@ -86,7 +86,6 @@ from scheduler.publisher import (
 )
 from scheduler.rows import UNREADABLE, ClaimedJob
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
-from scheduler.store.dispatch import DispatchStore
 
 __all__ = ["RETRYABLE", "BatchReport", "Dispatcher", "DispatcherConfig"]
 
@@ -138,18 +137,16 @@ class Dispatcher:
         self.clock = clock
         self.loop = DutyLoop(self)
         self.writes = FencedWrites(settings, pool, write="fenced claim", is_leader=is_leader)
-        self.store = DispatchStore(pool, acquire_timeout=settings.db_timeout)
-        self._publisher = DutyPublisher(
-            settings, name=self.name, publish_timeout=config.publish_timeout, publisher=publisher
+        self.out = DutyPublisher(
+            settings,
+            pool,
+            name=self.name,
+            publish_timeout=config.publish_timeout,
+            publisher=publisher,
+            gate=GateConfig(config.ready_timeout, base=0.1, cap=5.0),
+            log=lambda: self.loop.log,
         )
-        self.publisher = self._publisher.publisher
-        self.gate = BrokerGate(
-            self.publisher,
-            lambda: self.loop.log,
-            ready_timeout=config.ready_timeout,
-            base=0.1,
-            cap=5.0,
-        )
+        self.store, self.publisher = self.out.store, self.out.publisher
         self.pacing = DispatchPacing(
             batch_size=config.batch_size,
             probe_interval=config.probe_interval,
@@ -168,12 +165,12 @@ class Dispatcher:
     # -- lifecycle -------------------------------------------------------------------
 
     async def setup(self) -> None:
-        await self._publisher.open()
+        await self.out.open()
         await self._ensure_listener()
 
     async def teardown(self) -> None:
         await self._wakeups.close()
-        await self._publisher.close()
+        await self.out.close()
         self.pacing.reset()
 
     @property
@@ -188,7 +185,7 @@ class Dispatcher:
         if self.pacing.backlog_sample_due():
             with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
                 BACKLOG.set(await self.store.backlog())
-        delay: float | None = await self.gate.delay()
+        delay: float | None = await self.out.gate.delay()
         if delay:
             return delay
         probed = self.pacing.should_probe()

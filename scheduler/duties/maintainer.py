@@ -59,7 +59,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import date
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -214,12 +214,9 @@ class Maintainer:
     # -- steps -----------------------------------------------------------------------
 
     async def _create_ahead(self, report: MaintenanceReport) -> None:
-        for day in await self.store.missing_days(self.config.days_ahead):
-            created = await self._ddl(
-                report,
-                self.config.create_timeout,
-                partial(self.store.create_bucket, day=day),
-            )
+        cfg = self.config
+        for day in await self.store.missing_days(cfg.days_ahead):
+            created = await self._ddl(report, cfg.create_timeout, self.store.create_bucket, day=day)
             if created is None:
                 return
             if created:
@@ -228,24 +225,18 @@ class Maintainer:
     async def _retire(self, report: MaintenanceReport) -> None:
         if report.deferred:
             return  # the locks were not to be had a moment ago: do not queue again
+        cfg = self.config
         for name in await self.store.detached_leftovers():
-            dropped = await self._ddl(
-                report,
-                self.config.ddl_timeout,
-                partial(self.store.drop_detached, name=name),
-            )
+            dropped = await self._ddl(report, cfg.ddl_timeout, self.store.drop_detached, name=name)
             if dropped is None:
                 return
             report.leftovers_dropped += int(dropped)
-        for bucket in await self.store.expired_buckets(self.config.retention):
+        for bucket in await self.store.expired_buckets(cfg.retention):
+            day = bucket.day
             if bucket.live:
                 report.kept_live += 1
                 continue
-            outcome = await self._ddl(
-                report,
-                self.config.ddl_timeout,
-                partial(self.store.detach_bucket, day=bucket.day),
-            )
+            outcome = await self._ddl(report, cfg.ddl_timeout, self.store.detach_bucket, day=day)
             if outcome is None:
                 return
             if outcome == "live":
@@ -253,15 +244,11 @@ class Maintainer:
                 continue
             if outcome != "detached":
                 continue
-            name = f"jobs_p{bucket.day:%Y%m%d}_detached"
-            dropped = await self._ddl(
-                report,
-                self.config.ddl_timeout,
-                partial(self.store.drop_detached, name=name),
-            )
+            name = f"jobs_p{day:%Y%m%d}_detached"
+            dropped = await self._ddl(report, cfg.ddl_timeout, self.store.drop_detached, name=name)
             if dropped is None:
                 return  # detached: its rows are out of jobs; the next pass drops it
-            report.dropped.append(bucket.day)
+            report.dropped.append(day)
 
     async def _prune(self, report: MaintenanceReport) -> None:
         retention, limit = self.config.retention, self.config.batch_size
@@ -289,11 +276,13 @@ class Maintainer:
         self,
         report: MaintenanceReport,
         statement_timeout: float,
-        action: Callable[[Conn], Awaitable[T]],
+        step: Callable[..., Awaitable[T]],
+        **arguments: Any,
     ) -> T | None:
-        """A DDL transaction; None (and counted as deferred) when it gave up on a lock."""
+        """``step(conn, **arguments)`` in a DDL transaction; None (and counted as
+        deferred) when it gave up on a lock."""
         try:
-            return await self._fenced(statement_timeout, action)
+            return await self._fenced(statement_timeout, partial(step, **arguments))
         except LOCK_ERRORS as exc:
             report.deferred += 1
             report.deferred_reason = f"{type(exc).__name__}: {exc}"

@@ -50,11 +50,9 @@ class DispatchPacing:
         clock: Clock,
         rng: random.Random | None = None,
     ) -> None:
-        self.batch_size = batch_size
-        self.probe_interval = probe_interval
+        self.batch_size, self.probe_interval = batch_size, probe_interval
         self.backlog_interval = backlog_interval
-        self._clock = clock
-        self._rng = rng
+        self._clock, self._rng = clock, rng
         self.in_backlog = False
         self.failed_passes = 0  # consecutive batches with failed publishes
         self._due_at: float | None = None  # monotonic instant the last probe slept until

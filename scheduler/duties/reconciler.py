@@ -52,10 +52,10 @@ from scheduler.config import Settings
 from scheduler.db import Conn
 from scheduler.duties.base import (
     MAX_IDS_LOGGED,
-    BrokerGate,
     DutyLoop,
     DutyPublisher,
     FencedWrites,
+    GateConfig,
     park_unreadable,
     some_ids,
 )
@@ -63,7 +63,7 @@ from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.metrics import JOBS_PARKED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
 from scheduler.rows import UNREADABLE
-from scheduler.store.dispatch import DispatchStore, StalledJob
+from scheduler.store.dispatch import StalledJob
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,28 +117,26 @@ class Reconciler:
         self.clock = clock
         self.loop = DutyLoop(self)
         self.writes = FencedWrites(settings, pool, write="fenced claim", is_leader=is_leader)
-        self.store = DispatchStore(pool, acquire_timeout=settings.db_timeout)
-        self._publisher = DutyPublisher(
-            settings, name=self.name, publish_timeout=config.publish_timeout, publisher=publisher
+        self.out = DutyPublisher(
+            settings,
+            pool,
+            name=self.name,
+            publish_timeout=config.publish_timeout,
+            publisher=publisher,
+            gate=GateConfig(config.ready_timeout, base=0.5, cap=config.interval),
+            log=lambda: self.loop.log,
         )
-        self.publisher = self._publisher.publisher
-        self.gate = BrokerGate(
-            self.publisher,
-            lambda: self.loop.log,
-            ready_timeout=config.ready_timeout,
-            base=0.5,
-            cap=config.interval,
-        )
+        self.store, self.publisher = self.out.store, self.out.publisher
         self._deferred_until: dict[str, float] = {}
 
     async def setup(self) -> None:
-        await self._publisher.open()
+        await self.out.open()
 
     async def teardown(self) -> None:
-        await self._publisher.close()
+        await self.out.close()
 
     async def run_once(self) -> float:
-        delay = await self.gate.delay()
+        delay = await self.out.gate.delay()
         if delay:
             return delay
         report = await self.reconcile_batch()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -202,18 +202,20 @@ class Replica:
     async def _close(self) -> None:
         election, self._election = self._election, None
         if election is not None:
-            try:
-                await asyncio.wait_for(election.close(), CLOSE_TIMEOUT)
-            except Exception as exc:
-                self._log.warning("election_close_failed", error=describe(exc))
+            await self._close_bounded("election", election.close())
         pool, self._pool = self._pool, None
-        if pool is not None:
-            try:
-                await asyncio.wait_for(pool.close(), CLOSE_TIMEOUT)
-            except Exception as exc:
-                self._log.warning("pool_close_failed", error=describe(exc))
-                pool.terminate()
+        if pool is not None and not await self._close_bounded("pool", pool.close()):
+            pool.terminate()
         self._log.info("replica_stopped")
+
+    async def _close_bounded(self, what: str, closing: Awaitable[None]) -> bool:
+        """Await ``closing`` for at most ``CLOSE_TIMEOUT``; False (logged) if it failed."""
+        try:
+            await asyncio.wait_for(closing, CLOSE_TIMEOUT)
+        except Exception as exc:
+            self._log.warning(f"{what}_close_failed", error=describe(exc))
+            return False
+        return True
 
     # -- the election loop ------------------------------------------------------------
 
