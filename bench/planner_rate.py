@@ -54,7 +54,8 @@ from scheduler.clock import ManualClock
 from scheduler.config import load_settings
 from scheduler.duties import default_duties
 from scheduler.duties.base import Duty, DutyContext, LeaderTerm, from_context
-from scheduler.duties.planner import Planner, PlannerConfig, PlanReport
+from scheduler.duties.plan_report import PlanReport
+from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.leadership.fence import FenceStore
 from scheduler.leadership.replica import Replica
 from scheduler.log import configure_logging

@@ -24,17 +24,18 @@ The pieces the fenced duties share, each defined here once:
 - ``FencedWrites``: the lease check before a write (fail closed: ``LeadershipLost``
   once the lease can no longer be proven alive, before a doomed round trip, although
   the fence would refuse a stale commit anyway) and the pooled fenced transaction;
-- ``DutyPublisher``: a publisher of the duty's own (its own AMQP connection, named after
-  the duty so RabbitMQ's management view tells them apart) unless one is injected, which
-  tests and benchmarks share and close themselves;
-- ``BrokerGate``: whether the broker takes messages now (back-pressure, reconnecting);
+- ``DutyPublisher``: the dispatch store, and a publisher of the duty's own (its own AMQP
+  connection, named after the duty so RabbitMQ's management view tells them apart)
+  unless one is injected, which tests and benchmarks share and close themselves, behind
+  a ``BrokerGate``: whether the broker takes messages now (back-pressure, reconnecting);
 - ``park_unreadable``: rows the client cannot decode go dead with the reason, so one row
   cannot fail every batch it sorts into;
 - ``duty_listener``: the kept LISTEN connection that wakes a duty;
-- ``scheduler.duties.settings_config``: the settings-to-config step and its validation.
+- ``from_context``: a fenced duty built from the replica's ``DutyContext``, which is
+  defined here (not in the replica) so that duties never import the replica.
 
-``DutyContext`` is what the replica hands every duty it builds; it is defined here (not
-in the replica) so that duties never import the replica: the replica imports duties.
+The settings-to-config step is ``scheduler.duties.knobs``. The module is about 400
+lines because the contract and every shared piece are in this one place to look.
 """
 
 from __future__ import annotations

@@ -45,9 +45,8 @@ down the cap is ``probe_interval`` and it is re-established with back-off.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -59,8 +58,8 @@ from scheduler.config import Settings
 from scheduler.db import Conn
 from scheduler.duties.base import DutyLoop, FencedWrites, duty_listener
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
+from scheduler.duties.plan_report import PlanReport, account_batch
 from scheduler.leadership.fence import fenced_transaction
-from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.rows import UNREADABLE
 from scheduler.schedules import PlanConfig, PlanDecision, invalid_decision, plan_schedule
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
@@ -76,8 +75,6 @@ RETRYABLE = (
 ROW_ERRORS = (asyncpg.exceptions.DataError, asyncpg.exceptions.IntegrityConstraintViolationError)
 #: Batches planned inline; larger ones go to a worker thread.
 INLINE_BATCH = 32
-#: At most this many schedules are named in one log line (the totals are always there).
-MAX_LOGGED = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,38 +118,6 @@ class PlannerConfig:
             misfire_grace=timedelta(seconds=self.misfire_grace),
             buffer_poll=timedelta(seconds=self.buffer_poll),
         )
-
-
-@dataclass(slots=True)
-class PlanReport:
-    """What one batch (or, summed, one pass) did."""
-
-    claimed: int = 0
-    fired: int = 0
-    duplicates: int = 0  # fire times already materialized (dedupe hits)
-    missed: int = 0
-    skipped: int = 0
-    invalid: int = 0
-    revisit: bool = False  # some schedule must be looked at again at once
-    batches: int = 0
-    missed_by_policy: Counter[str] = field(default_factory=Counter)
-    claim_seconds: float = 0.0  # BEGIN + fence + claim
-    decide_seconds: float = 0.0  # pure planning
-    write_seconds: float = 0.0  # apply_plan + COMMIT
-
-    def add(self, other: PlanReport) -> None:
-        self.claimed += other.claimed
-        self.fired += other.fired
-        self.duplicates += other.duplicates
-        self.missed += other.missed
-        self.skipped += other.skipped
-        self.invalid += other.invalid
-        self.revisit = other.revisit
-        self.batches += other.batches
-        self.missed_by_policy.update(other.missed_by_policy)
-        self.claim_seconds += other.claim_seconds
-        self.decide_seconds += other.decide_seconds
-        self.write_seconds += other.write_seconds
 
 
 class Planner:
@@ -285,7 +250,8 @@ class Planner:
             return PlanReport(revisit=True)
         self._isolate = False
         committed_at = self.clock.monotonic()
-        report = self._account(claimed, decisions, fired, now)
+        report = account_batch(claimed, decisions, fired, now, self.loop.log)
+        self.invalid_total += report.invalid
         report.revisit = report.revisit or deferred > 0
         report.claim_seconds = claimed_at - started
         report.decide_seconds = decided_at - claimed_at
@@ -381,71 +347,6 @@ class Planner:
                 decisions[index] = bad
                 fired.update(await self.store.apply_plan(conn, [bad]))
         return fired
-
-    def _account(
-        self,
-        claimed: Sequence[ClaimedSchedule],
-        decisions: Sequence[PlanDecision],
-        fired: dict[int, int],
-        now: datetime,
-    ) -> PlanReport:
-        report = PlanReport(claimed=len(claimed), batches=1)
-        missed_log: list[dict[str, object]] = []
-        overlap_log: list[dict[str, object]] = []
-        for item, d in zip(claimed, decisions, strict=True):
-            s = item.schedule
-            created = fired.get(d.schedule_id, 0)
-            report.fired += created
-            report.duplicates += len(d.fires) - created
-            report.skipped += d.skipped
-            if d.plan_at is not None and d.plan_at <= now:
-                report.revisit = True
-            if d.invalid:
-                report.invalid += 1
-                self.invalid_total += 1
-                self.loop.log.error(
-                    "schedule_invalid",
-                    schedule_id=s.id,
-                    schedule=s.name,
-                    error=d.error,
-                    outcome="paused",
-                )
-                continue
-            if d.missed:
-                report.missed += d.missed
-                report.missed_by_policy[s.misfire_policy] += d.missed
-                if len(missed_log) < MAX_LOGGED:
-                    missed_log.append(
-                        {
-                            "id": s.id,
-                            "name": s.name,
-                            "missed": d.missed,
-                            "skipped": d.skipped_misfire,
-                            "first": d.first_missed.isoformat() if d.first_missed else None,
-                            "last": d.last_missed.isoformat() if d.last_missed else None,
-                        }
-                    )
-            if d.skipped_overlap and len(overlap_log) < MAX_LOGGED:
-                overlap_log.append({"id": s.id, "name": s.name, "skipped": d.skipped_overlap})
-        SCHEDULE_FIRES.inc(report.fired)
-        for policy, count in report.missed_by_policy.items():
-            SCHEDULE_MISFIRES.labels(policy).inc(count)
-        if report.missed:
-            self.loop.log.warning(
-                "schedules_misfired",
-                missed=report.missed,
-                by_policy=dict(report.missed_by_policy),
-                schedules=missed_log,
-            )
-        if overlap_log:
-            self.loop.log.info(
-                "schedules_overlap_skipped",
-                skipped=sum(d.skipped_overlap for d in decisions),
-                schedules=overlap_log,
-            )
-        if report.duplicates:
-            self.loop.log.warning("schedule_fires_deduplicated", duplicates=report.duplicates)
-        return report
 
     # -- wake-ups --------------------------------------------------------------------
 
