@@ -1,4 +1,4 @@
-"""The dispatcher: moves due jobs from PostgreSQL into RabbitMQ (DESIGN §5).
+"""The dispatcher: moves due jobs from PostgreSQL into RabbitMQ (architecture.md §3).
 
 Publish before commit: one fenced transaction per batch —
 

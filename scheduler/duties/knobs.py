@@ -56,14 +56,15 @@ def check_knobs(config: object) -> None:
 
 def config_from_settings(cls: type[C], settings: Settings, **overrides: Any) -> C:
     """``cls`` filled from ``settings`` (the fields that name a setting), then ``overrides``."""
+    knobs = dataclasses.fields(cls)  # type: ignore[arg-type]
+    unknown = sorted(set(overrides) - {f.name for f in knobs})
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no knob {', '.join(unknown)}")
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in knobs:
         source = f.metadata.get("setting")
         if source is None or f.name in overrides:
             continue
         values[f.name] = getattr(settings, source) if isinstance(source, str) else source(settings)
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
-    if unknown:
-        raise TypeError(f"{cls.__name__} has no knob {', '.join(unknown)}")
     values.update(overrides)
     return cls(**values)

@@ -1,4 +1,4 @@
-"""The maintainer: keeps ``duetime.jobs``' daily buckets and the retention (DESIGN §3).
+"""The maintainer: keeps ``duetime.jobs``' daily buckets and the retention (architecture.md §4).
 
 One pass (every ``interval``, 10 min by default; the first at once on leadership):
 

@@ -1,4 +1,4 @@
-"""The planner: turns recurring schedules into jobs, a short horizon ahead (DESIGN §5b).
+"""The planner: turns recurring schedules into jobs, a short horizon ahead (architecture.md §3).
 
 One pass = batches of one fenced transaction each, until nothing is due:
 

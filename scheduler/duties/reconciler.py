@@ -1,4 +1,4 @@
-"""The reconciler: re-publishes dispatched jobs that went silent (DESIGN §5.4).
+"""The reconciler: re-publishes dispatched jobs that went silent (architecture.md §3).
 
 A job is *stalled* when it is ``dispatched`` and its last sign of life
 (``heartbeat_at``, else ``dispatched_at``) is older than ``visibility_timeout``. Each

@@ -1,4 +1,4 @@
-"""The replica: the glue between the etcd election and the leader's duties (DESIGN §4).
+"""The replica: the glue between the etcd election and the leader's duties (architecture.md §6).
 
 ``election.py`` decides *whether* this process may lead; this module decides *what
 runs* while it does. Each transition is logged with ``node_id`` and ``epoch``::
