@@ -133,7 +133,6 @@ class Dispatcher:
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config = config or config_from_settings(DispatcherConfig, settings)
-        self.settings = settings
         self.clock = clock
         self.loop = DutyLoop(self)
         self.writes = FencedWrites(settings, pool, write="fenced claim", is_leader=is_leader)
