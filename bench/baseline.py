@@ -29,9 +29,10 @@ from bench.dispatch_rate import (
 )
 from bench.harness import REPO, Sandbox, Services, wait_for_line
 from bench.report import load_average, now_iso, ratio
+from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
-from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore
+from scheduler.duties.knobs import config_from_settings
+from scheduler.leadership.fence import FenceStore
 from tests.support.procs import python_module_argv
 
 
@@ -56,10 +57,12 @@ async def _pipeline(sb: Sandbox, settings: Any, n: int, batch: int) -> dict[str,
         cwd=REPO,
     )  # fmt: skip
     await wait_for_line(consumer, "ready", 60)
-    config = DispatcherConfig.from_settings(settings, batch_size=batch, publish_timeout=10.0)
+    config = config_from_settings(
+        DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0
+    )
     dispatcher = Dispatcher(settings, sb.db, config=config)
     await dispatcher.setup()
-    dispatcher.bind(LeaderTerm(EPOCH, "bench"))
+    dispatcher.loop.bind(LeaderTerm(EPOCH, "bench"))
     started = time.time()
     published = 0
     try:

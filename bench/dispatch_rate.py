@@ -44,9 +44,10 @@ import asyncpg
 
 from scheduler import broker, db
 from scheduler.config import load_settings
+from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
-from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.duties.knobs import config_from_settings
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from scheduler.publisher import Publisher
@@ -103,10 +104,12 @@ async def bench_dispatch(
     settings: Any, pool: asyncpg.Pool, queue: str, n: int, batch: int
 ) -> dict[str, Any]:
     await reset_jobs(pool, queue, n)
-    config = DispatcherConfig.from_settings(settings, batch_size=batch, publish_timeout=10.0)
+    config = config_from_settings(
+        DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0
+    )
     dispatcher = Dispatcher(settings, pool, config=config)
     await dispatcher.setup()
-    dispatcher.bind(LeaderTerm(EPOCH, "bench"))
+    dispatcher.loop.bind(LeaderTerm(EPOCH, "bench"))
     timed = Timed()
     store = dispatcher.store
     store.claim = timed.wrap("claim", store.claim)  # type: ignore[method-assign,assignment]
@@ -199,7 +202,7 @@ async def bench_idle_lag(settings: Any, pool: asyncpg.Pool, queue: str) -> dict[
         queue,
     )
     dispatcher = Dispatcher(settings, pool)
-    dispatcher.start(LeaderTerm(EPOCH, "bench"))
+    dispatcher.loop.start(LeaderTerm(EPOCH, "bench"))
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -208,7 +211,7 @@ async def bench_idle_lag(settings: Any, pool: asyncpg.Pool, queue: str) -> dict[
                 break
             await asyncio.sleep(0.2)
     finally:
-        await dispatcher.stop()
+        await dispatcher.loop.stop()
     lags = sorted(
         r["lag"] * 1000
         for r in await pool.fetch(

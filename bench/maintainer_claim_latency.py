@@ -41,9 +41,10 @@ import asyncpg
 
 from scheduler import db
 from scheduler.config import load_settings
+from scheduler.duties.base import LeaderTerm
+from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
-from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from scheduler.store.dispatch import DispatchStore
@@ -91,7 +92,7 @@ async def claimer(pool: asyncpg.Pool, stop: asyncio.Event, hold: float) -> list[
 
 async def churn(maintainer: Maintainer, stop: asyncio.Event) -> dict[str, Any]:
     """Maintainer passes back to back, each with one bucket to create and one to drop."""
-    store, pool = maintainer.store, maintainer.pool
+    store, pool = maintainer.store, maintainer.writes.pool
     today: date = await pool.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
     totals = {"passes": 0, "created": 0, "dropped": 0, "deferred": 0, "setup_deferred": 0}
     pass_ms: list[float] = []
@@ -161,11 +162,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             )
             await pool.execute("ANALYZE duetime.jobs")
             settings = load_settings(env={}, overrides={"database_url": url})
-            config = MaintainerConfig.from_settings(
+            config = config_from_settings(
+                MaintainerConfig,
                 settings, days_ahead=DAYS_AHEAD, lock_timeout=args.lock_timeout
             )
             maintainer = Maintainer(settings, pool, config=config)
-            maintainer.bind(LeaderTerm(EPOCH, "bench"))
+            maintainer.loop.bind(LeaderTerm(EPOCH, "bench"))
             hold = args.hold_ms / 1000
             await phase(pool, 1.0, hold, None)  # warm-up: prepared statements, caches
             baseline = await phase(pool, args.seconds, hold, None)

@@ -53,12 +53,13 @@ from scheduler import db
 from scheduler.clock import ManualClock
 from scheduler.config import load_settings
 from scheduler.duties import default_duties
-from scheduler.duties.planner import Planner, PlannerConfig, PlanReport
-from scheduler.duty import LeaderTerm, LoopDuty
-from scheduler.fence import FenceStore
+from scheduler.duties.base import Duty, DutyContext, LeaderTerm, from_context
+from scheduler.duties.plan_report import PlanReport
+from scheduler.duties.planner import Planner, PlannerConfig
+from scheduler.leadership.fence import FenceStore
+from scheduler.leadership.replica import Replica
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
-from scheduler.replica import Replica, ReplicaContext
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -134,7 +135,7 @@ async def run_size(
     settings = load_settings(env={}, overrides={"database_url": url})
     config = PlannerConfig(horizon=args.horizon, batch_size=args.batch)
     planner = Planner(settings, pool, config=config, clock=clock)
-    planner.bind(LeaderTerm(EPOCH, "bench"))
+    planner.loop.bind(LeaderTerm(EPOCH, "bench"))
     out: dict[str, Any] = {"schedules": n, "kind": kind}
     for phase in ("initial", "steady"):
         if phase == "steady":
@@ -168,11 +169,11 @@ async def throughput(url: str, args: argparse.Namespace) -> list[dict[str, Any]]
 # -- end to end: recurring schedules delivered by a worker ------------------------------
 
 
-def duties_with_planner(ctx: ReplicaContext) -> Sequence[LoopDuty]:
+def duties_with_planner(ctx: DutyContext) -> Sequence[Duty]:
     """The default duties, plus the planner until ``default_duties`` lists it."""
     duties = list(default_duties(ctx))
     if not any(duty.name == Planner.name for duty in duties):
-        duties.append(Planner.from_context(ctx))
+        duties.append(from_context(Planner, ctx))
     return duties
 
 

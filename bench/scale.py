@@ -40,8 +40,8 @@ from bench.dispatch_rate import purge
 from bench.harness import Sandbox, Services
 from bench.report import load_average, now_iso, percentiles_ms, ratio, rss_mb
 from scheduler import db
-from scheduler.fence import FenceStore, fenced_transaction
 from scheduler.jobspec import JobSpec
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.store import JobStore
 from scheduler.store.dispatch import DispatchStore
 

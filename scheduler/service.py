@@ -1,5 +1,6 @@
-"""Process scaffolding shared by long-running commands (``duetime scheduler``, later
-``duetime worker``): signals, the event-loop monitor, the HTTP endpoints, and systemd notify.
+"""Process scaffolding shared by long-running commands (``duetime scheduler``,
+``duetime worker``, ``duetime dashboard``): signals, the event-loop monitor, the HTTP
+endpoints, and systemd notify.
 
 Why one place: every service must behave the same way under systemd and to operators.
 ``/metrics``, ``/healthz`` and ``/readyz`` come from ``scheduler.observability`` (served

@@ -238,7 +238,7 @@ def election_key(prefix: str) -> str:
 async def read_election_key(settings: Settings, *, timeout: float | None = None) -> EtcdView:
     """Read the election key from the first etcd endpoint that answers in time."""
     # imported lazily: grpc start-up costs ~100 ms the DB path never needs
-    from scheduler.etcd_client import etcd_tls, make_client
+    from scheduler.leadership.etcd_client import etcd_tls, make_client
 
     key = election_key(settings.etcd_prefix)
     timeout = settings.etcd_timeout if timeout is None else timeout

@@ -14,9 +14,9 @@ from typing import Any
 from scheduler.cli._util import add_command
 from scheduler.config import Settings
 from scheduler.duties import default_duties
+from scheduler.leadership.replica import Replica
 from scheduler.log import get_logger
 from scheduler.observability import database_check
-from scheduler.replica import Replica
 from scheduler.service import Service
 
 HELP = "run a scheduler replica (leader election, dispatch and maintenance duties)"

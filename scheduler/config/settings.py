@@ -134,7 +134,7 @@ FIELDS: dict[str, Field] = {
         Field("etcd_prefix", p.key_prefix, "key prefix isolating clusters sharing an etcd"),
         Field("etcd_username", p.optional_text, "etcd user (auth enabled clusters)"),
         Field("etcd_password", p.optional_text, "etcd password", secret=True),
-        # TLS to etcd (scheduler/etcd_client.py): on when a CA file is set.
+        # TLS to etcd (scheduler/leadership/etcd_client.py): on when a CA file is set.
         Field("etcd_ca_file", p.optional_text, "CA file (PEM) for etcd; set: TLS to etcd"),
         Field("etcd_cert_file", p.optional_text, "client cert (PEM) for etcd --client-cert-auth"),
         Field("etcd_key_file", p.optional_text, "key (PEM) of etcd_cert_file"),
@@ -195,7 +195,8 @@ FIELDS: dict[str, Field] = {
             "seconds a handler may run when its task sets no timeout",
         ),
         Field("delivery_limit", p.number(int, minimum=1), "broker redeliveries before dead-letter"),
-        # Zombie leaders (scheduler/replica.py session_settings, scheduler/fence.py).
+        # Zombie leaders (scheduler/leadership/policy.py session_settings,
+        # scheduler/leadership/fence.py).
         Field(
             "scheduler_statement_timeout",
             p.optional_seconds(minimum=0.0, exclusive=True),

@@ -11,6 +11,7 @@ cookie, CSRF, loopback rule), ``pages`` (GET), ``actions`` (POST), ``present`` a
 loop, graceful SIGTERM).
 """
 
-from scheduler.dashboard.app import Dashboard, create_app
+from scheduler.dashboard.app import create_app
+from scheduler.dashboard.site import Dashboard
 
 __all__ = ["Dashboard", "create_app"]

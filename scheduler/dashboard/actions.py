@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 from urllib.parse import quote, urlencode, urlsplit
 
 from starlette.datastructures import FormData
@@ -20,15 +19,12 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response
 
 from scheduler.dashboard.auth import SESSION_COOKIE, SESSION_TTL, local_path
 from scheduler.dashboard.pages import filter_fields, parse_filter
+from scheduler.dashboard.site import FLASH_COOKIE, Dashboard
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
 
-if TYPE_CHECKING:
-    from scheduler.dashboard.app import Dashboard
-
 log = get_logger(__name__)
 
-FLASH_COOKIE = "duetime_flash"
 JOB_ACTIONS = ("retry", "cancel", "run-now")
 SCHEDULE_ACTIONS = ("pause", "resume", "trigger")
 
@@ -88,8 +84,8 @@ def _refused(request: Request, exc: Refused) -> Response:
     return PlainTextResponse(exc.reason, status_code=exc.status)
 
 
-Endpoint = Callable[["Dashboard", Request], Awaitable[Response]]
-FormHandler = Callable[["Dashboard", Request, FormData], Awaitable[Response]]
+Endpoint = Callable[[Dashboard, Request], Awaitable[Response]]
+FormHandler = Callable[[Dashboard, Request, FormData], Awaitable[Response]]
 
 
 def posted(*, action: bool = True) -> Callable[[FormHandler], Endpoint]:

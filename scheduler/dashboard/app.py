@@ -1,133 +1,44 @@
 """The dashboard's ASGI application: routes, the auth gate, security headers, errors.
 
-One ``Dashboard`` object per process holds what every handler needs (settings, the
-small pool, the stores, the auth keys, read-only mode, the templates); handlers live
-in ``pages`` (GET) and ``actions`` (POST). The pool is the dashboard's own: at most
-``POOL_MAX`` connections with a ``statement_timeout``, so an operator's browser can
-never take the connections the scheduler and workers need, nor run a query for minutes.
-``min_size=0`` lets the process start while PostgreSQL is down: pages then say so
-(503) and recover by themselves when it is back.
+One ``Dashboard`` object per process (``scheduler.dashboard.site``) holds what every
+handler needs; handlers live in ``pages`` (GET) and ``actions`` (POST); this module
+wires them to routes behind the auth gate.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import asyncpg
-import jinja2
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from scheduler import db
-from scheduler.config import Settings
-from scheduler.dashboard import actions, pages, present
-from scheduler.dashboard.actions import FLASH_COOKIE
-from scheduler.dashboard.auth import CSRF_COOKIE, SESSION_COOKIE, Auth
+from scheduler.dashboard import actions, pages
+from scheduler.dashboard.auth import CSRF_COOKIE, SESSION_COOKIE
+from scheduler.dashboard.site import STATEMENT_TIMEOUT_MS, Dashboard
 from scheduler.errors import DuetimeError, InvalidInput, InvalidTransition, JobNotFound
 from scheduler.log import get_logger, scrub
 from scheduler.planning import ScheduleNotFound
-from scheduler.store import DashboardStore, JobStore, ScheduleStore
 
-__all__ = ["POOL_MAX", "Dashboard", "create_app"]
+__all__ = ["Dashboard", "create_app"]
 
 log = get_logger(__name__)
 
-POOL_MAX = 3
-STATEMENT_TIMEOUT_MS = 5000
 PUBLIC_PATHS = ("/healthz", "/login")
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
 DB_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
-
-
-def _templates() -> jinja2.Environment:
-    folder = resources.files("scheduler.dashboard").joinpath("templates")
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(folder)),
-        autoescape=True,  # every page shows attacker-controlled payloads, tasks, errors
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    env.filters.update(
-        age=present.age,
-        seconds=present.seconds,
-        utc=present.utc,
-        quote=lambda text: quote(str(text), safe=""),
-    )
-    return env
-
-
-@dataclass
-class Dashboard:
-    settings: Settings
-    auth: Auth
-    read_only: bool = False
-    templates: jinja2.Environment = field(default_factory=_templates)
-    pool: asyncpg.Pool | None = None
-
-    @property
-    def jobs(self) -> JobStore:
-        assert self.pool is not None
-        return JobStore(self.pool)
-
-    @property
-    def schedules(self) -> ScheduleStore:
-        assert self.pool is not None
-        return ScheduleStore(self.pool)
-
-    @property
-    def views(self) -> DashboardStore:
-        assert self.pool is not None
-        return DashboardStore(self.pool)
-
-    async def open(self) -> None:
-        self.pool = await db.create_pool(
-            self.settings.database_url,
-            min_size=0,
-            max_size=POOL_MAX,
-            timeout=self.settings.db_timeout,
-            application_name="duetime-dashboard",
-            server_settings={
-                "statement_timeout": str(STATEMENT_TIMEOUT_MS),
-                "idle_in_transaction_session_timeout": str(STATEMENT_TIMEOUT_MS * 2),
-            },
-        )
-
-    async def close(self) -> None:
-        if self.pool is not None:
-            await self.pool.close()
-            self.pool = None
-
-    def render(
-        self, request: Request, template: str, status_code: int = 200, **context: Any
-    ) -> HTMLResponse:
-        flash = request.cookies.get(FLASH_COOKIE)
-        html = self.templates.get_template(template).render(
-            request=request,
-            read_only=self.read_only,
-            auth_required=self.auth.required,
-            csrf=self.auth.csrf_token(request.state.csrf_cookie),
-            flash=unquote(flash)[:500] if flash else None,
-            nav=request.url.path,
-            **context,
-        )
-        response = HTMLResponse(html, status_code=status_code)
-        if flash:
-            response.delete_cookie(FLASH_COOKIE, path="/")
-        return response
 
 
 class Gate(BaseHTTPMiddleware):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from zoneinfo import ZoneInfo
 
 from starlette.requests import Request
@@ -21,15 +21,13 @@ from scheduler.cron import ScheduleSpecError
 from scheduler.dashboard import charts, present
 from scheduler.dashboard.auth import local_path
 from scheduler.dashboard.cluster import read_broker
+from scheduler.dashboard.site import Dashboard
 from scheduler.errors import InvalidInput
 from scheduler.planning import upcoming_fire_times
 from scheduler.rows import JOB_STATUSES, Job
 from scheduler.status import STALE_RENEWALS, StatusStore, evaluate, read_election_key
 from scheduler.store import JobFilter
 from scheduler.store.dashboard import LAG_SAMPLE, MINUTE_SAMPLE
-
-if TYPE_CHECKING:
-    from scheduler.dashboard.app import Dashboard
 
 PAGE_SIZE = 50
 SCHEDULES_SHOWN = 500

@@ -1,4 +1,4 @@
-"""The leader's duties, one module each, all ``LoopDuty`` subclasses (scheduler/duty.py).
+"""The leader's duties, one module each, all of one shape (``scheduler.duties.base``).
 
 ``default_duties(ctx)`` is the list ``duetime scheduler`` runs while it leads; the
 replica starts them in this order on every won term and stops them all on loss.
@@ -6,27 +6,22 @@ replica starts them in this order on every won term and stops them all on loss.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from scheduler.duties.base import Duty, DutyContext, from_context
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.fence_heartbeat import FenceHeartbeat
 from scheduler.duties.maintainer import Maintainer
 from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler
-from scheduler.duty import LoopDuty
-
-if TYPE_CHECKING:
-    from scheduler.replica import ReplicaContext
 
 __all__ = ["Dispatcher", "FenceHeartbeat", "Maintainer", "Planner", "Reconciler", "default_duties"]
 
 
-def default_duties(ctx: ReplicaContext) -> list[LoopDuty]:
+def default_duties(ctx: DutyContext) -> list[Duty]:
     """Every duty of a leader, built once per replica from its shared context."""
     return [
         FenceHeartbeat.from_context(ctx),
-        Dispatcher.from_context(ctx),
-        Planner.from_context(ctx),
-        Reconciler.from_context(ctx),
-        Maintainer.from_context(ctx),
+        from_context(Dispatcher, ctx),
+        from_context(Planner, ctx),
+        from_context(Reconciler, ctx),
+        from_context(Maintainer, ctx),
     ]

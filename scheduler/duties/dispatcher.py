@@ -1,6 +1,6 @@
-"""The dispatcher: moves due jobs from PostgreSQL into RabbitMQ (DESIGN §5).
+"""The dispatcher: moves due jobs from PostgreSQL into RabbitMQ (architecture.md §3).
 
-Ordering (issue 4, option a): one fenced transaction per batch —
+Publish before commit: one fenced transaction per batch —
 
 1. lock the fence row and check the epoch (``fenced_transaction``), then claim up to
    ``batch_size`` due pending jobs ``FOR UPDATE SKIP LOCKED``, earliest run time first;
@@ -30,8 +30,9 @@ producer's commit serialises concurrent producers on PostgreSQL's notify lock
 inserted ahead of their due time are therefore seen ahead and fire on the timer, within
 milliseconds; a job inserted by plain SQL already due waits at most ``probe_interval``.
 When the timer set from the probe fires, the pass claims at once without probing again;
-under a backlog, full batches run back to back without probing. If the LISTEN
-connection dies it is re-established; nothing else changes.
+under a backlog, full batches run back to back without probing (the pure decisions are
+``scheduler.duties.pacing``). If the LISTEN connection dies it is re-established;
+nothing else changes.
 
 One row must not stop dispatch: a row the client cannot decode (a date outside years
 1-9999, JSON nested deeper than Python's parser goes) makes the batch's claim raise in
@@ -49,19 +50,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncpg
 
-from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
-from scheduler.duties.publishing import PublishingDuty
-from scheduler.fence import fenced_transaction
+from scheduler.duties.base import (
+    MAX_IDS_LOGGED,
+    DutyLoop,
+    DutyPublisher,
+    FencedWrites,
+    GateConfig,
+    duty_listener,
+    park_unreadable,
+    some_ids,
+)
+from scheduler.duties.knobs import check_knobs, config_from_settings, knob
+from scheduler.duties.pacing import BatchReport, DispatchPacing
 from scheduler.metrics import (
     BACKLOG,
     DISPATCH_LAG,
@@ -77,7 +86,8 @@ from scheduler.publisher import (
 )
 from scheduler.rows import UNREADABLE, ClaimedJob
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
-from scheduler.store.listener import KeptListener
+
+__all__ = ["RETRYABLE", "BatchReport", "Dispatcher", "DispatcherConfig"]
 
 #: Errors after which a claim is simply tried again (another transaction won a race).
 RETRYABLE = (
@@ -85,62 +95,31 @@ RETRYABLE = (
     asyncpg.exceptions.DeadlockDetectedError,
     asyncpg.exceptions.LockNotAvailableError,
 )
-#: At most this many job ids are written into one log line (the count is always there).
-MAX_IDS_LOGGED = 100
 
 
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
-    """How the dispatcher paces itself; ``from_settings`` fills it from ``Settings``."""
+    """How the dispatcher paces itself (``config_from_settings`` fills it)."""
 
-    batch_size: int = 500
+    batch_size: int = knob(500, setting="claim_batch_size", ge=1)
     """Jobs claimed (and published with confirms in flight) per transaction."""
-    probe_interval: float = 0.05
+    probe_interval: float = knob(0.05, setting="probe_interval", gt=0)
     """Longest idle sleep between probes of the earliest run time (finds rows inserted by
     plain SQL), and the pause when due rows are all locked."""
-    publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT
+    publish_timeout: float = knob(DEFAULT_PUBLISH_TIMEOUT, setting=publish_timeout_for, gt=0)
     """Deadline for one batch's confirms; bounds how long the claim transaction lasts."""
-    ready_timeout: float = 1.0
+    ready_timeout: float = knob(1.0, gt=0)
     """How long one pass waits for a reconnecting broker before backing off."""
-    backlog_interval: float = 5.0
+    backlog_interval: float = knob(5.0, gt=0)
     """How often the BACKLOG gauge is sampled (a count over the pending index)."""
-    listen_check_interval: float = 10.0
+    listen_check_interval: float = knob(10.0, gt=0)
     """How often the LISTEN connection is pinged (a half-open socket is silent)."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 (got {self.batch_size})")
-        for name in (
-            "probe_interval",
-            "publish_timeout",
-            "ready_timeout",
-            "backlog_interval",
-            "listen_check_interval",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **overrides: object) -> DispatcherConfig:
-        values: dict[str, object] = {
-            "batch_size": settings.claim_batch_size,
-            "probe_interval": settings.probe_interval,
-            "publish_timeout": publish_timeout_for(settings),
-        }
-        values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        check_knobs(self)
 
 
-@dataclass(frozen=True, slots=True)
-class BatchReport:
-    """What one claim transaction did."""
-
-    claimed: int = 0
-    published: int = 0
-    failed: int = 0
-
-
-class Dispatcher(PublishingDuty):
+class Dispatcher:
     name = "dispatcher"
 
     def __init__(
@@ -153,42 +132,45 @@ class Dispatcher(PublishingDuty):
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
-        config = config or DispatcherConfig.from_settings(settings)
-        super().__init__(
+        self.config = config = config or config_from_settings(DispatcherConfig, settings)
+        self.clock = clock
+        self.loop = DutyLoop(self)
+        self.writes = FencedWrites(settings, pool, write="fenced claim", is_leader=is_leader)
+        self.out = DutyPublisher(
             settings,
             pool,
+            name=self.name,
             publish_timeout=config.publish_timeout,
             publisher=publisher,
+            gate=GateConfig(config.ready_timeout, base=0.1, cap=5.0),
+            log=lambda: self.loop.log,
+        )
+        self.store, self.publisher = self.out.store, self.out.publisher
+        self.pacing = DispatchPacing(
+            batch_size=config.batch_size,
+            probe_interval=config.probe_interval,
+            backlog_interval=config.backlog_interval,
             clock=clock,
-            is_leader=is_leader,
         )
-        self.config = config
-        self._wakeups = KeptListener(
-            settings.database_url,
+        self._wakeups = duty_listener(
+            settings,
             JOBS_CHANNEL,
-            self.wake,
-            timeout=settings.db_timeout,
-            application_name=f"duetime:{settings.node_id}:listen",
-            check_interval=self.config.listen_check_interval,
-            log=lambda: self.log,
+            self.loop.wake,
+            role="listen",
+            check_interval=config.listen_check_interval,
+            log=lambda: self.loop.log,
         )
-        self._backlog_sampled_at = float("-inf")
-        self._in_backlog = False
-        self._due_timer: float | None = None  # monotonic time the last probe slept until
-        self._broker_failures = 0
-        self._failed_passes = 0
-        self._throttled = False
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def setup(self) -> None:
-        await super().setup()
+        await self.out.open()
         await self._ensure_listener()
 
     async def teardown(self) -> None:
         await self._wakeups.close()
-        await super().teardown()
-        self._in_backlog = False
+        await self.out.close()
+        self.pacing.reset()
 
     @property
     def listening(self) -> bool:
@@ -199,94 +181,42 @@ class Dispatcher(PublishingDuty):
     async def run_once(self) -> float:
         """Dispatch what is due; return how long to sleep (wake() cuts it short)."""
         await self._ensure_listener()
-        await self._sample_backlog()
-        throttle = self.publisher.throttle_delay()
-        if throttle > 0:
-            if not self._throttled:  # log transitions, not every pause
-                self.log.warning(
-                    "dispatch_throttled",
-                    blocked=self.publisher.blocked,
-                    pressure=round(self.publisher.pressure, 3),
-                    delay=round(throttle, 3),
-                )
-            self._throttled = True
-            return throttle
-        if self._throttled:
-            self._throttled = False
-            self.log.info("dispatch_unthrottled", pressure=round(self.publisher.pressure, 3))
-        if not await self.publisher.wait_ready(self.config.ready_timeout):
-            self._broker_failures += 1
-            delay = bounded_jitter(self._broker_failures, base=0.1, cap=5.0)
-            self.log.warning(
-                "broker_not_ready", failures=self._broker_failures, retry_in=round(delay, 3)
-            )
+        if self.pacing.backlog_sample_due():
+            with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
+                BACKLOG.set(await self.store.backlog())
+        delay: float | None = await self.out.gate.delay()
+        if delay:
             return delay
-        self._broker_failures = 0
-
-        # skip the probe under a backlog, and when the timer the last probe set is up
-        # (a job is due now: claim at once, one round trip sooner)
-        probed = not self._in_backlog and not self._timer_fired()
+        probed = self.pacing.should_probe()
         if probed:
-            wait = await self.store.next_run_in()
-            if wait is None or wait > 0:
-                return self._idle_delay(wait)
+            delay = self.pacing.after_probe(await self.store.next_run_in())
+            if delay is not None:
+                return delay
         try:
             report = await self.dispatch_batch()
         except RETRYABLE as exc:
-            self._in_backlog = False
-            self.log.warning("claim_retry", error=f"{type(exc).__name__}: {exc}")
-            return bounded_jitter(1, base=0.02)
-
-        full = report.claimed >= self.config.batch_size
-        if report.failed:
-            self._failed_passes += 1
-            self._in_backlog = full and report.published > 0
-            if self._in_backlog:
-                return 0.0
-            return bounded_jitter(self._failed_passes, base=0.1, cap=5.0)
-        self._failed_passes = 0
-        self._in_backlog = full
-        if full:
-            return 0.0
-        if report.claimed == 0 and probed:
-            # the probe said a job is due, yet nothing could be locked: every due row is
-            # held by another transaction (a cancel, a worker's read) — look again soon
-            return self.config.probe_interval
-        return self._idle_delay(await self.store.next_run_in())
-
-    def _idle_delay(self, wait: float | None) -> float:
-        """Sleep until the next run time ``wait`` seconds away, at most the cap."""
-        cap = self.config.probe_interval
-        self._due_timer = None
-        if wait is None:
-            return cap
-        if 0 < wait <= cap:
-            self._due_timer = time.monotonic() + wait
-        return max(0.0, min(wait, cap))
-
-    def _timer_fired(self) -> bool:
-        due, self._due_timer = self._due_timer, None
-        return due is not None and time.monotonic() >= due
+            self.loop.log.warning("claim_retry", error=f"{type(exc).__name__}: {exc}")
+            return self.pacing.after_conflict()
+        delay = self.pacing.after_batch(report, probed=probed)
+        if delay is not None:
+            return delay
+        return self.pacing.idle(await self.store.next_run_in())
 
     async def dispatch_batch(self) -> BatchReport:
         """One claim transaction: claim, publish with confirms, mark confirmed, commit."""
-        epoch = self.term.epoch
-        self._check_leader()
-        started = time.perf_counter()
+        epoch = self.loop.term.epoch
+        started = self.clock.monotonic()
         jobs: list[ClaimedJob] = []
         result: PublishResult | None = None
         lags: dict[int, float] = {}
         try:
-            async with (
-                self.pool.acquire(timeout=self.settings.db_timeout) as conn,
-                fenced_transaction(conn, epoch),
-            ):
+            async with self.writes.transaction(epoch) as conn:
                 jobs = await self._claim(conn)
                 if not jobs:
                     return BatchReport()
-                claimed_at = time.perf_counter()
+                claimed_at = self.clock.monotonic()
                 result = await self.publisher.publish(jobs, epoch)
-                published_at = time.perf_counter()
+                published_at = self.clock.monotonic()
                 lags = await self.store.mark_dispatched(conn, result.confirmed, epoch)
         except BaseException as exc:
             if result is not None and result.confirmed:
@@ -295,17 +225,17 @@ class Dispatcher(PublishingDuty):
                 # absorbs them
                 ids = [job.id for job in result.confirmed]
                 cancelled = isinstance(exc, asyncio.CancelledError)  # stop() mid-batch
-                (self.log.warning if cancelled else self.log.error)(
+                (self.loop.log.warning if cancelled else self.loop.log.error)(
                     "dispatch_interrupted" if cancelled else "dispatch_commit_failed",
                     error=f"{type(exc).__name__}: {exc}",
                     published=len(ids),
                     job_ids=ids[:MAX_IDS_LOGGED],
                 )
             raise
-        committed_at = time.perf_counter()
+        committed_at = self.clock.monotonic()
         assert result is not None
         self._account(jobs, result, lags)
-        self.log.debug(
+        self.loop.log.debug(
             "dispatch_batch",
             claimed=len(jobs),
             published=len(result.confirmed),
@@ -321,13 +251,13 @@ class Dispatcher(PublishingDuty):
         try:
             return await self.store.claim(conn, self.config.batch_size)
         except UNREADABLE as exc:
-            self.log.warning(
+            self.loop.log.warning(
                 "claim_unreadable",
                 error=f"{type(exc).__name__}: {exc}",
                 next_step="read the batch row by row and park the unreadable rows",
             )
         jobs, unreadable = await self.store.claim_isolated(conn, self.config.batch_size)
-        await self.park_unreadable(conn, unreadable)
+        await park_unreadable(self.store, conn, unreadable, duty=self.name, log=self.loop.log)
         return jobs
 
     def _account(
@@ -341,7 +271,7 @@ class Dispatcher(PublishingDuty):
             DISPATCH_LAG.observe(max(0.0, lag))
         if len(lags) != len(result.confirmed):
             missing = sorted({job.id for job in result.confirmed} - set(lags))
-            self.log.error(
+            self.loop.log.error(
                 "dispatch_mark_mismatch", missing=len(missing), job_ids=missing[:MAX_IDS_LOGGED]
             )
         if not result.failed:
@@ -349,12 +279,11 @@ class Dispatcher(PublishingDuty):
         PUBLISH_FAILURES.inc(len(result.failed))
         details = {f.job.id: f.detail for f in result.failed}
         for (reason, queue), ids in result.failures_by_reason().items():
-            self.log.error(
+            self.loop.log.error(
                 "publish_failed",
                 reason=reason,
                 queue=queue,
-                count=len(ids),
-                job_ids=ids[:MAX_IDS_LOGGED],
+                **some_ids(ids),
                 detail=details[ids[0]],
                 outcome="kept pending",
             )
@@ -365,12 +294,4 @@ class Dispatcher(PublishingDuty):
         """Keep the LISTEN connection; while it is down the loop runs on probes."""
         if await self._wakeups.ensure():
             # a NOTIFY sent while we were not listening is lost: make this pass probe
-            self._in_backlog = False
-
-    async def _sample_backlog(self) -> None:
-        now = time.monotonic()
-        if now - self._backlog_sampled_at < self.config.backlog_interval:
-            return
-        self._backlog_sampled_at = now
-        with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
-            BACKLOG.set(await self.store.backlog())
+            self.pacing.reset()

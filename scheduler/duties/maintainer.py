@@ -1,4 +1,4 @@
-"""The maintainer: keeps ``duetime.jobs``' daily buckets and the retention (DESIGN §3).
+"""The maintainer: keeps ``duetime.jobs``' daily buckets and the retention (architecture.md §4).
 
 One pass (every ``interval``, 10 min by default; the first at once on leadership):
 
@@ -55,20 +55,19 @@ Limits (said, not hidden):
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import date
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
-from scheduler.duty import LeaderDuty
-from scheduler.fence import fenced_transaction
+from scheduler.duties.base import DutyLoop, FencedWrites
+from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.store.maintenance import MaintenanceStore
 
 T = TypeVar("T")
@@ -84,49 +83,33 @@ DAY = 86400.0
 
 @dataclass(frozen=True, slots=True)
 class MaintainerConfig:
-    """How the maintainer paces itself; ``from_settings`` fills it from ``Settings``."""
+    """How the maintainer paces itself (``config_from_settings`` fills it)."""
 
-    days_ahead: int = 14
+    days_ahead: int = knob(14, setting="partition_days_ahead", ge=0)
     """Buckets exist from today to today + this many days (UTC)."""
-    retention_days: float = 7.0
+    retention_days: float = knob(7.0, setting="retention_days", ge=0)
     """Buckets, ledger and fire rows older than this many days are removed."""
-    interval: float = 600.0
+    interval: float = knob(600.0, gt=0)
     """Seconds between passes."""
-    retry_interval: float = 30.0
+    retry_interval: float = knob(30.0, gt=0)
     """Seconds to the next pass when DDL gave up on a lock."""
-    resume_interval: float = 1.0
+    resume_interval: float = knob(1.0, gt=0)
     """Seconds to the next pass when pruning stopped at ``max_batches``."""
-    lock_timeout: float = 0.5
+    lock_timeout: float = knob(0.5, gt=0)
     """Longest wait for a lock in a maintenance transaction (claims queue behind it)."""
-    ddl_timeout: float = 2.0
+    ddl_timeout: float = knob(2.0, gt=0)
     """statement_timeout of a detach or drop: bounds waits for several locks in a row."""
-    create_timeout: float = 60.0
+    create_timeout: float = knob(60.0, gt=0)
     """statement_timeout of a creation (it may move many rows out of DEFAULT first)."""
-    batch_size: int = 5000
+    batch_size: int = knob(5000, ge=1)
     """Rows deleted per pruning transaction."""
-    max_batches: int = 50
+    max_batches: int = knob(50, ge=1)
     """Pruning transactions per table per pass."""
-    prune_timeout: float = 30.0
+    prune_timeout: float = knob(30.0, gt=0)
     """statement_timeout of one pruning batch."""
 
     def __post_init__(self) -> None:
-        if self.days_ahead < 0:
-            raise ValueError(f"days_ahead must be >= 0 (got {self.days_ahead})")
-        if self.retention_days < 0:
-            raise ValueError(f"retention_days must be >= 0 (got {self.retention_days})")
-        if self.batch_size < 1 or self.max_batches < 1:
-            raise ValueError("batch_size and max_batches must be >= 1")
-        for name in (
-            "interval",
-            "retry_interval",
-            "resume_interval",
-            "lock_timeout",
-            "ddl_timeout",
-            "create_timeout",
-            "prune_timeout",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        check_knobs(self)
         if self.ddl_timeout < self.lock_timeout:
             raise ValueError("ddl_timeout must be >= lock_timeout")
 
@@ -134,15 +117,6 @@ class MaintainerConfig:
     def retention(self) -> float:
         """The retention in seconds."""
         return self.retention_days * DAY
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **overrides: object) -> MaintainerConfig:
-        values: dict[str, object] = {
-            "days_ahead": settings.partition_days_ahead,
-            "retention_days": settings.retention_days,
-        }
-        values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -177,9 +151,8 @@ class MaintenanceReport:
         }
 
 
-class Maintainer(LeaderDuty):
+class Maintainer:
     name = "maintainer"
-    fenced_write = "fenced maintenance write"
 
     def __init__(
         self,
@@ -190,15 +163,19 @@ class Maintainer(LeaderDuty):
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
-        super().__init__(settings, pool, clock=clock, is_leader=is_leader)
+        self.config = config or config_from_settings(MaintainerConfig, settings)
+        self.clock = clock
+        self.loop = DutyLoop(self)
+        self.writes = FencedWrites(
+            settings, pool, write="fenced maintenance write", is_leader=is_leader
+        )
         self.store = MaintenanceStore(pool, acquire_timeout=settings.db_timeout)
-        self.config = config or MaintainerConfig.from_settings(settings)
         self.last_report: MaintenanceReport | None = None
 
     # -- one pass --------------------------------------------------------------------
 
     async def run_once(self) -> float:
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         report = MaintenanceReport()
         error: str | None = None
         try:
@@ -210,7 +187,7 @@ class Maintainer(LeaderDuty):
             raise
         finally:
             self.last_report = report
-            self._log_pass(report, time.perf_counter() - started, error)
+            self._log_pass(report, self.clock.monotonic() - started, error)
         if report.deferred:
             return self.config.retry_interval
         if report.more:
@@ -225,7 +202,8 @@ class Maintainer(LeaderDuty):
         return report
 
     def _log_pass(self, report: MaintenanceReport, seconds: float, error: str | None) -> None:
-        level = self.log.error if error else self.log.warning if report.deferred else self.log.info
+        log = self.loop.log
+        level = log.error if error else log.warning if report.deferred else log.info
         level(
             "maintenance_pass",
             **report.fields(),
@@ -236,12 +214,9 @@ class Maintainer(LeaderDuty):
     # -- steps -----------------------------------------------------------------------
 
     async def _create_ahead(self, report: MaintenanceReport) -> None:
-        for day in await self.store.missing_days(self.config.days_ahead):
-            created = await self._ddl(
-                report,
-                self.config.create_timeout,
-                partial(self.store.create_bucket, day=day),
-            )
+        cfg = self.config
+        for day in await self.store.missing_days(cfg.days_ahead):
+            created = await self._ddl(report, cfg.create_timeout, self.store.create_bucket, day=day)
             if created is None:
                 return
             if created:
@@ -250,24 +225,18 @@ class Maintainer(LeaderDuty):
     async def _retire(self, report: MaintenanceReport) -> None:
         if report.deferred:
             return  # the locks were not to be had a moment ago: do not queue again
+        cfg = self.config
         for name in await self.store.detached_leftovers():
-            dropped = await self._ddl(
-                report,
-                self.config.ddl_timeout,
-                partial(self.store.drop_detached, name=name),
-            )
+            dropped = await self._ddl(report, cfg.ddl_timeout, self.store.drop_detached, name=name)
             if dropped is None:
                 return
             report.leftovers_dropped += int(dropped)
-        for bucket in await self.store.expired_buckets(self.config.retention):
+        for bucket in await self.store.expired_buckets(cfg.retention):
+            day = bucket.day
             if bucket.live:
                 report.kept_live += 1
                 continue
-            outcome = await self._ddl(
-                report,
-                self.config.ddl_timeout,
-                partial(self.store.detach_bucket, day=bucket.day),
-            )
+            outcome = await self._ddl(report, cfg.ddl_timeout, self.store.detach_bucket, day=day)
             if outcome is None:
                 return
             if outcome == "live":
@@ -275,15 +244,11 @@ class Maintainer(LeaderDuty):
                 continue
             if outcome != "detached":
                 continue
-            name = f"jobs_p{bucket.day:%Y%m%d}_detached"
-            dropped = await self._ddl(
-                report,
-                self.config.ddl_timeout,
-                partial(self.store.drop_detached, name=name),
-            )
+            name = f"jobs_p{day:%Y%m%d}_detached"
+            dropped = await self._ddl(report, cfg.ddl_timeout, self.store.drop_detached, name=name)
             if dropped is None:
                 return  # detached: its rows are out of jobs; the next pass drops it
-            report.dropped.append(bucket.day)
+            report.dropped.append(day)
 
     async def _prune(self, report: MaintenanceReport) -> None:
         retention, limit = self.config.retention, self.config.batch_size
@@ -301,11 +266,7 @@ class Maintainer(LeaderDuty):
 
     async def _fenced(self, statement_timeout: float, action: Callable[[Conn], Awaitable[T]]) -> T:
         """``action`` in a fenced transaction with this duty's lock/statement limits."""
-        self._check_leader()
-        async with (
-            self.pool.acquire(timeout=self.settings.db_timeout) as conn,
-            fenced_transaction(conn, self.term.epoch),
-        ):
+        async with self.writes.transaction(self.loop.term.epoch) as conn:
             await self.store.set_limits(
                 conn, lock_timeout=self.config.lock_timeout, statement_timeout=statement_timeout
             )
@@ -315,11 +276,13 @@ class Maintainer(LeaderDuty):
         self,
         report: MaintenanceReport,
         statement_timeout: float,
-        action: Callable[[Conn], Awaitable[T]],
+        step: Callable[..., Awaitable[T]],
+        **arguments: Any,
     ) -> T | None:
-        """A DDL transaction; None (and counted as deferred) when it gave up on a lock."""
+        """``step(conn, **arguments)`` in a DDL transaction; None (and counted as
+        deferred) when it gave up on a lock."""
         try:
-            return await self._fenced(statement_timeout, action)
+            return await self._fenced(statement_timeout, partial(step, **arguments))
         except LOCK_ERRORS as exc:
             report.deferred += 1
             report.deferred_reason = f"{type(exc).__name__}: {exc}"

@@ -1,4 +1,4 @@
-"""The planner: turns recurring schedules into jobs, a short horizon ahead (DESIGN §5b).
+"""The planner: turns recurring schedules into jobs, a short horizon ahead (architecture.md §3).
 
 One pass = batches of one fenced transaction each, until nothing is due:
 
@@ -45,10 +45,8 @@ down the cap is ``probe_interval`` and it is re-established with back-off.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -58,12 +56,12 @@ from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
-from scheduler.duty import LeaderDuty
-from scheduler.fence import fenced_transaction
-from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
+from scheduler.duties.base import DutyLoop, FencedWrites, duty_listener
+from scheduler.duties.knobs import check_knobs, config_from_settings, knob
+from scheduler.duties.plan_report import PlanReport, account_batch
+from scheduler.leadership.fence import fenced_transaction
 from scheduler.planning import PlanConfig, PlanDecision, invalid_decision, plan_schedule
 from scheduler.rows import UNREADABLE
-from scheduler.store.listener import KeptListener
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
 from scheduler.store.schedules import ClaimedSchedule, ScheduleStore
 
@@ -77,54 +75,40 @@ RETRYABLE = (
 ROW_ERRORS = (asyncpg.exceptions.DataError, asyncpg.exceptions.IntegrityConstraintViolationError)
 #: Batches planned inline; larger ones go to a worker thread.
 INLINE_BATCH = 32
-#: At most this many schedules are named in one log line (the totals are always there).
-MAX_LOGGED = 50
 
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
-    """How the planner paces itself; ``from_settings`` fills it from ``Settings``."""
+    """How the planner paces itself (``config_from_settings`` fills it)."""
 
-    horizon: float = 10.0
+    horizon: float = knob(10.0, setting="planner_horizon")
     """Seconds ahead that fire times of ``allow`` schedules become jobs."""
     lead: float | None = None
     """Revisit a schedule when its next fire time is this close (default horizon / 2)."""
     misfire_grace: float = 1.0
     """A fire time at most this late still fires normally (not a misfire)."""
-    batch_size: int = 1000
+    batch_size: int = knob(1000, ge=1)
     """Schedules claimed (and written in one statement) per transaction."""
-    max_batches_per_pass: int = 100
+    max_batches_per_pass: int = knob(100, ge=1)
     """Batches in one ``run_once`` before the loop yields (and comes straight back)."""
-    poll_interval: float = 1.0
+    poll_interval: float = knob(1.0, setting="poll_interval", gt=0)
     """Longest sleep while the LISTEN connection is healthy (backstop)."""
-    probe_interval: float = 0.25
+    probe_interval: float = knob(0.25, gt=0)
     """Longest sleep while it is not."""
-    buffer_poll: float = 1.0
+    buffer_poll: float = knob(1.0, gt=0)
     """``buffer_one``: how often a waiting fire time checks the running job."""
-    listen_check_interval: float = 10.0
+    listen_check_interval: float = knob(10.0, gt=0)
     """How often the LISTEN connection is pinged (a half-open socket is silent)."""
-    decide_budget: float = 0.5
+    decide_budget: float = knob(0.5, gt=0)
     """Seconds of planning per batch, while its transaction waits idle: far below the
     replica's ``idle_in_transaction_session_timeout`` (≈ lease TTL), whatever the batch
     holds (a long catch-up can cost tens of ms per schedule). The rest waits for the
     next batch."""
-    max_fires_per_batch: int = 20_000
+    max_fires_per_batch: int = knob(20_000, ge=1)
     """Fire times written by one statement, at most (plus one schedule's worth)."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_batches_per_pass < 1:
-            raise ValueError("batch_size and max_batches_per_pass must be >= 1")
-        if self.max_fires_per_batch < 1:
-            raise ValueError("max_fires_per_batch must be >= 1")
-        for name in (
-            "poll_interval",
-            "probe_interval",
-            "buffer_poll",
-            "listen_check_interval",
-            "decide_budget",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        check_knobs(self)
         self.plan_config()  # validates horizon, lead, grace
 
     def plan_config(self) -> PlanConfig:
@@ -135,51 +119,9 @@ class PlannerConfig:
             buffer_poll=timedelta(seconds=self.buffer_poll),
         )
 
-    @classmethod
-    def from_settings(cls, settings: Settings, **overrides: object) -> PlannerConfig:
-        values: dict[str, object] = {
-            "horizon": settings.planner_horizon,
-            "poll_interval": settings.poll_interval,
-        }
-        values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
 
-
-@dataclass(slots=True)
-class PlanReport:
-    """What one batch (or, summed, one pass) did."""
-
-    claimed: int = 0
-    fired: int = 0
-    duplicates: int = 0  # fire times already materialized (dedupe hits)
-    missed: int = 0
-    skipped: int = 0
-    invalid: int = 0
-    revisit: bool = False  # some schedule must be looked at again at once
-    batches: int = 0
-    missed_by_policy: Counter[str] = field(default_factory=Counter)
-    claim_seconds: float = 0.0  # BEGIN + fence + claim
-    decide_seconds: float = 0.0  # pure planning
-    write_seconds: float = 0.0  # apply_plan + COMMIT
-
-    def add(self, other: PlanReport) -> None:
-        self.claimed += other.claimed
-        self.fired += other.fired
-        self.duplicates += other.duplicates
-        self.missed += other.missed
-        self.skipped += other.skipped
-        self.invalid += other.invalid
-        self.revisit = other.revisit
-        self.batches += other.batches
-        self.missed_by_policy.update(other.missed_by_policy)
-        self.claim_seconds += other.claim_seconds
-        self.decide_seconds += other.decide_seconds
-        self.write_seconds += other.write_seconds
-
-
-class Planner(LeaderDuty):
+class Planner:
     name = "planner"
-    fenced_write = "fenced planner batch"
 
     def __init__(
         self,
@@ -190,18 +132,23 @@ class Planner(LeaderDuty):
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
-        super().__init__(settings, pool, clock=clock, is_leader=is_leader)
+        self.config = config = config or config_from_settings(PlannerConfig, settings)
+        self.settings = settings
+        self.pool = pool
+        self.clock = clock
+        self.loop = DutyLoop(self)
+        self.writes = FencedWrites(
+            settings, pool, write="fenced planner batch", is_leader=is_leader
+        )
         self.store = ScheduleStore(pool, acquire_timeout=settings.db_timeout)
-        self.config = config or PlannerConfig.from_settings(settings)
-        self._plan_config = self.config.plan_config()
-        self._wakeups = KeptListener(
-            settings.database_url,
+        self._plan_config = config.plan_config()
+        self._wakeups = duty_listener(
+            settings,
             SCHEDULES_CHANNEL,
-            self.wake,
-            timeout=settings.db_timeout,
-            application_name=f"duetime:{settings.node_id}:planner-listen",
-            check_interval=self.config.listen_check_interval,
-            log=lambda: self.log,
+            self.loop.wake,
+            role="planner-listen",
+            check_interval=config.listen_check_interval,
+            log=lambda: self.loop.log,
         )
         self._isolate = False  # the last batch was refused: apply the next one row by row
         self.invalid_total = 0  # schedules paused for an error, since start
@@ -228,7 +175,7 @@ class Planner(LeaderDuty):
         try:
             report = await self.plan_pass()
         except RETRYABLE as exc:
-            self.log.warning("plan_retry", error=f"{type(exc).__name__}: {exc}")
+            self.loop.log.warning("plan_retry", error=f"{type(exc).__name__}: {exc}")
             return bounded_jitter(1, base=0.05)
         if report.revisit:  # max_batches_per_pass reached with work left
             return 0.0
@@ -268,22 +215,22 @@ class Planner(LeaderDuty):
         under its own savepoint and pauses the ones refused. The normal path has no
         savepoints: five round trips per batch.
         """
-        epoch = self.term.epoch
-        self._check_leader()
+        epoch = self.loop.term.epoch
+        self.writes.check_lease()
         now = now or self.clock.now()
         isolate = self._isolate
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         try:
             async with fenced_transaction(conn, epoch):
                 claimed = await self._claim(conn, now)
                 if not claimed:
                     return PlanReport()
-                claimed_at = time.perf_counter()
+                claimed_at = self.clock.monotonic()
                 if len(claimed) > INLINE_BATCH:
                     decisions = await asyncio.to_thread(self._decide, claimed, now)
                 else:
                     decisions = self._decide(claimed, now)
-                decided_at = time.perf_counter()
+                decided_at = self.clock.monotonic()
                 # schedules left undecided (budget spent) stay as they are and due
                 deferred = len(claimed) - len(decisions)
                 claimed = claimed[: len(decisions)]
@@ -295,20 +242,21 @@ class Planner(LeaderDuty):
             if isolate:  # not a row's fault after all: let the duty back off and retry
                 raise
             self._isolate = True
-            self.log.warning(
+            self.loop.log.warning(
                 "plan_batch_refused",
                 error=f"{type(exc).__name__}: {exc}",
                 next_step="apply the batch one schedule at a time",
             )
             return PlanReport(revisit=True)
         self._isolate = False
-        committed_at = time.perf_counter()
-        report = self._account(claimed, decisions, fired, now)
+        committed_at = self.clock.monotonic()
+        report = account_batch(claimed, decisions, fired, now, self.loop.log)
+        self.invalid_total += report.invalid
         report.revisit = report.revisit or deferred > 0
         report.claim_seconds = claimed_at - started
         report.decide_seconds = decided_at - claimed_at
         report.write_seconds = committed_at - decided_at
-        self.log.debug(
+        self.loop.log.debug(
             "plan_batch",
             claimed=report.claimed,
             fired=report.fired,
@@ -325,7 +273,7 @@ class Planner(LeaderDuty):
         try:
             return await self.store.claim_due(conn, now, self.config.batch_size)
         except UNREADABLE as exc:
-            self.log.warning(
+            self.loop.log.warning(
                 "claim_unreadable",
                 error=f"{type(exc).__name__}: {exc}",
                 next_step="read the batch row by row and pause the unreadable schedules",
@@ -342,7 +290,7 @@ class Planner(LeaderDuty):
                 paused = False
                 reason = f"{reason}; the pause was refused: {type(exc).__name__}: {exc}"
             self.invalid_total += paused
-            self.log.error(
+            self.loop.log.error(
                 "schedule_unreadable",
                 schedule_id=schedule_id,
                 error=reason,
@@ -355,11 +303,11 @@ class Planner(LeaderDuty):
         ``decide_budget`` seconds or produced ``max_fires_per_batch`` fire times."""
         decisions: list[PlanDecision] = []
         memo: dict[tuple[Any, ...], Any] = {}  # schedules with the same timing share work
-        deadline = time.perf_counter() + self.config.decide_budget
+        deadline = self.clock.monotonic() + self.config.decide_budget
         fires = 0
         for item in claimed:
             if decisions and (
-                fires >= self.config.max_fires_per_batch or time.perf_counter() > deadline
+                fires >= self.config.max_fires_per_batch or self.clock.monotonic() > deadline
             ):
                 break
             try:
@@ -371,7 +319,7 @@ class Planner(LeaderDuty):
                     memo=memo,
                 )
             except Exception as exc:  # a bug must not stall every other schedule
-                self.log.exception("plan_schedule_failed", schedule_id=item.schedule.id)
+                self.loop.log.exception("plan_schedule_failed", schedule_id=item.schedule.id)
                 decision = invalid_decision(
                     item.schedule, f"planning failed: {type(exc).__name__}: {exc}"
                 )
@@ -399,71 +347,6 @@ class Planner(LeaderDuty):
                 decisions[index] = bad
                 fired.update(await self.store.apply_plan(conn, [bad]))
         return fired
-
-    def _account(
-        self,
-        claimed: Sequence[ClaimedSchedule],
-        decisions: Sequence[PlanDecision],
-        fired: dict[int, int],
-        now: datetime,
-    ) -> PlanReport:
-        report = PlanReport(claimed=len(claimed), batches=1)
-        missed_log: list[dict[str, object]] = []
-        overlap_log: list[dict[str, object]] = []
-        for item, d in zip(claimed, decisions, strict=True):
-            s = item.schedule
-            created = fired.get(d.schedule_id, 0)
-            report.fired += created
-            report.duplicates += len(d.fires) - created
-            report.skipped += d.skipped
-            if d.plan_at is not None and d.plan_at <= now:
-                report.revisit = True
-            if d.invalid:
-                report.invalid += 1
-                self.invalid_total += 1
-                self.log.error(
-                    "schedule_invalid",
-                    schedule_id=s.id,
-                    schedule=s.name,
-                    error=d.error,
-                    outcome="paused",
-                )
-                continue
-            if d.missed:
-                report.missed += d.missed
-                report.missed_by_policy[s.misfire_policy] += d.missed
-                if len(missed_log) < MAX_LOGGED:
-                    missed_log.append(
-                        {
-                            "id": s.id,
-                            "name": s.name,
-                            "missed": d.missed,
-                            "skipped": d.skipped_misfire,
-                            "first": d.first_missed.isoformat() if d.first_missed else None,
-                            "last": d.last_missed.isoformat() if d.last_missed else None,
-                        }
-                    )
-            if d.skipped_overlap and len(overlap_log) < MAX_LOGGED:
-                overlap_log.append({"id": s.id, "name": s.name, "skipped": d.skipped_overlap})
-        SCHEDULE_FIRES.inc(report.fired)
-        for policy, count in report.missed_by_policy.items():
-            SCHEDULE_MISFIRES.labels(policy).inc(count)
-        if report.missed:
-            self.log.warning(
-                "schedules_misfired",
-                missed=report.missed,
-                by_policy=dict(report.missed_by_policy),
-                schedules=missed_log,
-            )
-        if overlap_log:
-            self.log.info(
-                "schedules_overlap_skipped",
-                skipped=sum(d.skipped_overlap for d in decisions),
-                schedules=overlap_log,
-            )
-        if report.duplicates:
-            self.log.warning("schedule_fires_deduplicated", duplicates=report.duplicates)
-        return report
 
     # -- wake-ups --------------------------------------------------------------------
 

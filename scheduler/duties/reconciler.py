@@ -1,4 +1,4 @@
-"""The reconciler: re-publishes dispatched jobs that went silent (DESIGN §5.4).
+"""The reconciler: re-publishes dispatched jobs that went silent (architecture.md §3).
 
 A job is *stalled* when it is ``dispatched`` and its last sign of life
 (``heartbeat_at``, else ``dispatched_at``) is older than ``visibility_timeout``. Each
@@ -42,68 +42,53 @@ Trade-offs (documented, not hidden):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import asyncpg
 
-from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.db import Conn
-from scheduler.duties.publishing import PublishingDuty
-from scheduler.fence import fenced_transaction
+from scheduler.duties.base import (
+    MAX_IDS_LOGGED,
+    DutyLoop,
+    DutyPublisher,
+    FencedWrites,
+    GateConfig,
+    park_unreadable,
+    some_ids,
+)
+from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.metrics import JOBS_PARKED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
 from scheduler.rows import UNREADABLE
 from scheduler.store.dispatch import StalledJob
 
-MAX_IDS_LOGGED = 100
-
 
 @dataclass(frozen=True, slots=True)
 class ReconcilerConfig:
-    visibility_timeout: float = 60.0
+    """How the reconciler paces itself (``config_from_settings`` fills it)."""
+
+    visibility_timeout: float = knob(60.0, setting="visibility_timeout", gt=0)
     """Seconds a dispatched job may go without a sign of life before it is re-published."""
-    interval: float = 5.0
+    interval: float = knob(5.0, setting="reconcile_interval", gt=0)
     """Seconds between passes (a full batch is followed by another pass at once)."""
-    batch_size: int = 500
+    batch_size: int = knob(500, setting="claim_batch_size", ge=1)
     """Stalled jobs locked and re-published per transaction."""
-    publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT
+    publish_timeout: float = knob(DEFAULT_PUBLISH_TIMEOUT, setting=publish_timeout_for, gt=0)
     """Deadline for one batch's confirms."""
     defer_backlogged_queues: bool = True
     """Skip queues that still hold ready messages (see the module doc)."""
-    warn_after: int = 3
+    warn_after: int = knob(3, ge=1)
     """Log a warning when a job is re-published this many times since its dispatch."""
-    max_republishes: int = 10
+    max_republishes: int = knob(10, setting="max_republishes", ge=1)
     """A stalled job re-published this many times since its dispatch goes dead."""
+    ready_timeout: float = knob(1.0, gt=0)
+    """How long one pass waits for a reconnecting broker before backing off."""
 
     def __post_init__(self) -> None:
-        if self.visibility_timeout <= 0:
-            raise ValueError("visibility_timeout must be > 0")
-        if self.interval <= 0:
-            raise ValueError("interval must be > 0")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        if self.publish_timeout <= 0:
-            raise ValueError("publish_timeout must be > 0")
-        if self.warn_after < 1:
-            raise ValueError("warn_after must be >= 1")
-        if isinstance(self.max_republishes, bool) or self.max_republishes < 1:
-            raise ValueError(f"max_republishes must be >= 1 (got {self.max_republishes})")
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **overrides: object) -> ReconcilerConfig:
-        values: dict[str, object] = {
-            "visibility_timeout": settings.visibility_timeout,
-            "interval": settings.reconcile_interval,
-            "max_republishes": settings.max_republishes,
-            "batch_size": settings.claim_batch_size,
-            "publish_timeout": publish_timeout_for(settings),
-        }
-        values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        check_knobs(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +100,7 @@ class ReconcileReport:
     given_up: int = 0  # re-published max_republishes times already: now dead
 
 
-class Reconciler(PublishingDuty):
+class Reconciler:
     name = "reconciler"
 
     def __init__(
@@ -128,27 +113,32 @@ class Reconciler(PublishingDuty):
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
     ) -> None:
-        config = config or ReconcilerConfig.from_settings(settings)
-        super().__init__(
+        self.config = config = config or config_from_settings(ReconcilerConfig, settings)
+        self.clock = clock
+        self.loop = DutyLoop(self)
+        self.writes = FencedWrites(settings, pool, write="fenced claim", is_leader=is_leader)
+        self.out = DutyPublisher(
             settings,
             pool,
+            name=self.name,
             publish_timeout=config.publish_timeout,
             publisher=publisher,
-            clock=clock,
-            is_leader=is_leader,
+            gate=GateConfig(config.ready_timeout, base=0.5, cap=config.interval),
+            log=lambda: self.loop.log,
         )
-        self.config = config
+        self.store, self.publisher = self.out.store, self.out.publisher
         self._deferred_until: dict[str, float] = {}
-        self._broker_failures = 0
+
+    async def setup(self) -> None:
+        await self.out.open()
+
+    async def teardown(self) -> None:
+        await self.out.close()
 
     async def run_once(self) -> float:
-        throttle = self.publisher.throttle_delay()
-        if throttle > 0:
-            return throttle
-        if not await self.publisher.wait_ready(1.0):
-            self._broker_failures += 1
-            return bounded_jitter(self._broker_failures, base=0.5, cap=self.config.interval)
-        self._broker_failures = 0
+        delay = await self.out.gate.delay()
+        if delay:
+            return delay
         report = await self.reconcile_batch()
         if report.stalled >= self.config.batch_size and (
             report.republished or report.deferred or report.given_up
@@ -158,14 +148,10 @@ class Reconciler(PublishingDuty):
 
     async def reconcile_batch(self) -> ReconcileReport:
         """One fenced transaction: lock stalled jobs, re-publish, start new windows."""
-        epoch = self.term.epoch
-        self._check_leader()
-        now = time.monotonic()
+        epoch = self.loop.term.epoch
+        now = self.clock.monotonic()
         skip = sorted(q for q, until in self._deferred_until.items() if until > now)
-        async with (
-            self.pool.acquire(timeout=self.settings.db_timeout) as conn,
-            fenced_transaction(conn, epoch),
-        ):
+        async with self.writes.transaction(epoch) as conn:
             stalled = await self._lock_stalled(conn, skip)
             if not stalled:
                 return ReconcileReport()
@@ -189,11 +175,11 @@ class Reconciler(PublishingDuty):
         try:
             return await self.store.lock_stalled(conn, timeout, limit, skip_queues=skip)
         except UNREADABLE as exc:
-            self.log.warning("lock_stalled_unreadable", error=f"{type(exc).__name__}: {exc}")
+            self.loop.log.warning("lock_stalled_unreadable", error=f"{type(exc).__name__}: {exc}")
         stalled, unreadable = await self.store.lock_stalled_isolated(
             conn, timeout, limit, skip_queues=skip
         )
-        await self.park_unreadable(conn, unreadable)
+        await park_unreadable(self.store, conn, unreadable, duty=self.name, log=self.loop.log)
         return stalled
 
     def give_up_error(self) -> str:
@@ -217,7 +203,7 @@ class Reconciler(PublishingDuty):
                 backlogged[queue] = ready
         if not backlogged:
             return stalled, []
-        until = time.monotonic() + self.config.interval
+        until = self.clock.monotonic() + self.config.interval
         due: list[StalledJob] = []
         deferred: list[StalledJob] = []
         for s in stalled:
@@ -225,12 +211,11 @@ class Reconciler(PublishingDuty):
         for queue, ready in backlogged.items():
             self._deferred_until[queue] = until
             ids = [s.job.id for s in deferred if s.job.queue == queue]
-            self.log.info(
+            self.loop.log.info(
                 "reconcile_deferred",
                 queue=queue,
                 ready_messages=ready,
-                count=len(ids),
-                job_ids=ids[:MAX_IDS_LOGGED],
+                **some_ids(ids),
                 reason="queue has a backlog; its messages are probably still waiting",
             )
         return due, deferred
@@ -249,17 +234,16 @@ class Reconciler(PublishingDuty):
                 for s in done
                 if s.republish_count + 1 >= self.config.warn_after
             ]
-            self.log.warning(
+            self.loop.log.warning(
                 "jobs_reconciled",
-                count=len(done),
-                job_ids=[s.job.id for s in done][:MAX_IDS_LOGGED],
+                **some_ids([s.job.id for s in done]),
                 oldest_silence=round(max(s.silent_for for s in done), 3),
                 previous_epochs=sorted(
                     {s.dispatch_epoch for s in done if s.dispatch_epoch is not None}
                 ),
             )
             if repeats:
-                self.log.warning(
+                self.loop.log.warning(
                     "jobs_reconciled_repeatedly",
                     count=len(repeats),
                     jobs=repeats[:MAX_IDS_LOGGED],
@@ -268,12 +252,11 @@ class Reconciler(PublishingDuty):
                 )
         for (reason, queue), ids in failures.items():
             PUBLISH_FAILURES.inc(len(ids))
-            self.log.error(
+            self.loop.log.error(
                 "reconcile_publish_failed",
                 reason=reason,
                 queue=queue,
-                count=len(ids),
-                job_ids=ids[:MAX_IDS_LOGGED],
+                **some_ids(ids),
                 outcome="still dispatched; retried next pass",
             )
 
@@ -282,10 +265,9 @@ class Reconciler(PublishingDuty):
             return
         JOBS_PARKED.labels("republish_cap").inc(len(given_up))
         ids = sorted(given_up)
-        self.log.error(
+        self.loop.log.error(
             "jobs_given_up",
-            count=len(ids),
-            job_ids=ids[:MAX_IDS_LOGGED],
+            **some_ids(ids),
             tasks=sorted({s.job.task for s in exhausted if s.job.id in given_up}),
             max_republishes=self.config.max_republishes,
             outcome="dead",

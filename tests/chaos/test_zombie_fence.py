@@ -9,7 +9,7 @@ more than the loopback socket buffers hold. The test watches ``pg_stat_activity`
 SIGSTOPs the leader the moment that claim runs; it then checks the scenario really
 happened (the backend is still ``active``/``ClientWrite`` and the fence row is locked)
 before measuring. No PostgreSQL timeout ends such a backend
-(``scheduler.replica.session_settings``), so two things can:
+(``scheduler.leadership.policy.session_settings``), so two things can:
 
 - ``terminate``: TCP user timeout off; the new leader's fence update terminates the
   sessions that block it after ``fence_takeover_grace`` (0.5 s), and logs it;
@@ -37,7 +37,7 @@ import pytest
 from aio_pika.abc import AbstractChannel
 
 from scheduler.broker import queue_name
-from scheduler.replica import DUTY_STOP_TIMEOUT
+from scheduler.leadership.replica import DUTY_STOP_TIMEOUT
 from tests.chaos.cluster import Node, SchedulerCluster, parse_ts
 from tests.chaos.harness import TTL
 from tests.support.wait import wait_for

@@ -26,12 +26,13 @@ from scheduler import db
 from scheduler.cli.jobs import _store as jobs_cli_store
 from scheduler.cli.schedules import _with_store as schedules_cli_store
 from scheduler.config import Settings
+from scheduler.duties.base import DutyContext
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.maintainer import Maintainer
 from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler
-from scheduler.fence import FenceStore
-from scheduler.replica import Replica, ReplicaContext
+from scheduler.leadership.fence import FenceStore
+from scheduler.leadership.replica import Replica
 from scheduler.status import StatusStore
 from scheduler.store import DispatchStore, JobStore, ScheduleStore
 
@@ -116,9 +117,9 @@ async def test_leader_duties_stores_wait_at_most_db_timeout(
 
 
 async def test_replica_fence_waits_at_most_db_timeout(tight: Settings) -> None:
-    contexts: list[ReplicaContext] = []
+    contexts: list[DutyContext] = []
 
-    def duties(ctx: ReplicaContext) -> list[Any]:
+    def duties(ctx: DutyContext) -> list[Any]:
         contexts.append(ctx)
         return []
 

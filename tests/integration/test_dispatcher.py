@@ -23,10 +23,11 @@ import pytest
 
 from scheduler import broker, db, messages
 from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
-from scheduler.duty import LeaderTerm
+from scheduler.duties.knobs import config_from_settings
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore
+from scheduler.leadership.fence import FenceStore
 from scheduler.publisher import Publisher, PublishResult
 from scheduler.rows import ClaimedJob
 from scheduler.store.jobs import JobStore
@@ -127,13 +128,13 @@ async def test_jobs_arrive_once_not_before_due_with_the_contract(env: Env) -> No
     dispatcher = Dispatcher(env.settings, env.pool)
     async with Collector(env.settings.amqp_url, env.queue, env.settings.delivery_limit) as c:
         await insert_jobs(env.pool, env.queue, 150, spread=3.0)
-        dispatcher.start(term(1))
+        dispatcher.loop.start(term(1))
         try:
             await c.wait(150, timeout=20)
             await wait_for(lambda: _all_dispatched(env.pool), timeout=5, message="all dispatched")
         finally:
-            await dispatcher.stop()
-        assert dispatcher.stopped_by_request
+            await dispatcher.loop.stop()
+        assert dispatcher.loop.stopped_by_request
         rows = {
             r["id"]: r
             for r in await env.pool.fetch(
@@ -181,11 +182,11 @@ async def test_idle_fire_lag_is_milliseconds(env: Env) -> None:
     )
     dispatcher = Dispatcher(env.settings, env.pool)
     async with Collector(env.settings.amqp_url, env.queue, env.settings.delivery_limit) as c:
-        dispatcher.start(term(1))
+        dispatcher.loop.start(term(1))
         try:
             await c.wait(200, timeout=20)
         finally:
-            await dispatcher.stop()
+            await dispatcher.loop.stop()
         lags = [
             r["lag"]
             for r in await env.pool.fetch(
@@ -212,7 +213,7 @@ async def test_notify_wakes_the_dispatcher_for_a_job_due_now(env: Env) -> None:
     settings = dataclasses.replace(env.settings, probe_interval=30.0)
     dispatcher = Dispatcher(settings, env.pool)
     async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
-        dispatcher.start(term(1))
+        dispatcher.loop.start(term(1))
         try:
             await wait_for(lambda: dispatcher.listening, timeout=5, message="listening")
             await asyncio.sleep(0.2)  # let it fall asleep on the 30 s probe interval
@@ -222,7 +223,7 @@ async def test_notify_wakes_the_dispatcher_for_a_job_due_now(env: Env) -> None:
             print(f"\nenqueue → arrival: {(c.got[0][0] - started) * 1000:.1f} ms")
             assert c.got[0][0] - started < 1.0
         finally:
-            await dispatcher.stop()
+            await dispatcher.loop.stop()
 
 
 async def test_plain_sql_insert_is_found_by_the_probe(env: Env) -> None:
@@ -231,7 +232,7 @@ async def test_plain_sql_insert_is_found_by_the_probe(env: Env) -> None:
     settings = dataclasses.replace(env.settings, probe_interval=0.05)
     dispatcher = Dispatcher(settings, env.pool)
     async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
-        dispatcher.start(term(1))
+        dispatcher.loop.start(term(1))
         try:
             await wait_for(lambda: dispatcher.listening, timeout=5, message="listening")
             await asyncio.sleep(0.2)
@@ -241,14 +242,14 @@ async def test_plain_sql_insert_is_found_by_the_probe(env: Env) -> None:
             print(f"\nSQL insert → arrival: {(c.got[0][0] - started) * 1000:.1f} ms")
             assert c.got[0][0] - started < 1.0
         finally:
-            await dispatcher.stop()
+            await dispatcher.loop.stop()
 
 
 async def test_lost_listen_connection_is_detected_and_restored(env: Env) -> None:
     settings = dataclasses.replace(env.settings, poll_interval=30.0)
     dispatcher = Dispatcher(settings, env.pool)
     async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
-        dispatcher.start(term(1))
+        dispatcher.loop.start(term(1))
         try:
             await wait_for(lambda: dispatcher.listening, timeout=5, message="listening")
             killed = await env.pool.fetchval(
@@ -269,7 +270,7 @@ async def test_lost_listen_connection_is_detected_and_restored(env: Env) -> None
             await insert_jobs(env.pool, env.queue, 3)
             await c.wait(3, timeout=5)
         finally:
-            await dispatcher.stop()
+            await dispatcher.loop.stop()
 
 
 async def test_backlog_is_claimed_in_back_to_back_batches(env: Env) -> None:
@@ -277,7 +278,7 @@ async def test_backlog_is_claimed_in_back_to_back_batches(env: Env) -> None:
     await insert_jobs(env.pool, env.queue, 1000)
     dispatcher = Dispatcher(settings, env.pool)
     await dispatcher.setup()
-    dispatcher.bind(term(1))
+    dispatcher.loop.bind(term(1))
     try:
         delays = [await dispatcher.run_once() for _ in range(10)]
         assert delays == [0.0] * 10  # full batches: no sleeping while a backlog exists
@@ -318,7 +319,7 @@ async def test_handover_race_never_publishes_a_job_twice(env: Env) -> None:
     new = Dispatcher(settings, env.pool)
     async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
         await old.setup()
-        old.bind(term(1))
+        old.loop.bind(term(1))
         try:
             in_claim = asyncio.create_task(old.dispatch_batch())
             await asyncio.wait_for(gated.entered.wait(), 5)
@@ -330,8 +331,8 @@ async def test_handover_race_never_publishes_a_job_twice(env: Env) -> None:
             assert report.published == 50  # the old claim committed before the fence moved
             assert await asyncio.wait_for(advance, 5) is True
 
-            new_task = new.start(term(2))
-            old_task = old.start(term(1))  # the zombie keeps trying, concurrently
+            new_task = new.loop.start(term(2))
+            old_task = old.loop.start(term(1))  # the zombie keeps trying, concurrently
             with pytest.raises(Fenced):
                 await asyncio.wait_for(old_task, 10)
             with pytest.raises(Fenced):
@@ -339,8 +340,8 @@ async def test_handover_race_never_publishes_a_job_twice(env: Env) -> None:
             await c.wait(400, timeout=20)
             assert not new_task.done()
         finally:
-            await new.stop()
-            await old.stop()
+            await new.loop.stop()
+            await old.loop.stop()
             await gated.close()
         ids = c.job_ids()
         by_epoch: dict[int, list[int]] = {1: [], 2: []}
@@ -359,11 +360,11 @@ async def test_handover_race_never_publishes_a_job_twice(env: Env) -> None:
 async def test_fenced_dispatcher_loop_ends(env: Env) -> None:
     dispatcher = Dispatcher(env.settings, env.pool)
     assert await env.fence.advance(3, "newer")
-    task = dispatcher.start(term(1))
+    task = dispatcher.loop.start(term(1))
     await insert_jobs(env.pool, env.queue, 1)
     with pytest.raises(Fenced):
         await asyncio.wait_for(task, 10)
-    await dispatcher.stop()
+    await dispatcher.loop.stop()
     assert await status_counts(env.pool) == {"pending": 1}
 
 
@@ -405,10 +406,10 @@ async def test_broker_cut_mid_batch_loses_nothing(
             settings,
             env.pool,
             publisher=publisher,
-            config=DispatcherConfig.from_settings(settings, publish_timeout=5.0),
+            config=config_from_settings(DispatcherConfig, settings, publish_timeout=5.0),
         )
         await dispatcher.setup()
-        dispatcher.bind(term(1))
+        dispatcher.loop.bind(term(1))
         try:
             with caplog.at_level(logging.ERROR):
                 first = await dispatcher.dispatch_batch()
@@ -421,11 +422,11 @@ async def test_broker_cut_mid_batch_loses_nothing(
             assert failed_logs and failed_logs[0]["reason"] in ("connection", "timeout")
             assert failed_logs[0]["job_ids"]
             # after the reconnect the loop delivers the rest
-            dispatcher.start(term(1))
+            dispatcher.loop.start(term(1))
             await wait_for(lambda: _all_dispatched(env.pool), timeout=30, message="all dispatched")
             await c.wait(3000, timeout=30)
         finally:
-            await dispatcher.stop()
+            await dispatcher.loop.stop()
             await dispatcher.teardown()
             await publisher.close()
     rows = {r["id"] for r in await env.pool.fetch("SELECT id FROM duetime.jobs")}
@@ -437,7 +438,7 @@ async def test_queue_deleted_under_the_dispatcher_keeps_jobs_and_recovers(
 ) -> None:
     dispatcher = Dispatcher(env.settings, env.pool)
     await dispatcher.setup()
-    dispatcher.bind(term(1))
+    dispatcher.loop.bind(term(1))
     try:
         await insert_jobs(env.pool, env.queue, 2)
         assert (await dispatcher.dispatch_batch()).published == 2  # queue declared, cached
@@ -476,7 +477,7 @@ async def test_broker_down_at_claim_time_claims_nothing(env: Env) -> None:
         )
         dispatcher = Dispatcher(env.settings, env.pool, publisher=publisher)
         await dispatcher.setup()
-        dispatcher.bind(term(1))
+        dispatcher.loop.bind(term(1))
         try:
             await insert_jobs(env.pool, env.queue, 3)
             proxy.refuse(True)
@@ -526,7 +527,7 @@ async def test_commit_failure_after_confirms_loses_nothing(
     )
     dispatcher = Dispatcher(env.settings, env.pool, publisher=publisher)
     await dispatcher.setup()
-    dispatcher.bind(term(1))
+    dispatcher.loop.bind(term(1))
     try:
         async with Collector(env.settings.amqp_url, env.queue, env.settings.delivery_limit) as c:
             with (
@@ -557,7 +558,7 @@ async def test_blocked_broker_pauses_claiming(env: Env) -> None:
     itself would starve the shared broker, so the aiormq event it drives is flipped.)"""
     dispatcher = Dispatcher(env.settings, env.pool)
     await dispatcher.setup()
-    dispatcher.bind(term(1))
+    dispatcher.loop.bind(term(1))
     try:
         await insert_jobs(env.pool, env.queue, 3)
         transport = dispatcher.publisher._connection.transport  # type: ignore[union-attr]

@@ -20,8 +20,8 @@ import aetcd
 import pytest
 import pytest_asyncio
 
-from scheduler.election import Election, LeadershipLost, Term
 from scheduler.errors import ServiceUnavailable
+from scheduler.leadership.election import Election, LeadershipLost, Term
 from tests.support.etcd import PrivateEtcd, free_port
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for

@@ -15,7 +15,7 @@ import pytest
 
 from scheduler import db
 from scheduler.errors import DuetimeError, Fenced
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.store.dispatch import DispatchStore
 from tests.conftest import own_database
 from tests.support.wait import wait_for

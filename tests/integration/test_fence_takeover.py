@@ -18,7 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from scheduler import db
-from scheduler.fence import FenceStore
+from scheduler.leadership.fence import FenceStore
 from tests.conftest import own_database
 
 pytestmark = pytest.mark.timeout(60)

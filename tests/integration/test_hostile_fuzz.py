@@ -40,10 +40,10 @@ from prometheus_client import REGISTRY
 from scheduler import db
 from scheduler.broker import queue_name
 from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
-from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore
+from scheduler.leadership.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
@@ -240,13 +240,13 @@ async def fuzz(settings: Settings, migrated_dsn: str, unique: str) -> AsyncItera
     worker = Worker(local, queues=[queue], registry=registry, concurrency=8, grace_period=5)
     term = LeaderTerm(epoch=EPOCH, node_id="fuzz")
     await worker.start()
-    dispatcher.start(term)
-    planner.start(term)
+    dispatcher.loop.start(term)
+    planner.loop.start(term)
     try:
         yield Fuzz(pool, queue, dispatcher, planner, seen, itertools.count())
     finally:
-        await planner.stop()
-        await dispatcher.stop()
+        await planner.loop.stop()
+        await dispatcher.loop.stop()
         await worker.stop()
         channel = await connection.channel()
         with contextlib.suppress(Exception):
@@ -320,7 +320,7 @@ async def test_one_hostile_job_among_ordinary_ones(fuzz: Fuzz, data: st.DataObje
 
     await wait_for(ordinary_done, timeout=15, message=f"ordinary jobs next to {column}")
     assert failures("dispatcher") == before, f"dispatcher failed on {column}={value.label}"
-    assert fuzz.dispatcher.task is not None and not fuzz.dispatcher.task.done()
+    assert fuzz.dispatcher.loop.task is not None and not fuzz.dispatcher.loop.task.done()
 
 
 @FUZZ
@@ -383,4 +383,4 @@ async def test_one_hostile_schedule_among_ordinary_ones(fuzz: Fuzz, data: st.Dat
         ids = [ordinary] + ([outcome] if isinstance(outcome, int) else [])
         await fuzz.pool.execute("DELETE FROM duetime.schedules WHERE id = ANY($1)", ids)
     assert failures("planner") == before, f"planner failed on {column}={value.label}"
-    assert fuzz.planner.task is not None and not fuzz.planner.task.done()
+    assert fuzz.planner.loop.task is not None and not fuzz.planner.loop.task.done()

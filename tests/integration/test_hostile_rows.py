@@ -27,11 +27,11 @@ from aio_pika.abc import AbstractChannel
 from scheduler import db
 from scheduler.broker import DEAD_LETTER_QUEUE, declare_dead_letter, queue_name
 from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler, ReconcilerConfig
-from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore
+from scheduler.leadership.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare, dispatched_job, job_row, publish, queue_depth
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
@@ -181,7 +181,7 @@ async def test_unreadable_rows_are_parked_and_the_others_dispatched(
     )
     assert await FenceStore(pool).advance(1, "n")
     dispatcher = Dispatcher(dataclasses.replace(settings, database_url=migrated_dsn), pool)
-    dispatcher.bind(LeaderTerm(epoch=1, node_id="n"))
+    dispatcher.loop.bind(LeaderTerm(epoch=1, node_id="n"))
     connection = await aio_pika.connect(settings.amqp_url, timeout=10)
     try:
         await declare(await connection.channel(), queue)
@@ -240,7 +240,7 @@ async def test_an_unreadable_stalled_job_is_parked_and_the_others_republished(
     reconciler = Reconciler(
         dataclasses.replace(settings, database_url=migrated_dsn), pool, config=config
     )
-    reconciler.bind(LeaderTerm(epoch=1, node_id="n"))
+    reconciler.loop.bind(LeaderTerm(epoch=1, node_id="n"))
     connection = await aio_pika.connect(settings.amqp_url, timeout=10)
     try:
         await declare(await connection.channel(), queue)
@@ -281,7 +281,7 @@ async def test_unreadable_schedules_are_paused_and_the_others_planned(
     )
     assert await FenceStore(pool).advance(1, "n")
     planner = Planner(dataclasses.replace(settings, database_url=migrated_dsn), pool)
-    planner.bind(LeaderTerm(epoch=1, node_id="n"))
+    planner.loop.bind(LeaderTerm(epoch=1, node_id="n"))
     await planner.plan_pass()
     rows = {
         r["name"]: r
@@ -420,7 +420,7 @@ async def test_one_poisonous_payload_does_not_stop_dispatch(
     )
     assert await FenceStore(pool).advance(1, "n")
     dispatcher = Dispatcher(dataclasses.replace(settings, database_url=migrated_dsn), pool)
-    dispatcher.bind(LeaderTerm(epoch=1, node_id="n"))
+    dispatcher.loop.bind(LeaderTerm(epoch=1, node_id="n"))
     connection = await aio_pika.connect(settings.amqp_url, timeout=10)
     try:
         await declare(await connection.channel(), queue)

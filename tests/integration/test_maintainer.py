@@ -21,10 +21,11 @@ import pytest
 
 from scheduler import db
 from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
+from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
-from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced, LeadershipLost
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.store.dispatch import DispatchStore
 from tests.support.wait import wait_for
 
@@ -55,10 +56,9 @@ async def env(migrated_dsn: str, settings: Settings) -> AsyncIterator[Env]:
 def make_maintainer(env: Env, *, epoch: int = EPOCH, **config: Any) -> Maintainer:
     values: dict[str, Any] = {"days_ahead": 3, "retention_days": 7.0}
     values.update(config)
-    maintainer = Maintainer(
-        env.settings, env.pool, config=MaintainerConfig.from_settings(env.settings, **values)
-    )
-    maintainer.bind(LeaderTerm(epoch=epoch, node_id="test-node"))
+    config_ = config_from_settings(MaintainerConfig, env.settings, **values)
+    maintainer = Maintainer(env.settings, env.pool, config=config_)
+    maintainer.loop.bind(LeaderTerm(epoch=epoch, node_id="test-node"))
     return maintainer
 
 
@@ -264,7 +264,7 @@ async def test_a_stale_epoch_is_fenced_and_changes_nothing(env: Env) -> None:
     assert await env.pool.fetchval("SELECT count(*) FROM duetime.job_ledger") == 1
 
     lost = make_maintainer(env, days_ahead=20)
-    lost._is_leader = lambda: False
+    lost.writes._is_leader = lambda: False
     with pytest.raises(LeadershipLost):
         await lost.run_once()
     assert await buckets(env.pool) == before

@@ -25,10 +25,10 @@ import pytest
 from scheduler import db
 from scheduler.clock import ManualClock
 from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
 from scheduler.duties.planner import Planner, PlannerConfig
-from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore
+from scheduler.leadership.fence import FenceStore
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.planning import ScheduleSpec, deterministic_jitter, fire_key
 from scheduler.store.schedules import ScheduleStore
@@ -57,7 +57,7 @@ class World:
             config=PlannerConfig(**config),
             **({"clock": clock} if clock is not None else {}),
         )
-        planner.bind(LeaderTerm(EPOCH, self.node))
+        planner.loop.bind(LeaderTerm(EPOCH, self.node))
         return planner
 
     async def add(self, name: str, **kwargs: Any) -> int:
@@ -152,7 +152,7 @@ async def test_row_inserted_by_sql_with_name_task_cron_is_planned(world: World) 
 async def test_stale_epoch_is_fenced_and_writes_nothing(world: World) -> None:
     sid = await world.add("fenced", cron="* * * * * *")
     planner = Planner(world.settings, world.pool, clock=ManualClock(utc(2026, 12, 1)))
-    planner.bind(LeaderTerm(EPOCH - 1, "zombie"))
+    planner.loop.bind(LeaderTerm(EPOCH - 1, "zombie"))
     with pytest.raises(Fenced):
         await planner.plan_pass()
     assert await world.jobs(sid) == []
@@ -171,7 +171,7 @@ async def test_fire_time_is_never_materialized_twice(world: World) -> None:
     )
     await FenceStore(world.pool).advance(EPOCH + 1, "new-leader")
     newer = Planner(world.settings, world.pool, config=PlannerConfig(), clock=clock)
-    newer.bind(LeaderTerm(EPOCH + 1, "new-leader"))
+    newer.loop.bind(LeaderTerm(EPOCH + 1, "new-leader"))
     report = await newer.plan_pass()
     assert report.duplicates == 11 and report.fired == 0
     assert [j["id"] for j in await world.jobs(sid)] == [j["id"] for j in first]
@@ -566,7 +566,7 @@ async def test_notify_wakes_the_loop_and_listener_is_reestablished(world: World)
     plan a new schedule within a second; after its LISTEN connection is killed the
     planner reconnects and is woken again."""
     planner = world.planner(poll_interval=30.0, probe_interval=30.0)
-    task = planner.start(LeaderTerm(EPOCH, world.node))
+    task = planner.loop.start(LeaderTerm(EPOCH, world.node))
     try:
         await wait_for(lambda: planner.listening, timeout=5, message="planner listening")
 
@@ -599,7 +599,7 @@ async def test_notify_wakes_the_loop_and_listener_is_reestablished(world: World)
         assert await add_and_wait("second") < 1.0
         assert not task.done()
     finally:
-        await planner.stop()
+        await planner.loop.stop()
 
 
 # --- bounds, wake-up delay, retention ------------------------------------------------------

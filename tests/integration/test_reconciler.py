@@ -21,10 +21,11 @@ from prometheus_client import REGISTRY
 
 from scheduler import broker, db, messages
 from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
+from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.reconciler import Reconciler, ReconcilerConfig, ReconcileReport
-from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore
+from scheduler.leadership.fence import FenceStore
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, drain
 from tests.support.wait import wait_for
 
@@ -49,9 +50,9 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
 
 
 def make_reconciler(env: Env, **config: Any) -> Reconciler:
-    cfg = ReconcilerConfig.from_settings(env.settings, visibility_timeout=60.0, **config)
+    cfg = config_from_settings(ReconcilerConfig, env.settings, visibility_timeout=60.0, **config)
     reconciler = Reconciler(env.settings, env.pool, config=cfg)
-    reconciler.bind(LeaderTerm(epoch=1, node_id="test-1"))
+    reconciler.loop.bind(LeaderTerm(epoch=1, node_id="test-1"))
     return reconciler
 
 
@@ -225,9 +226,9 @@ async def test_fenced_reconciler_changes_nothing(env: Env) -> None:
 async def test_reconciler_loop_rescues_jobs(env: Env) -> None:
     """Through start()/stop(): a job that goes silent while the loop runs is rescued
     once its visibility timeout (1 s here) has passed."""
-    cfg = ReconcilerConfig.from_settings(env.settings, visibility_timeout=1.0, interval=0.2)
+    cfg = config_from_settings(ReconcilerConfig, env.settings, visibility_timeout=1.0, interval=0.2)
     reconciler = Reconciler(env.settings, env.pool, config=cfg)
-    reconciler.start(LeaderTerm(epoch=1, node_id="test-1"))
+    reconciler.loop.start(LeaderTerm(epoch=1, node_id="test-1"))
     try:
         started = time.monotonic()
         [job_id] = await insert_stalled(env.pool, env.queue, 1, silent=0.0)
@@ -242,8 +243,8 @@ async def test_reconciler_loop_rescues_jobs(env: Env) -> None:
         await wait_for(rescued, timeout=10, message="job rescued")
         assert time.monotonic() - started >= 1.0
     finally:
-        await reconciler.stop()
-    assert reconciler.stopped_by_request
+        await reconciler.loop.stop()
+    assert reconciler.loop.stopped_by_request
     await drain(env.settings.amqp_url, env.queue, expect=1)
 
 
@@ -258,11 +259,12 @@ async def test_republishing_is_capped_and_the_count_survives_failover(
 
     async def one_pass(epoch: int) -> ReconcileReport:
         assert await env.fence.advance(epoch, f"leader-{epoch}")
-        cfg = ReconcilerConfig.from_settings(
+        cfg = config_from_settings(
+            ReconcilerConfig,
             env.settings, max_republishes=2, defer_backlogged_queues=False
         )
         reconciler = Reconciler(env.settings, env.pool, config=cfg)
-        reconciler.bind(LeaderTerm(epoch=epoch, node_id=f"leader-{epoch}"))
+        reconciler.loop.bind(LeaderTerm(epoch=epoch, node_id=f"leader-{epoch}"))
         await reconciler.setup()
         try:
             return await reconciler.reconcile_batch()

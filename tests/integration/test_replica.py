@@ -20,11 +20,12 @@ import pytest
 from scheduler import db
 from scheduler.config import Settings
 from scheduler.duties import FenceHeartbeat, default_duties
-from scheduler.duty import LeaderTerm, LoopDuty
+from scheduler.duties.base import Duty, DutyContext, DutyLoop, LeaderTerm
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import FenceStore, fenced_transaction
+from scheduler.leadership.policy import session_settings
+from scheduler.leadership.replica import Replica
 from scheduler.metrics import DUTY_FAILURES, LEADER_TRANSITIONS
-from scheduler.replica import Replica, ReplicaContext, session_settings
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -54,7 +55,7 @@ class Running:
         self,
         settings: Settings,
         name: str,
-        factory: Callable[[ReplicaContext], Sequence[LoopDuty]] = default_duties,
+        factory: Callable[[DutyContext], Sequence[Duty]] = default_duties,
     ) -> Replica:
         replica = Replica(dataclasses.replace(settings, node_id=name), factory)
         stop = asyncio.Event()
@@ -139,13 +140,13 @@ async def test_two_replicas_one_leader_and_handover_on_stop(
     print(f"in-process handover after stop: {handover * 1000:.0f} ms")
 
 
-class FlakyDuty(LoopDuty):
+class FlakyDuty:
     """Fails its first ``failures`` passes, then succeeds forever."""
 
     name = "flaky"
 
     def __init__(self, failures: int) -> None:
-        super().__init__()
+        self.loop = DutyLoop(self)
         self.to_fail = failures
         self.passes = 0
         self.successes = 0
@@ -166,7 +167,7 @@ async def test_crashing_duty_is_logged_and_restarted_with_backoff(
 ) -> None:
     flaky = FlakyDuty(failures=3)
 
-    def factory(ctx: ReplicaContext) -> list[LoopDuty]:
+    def factory(ctx: DutyContext) -> list[Duty]:
         return [FenceHeartbeat.from_context(ctx), flaky]
 
     before = counter(DUTY_FAILURES, "flaky")
@@ -213,7 +214,7 @@ async def test_fenced_duty_makes_the_replica_step_down_and_campaign_again(
             async with fenced_transaction(conn, old):
                 pytest.fail("a fenced transaction of a stale epoch ran its body")
     stale = FenceHeartbeat(fence, interval=1.0)
-    stale.bind(LeaderTerm(old, replica.node_id))
+    stale.loop.bind(LeaderTerm(old, replica.node_id))
     with pytest.raises(Fenced):
         await stale.run_once()
 

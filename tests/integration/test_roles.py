@@ -25,12 +25,13 @@ import pytest
 from scheduler import db
 from scheduler.broker import declare_job_queue
 from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher
+from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.duties.planner import Planner, PlannerConfig
-from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore, fenced_transaction
 from scheduler.jobspec import JobSpec
+from scheduler.leadership.fence import FenceStore, fenced_transaction
 from scheduler.messages import JobMessage
 from scheduler.planning import ScheduleSpec
 from scheduler.roles import RoleNames, apply_roles, drop_roles_connection
@@ -218,7 +219,7 @@ async def test_producer_schedules_only_with_the_flag(
         # and the scheduler role plans it
         assert await FenceStore(w.scheduler).advance(1, "n1")
         planner = Planner(w.as_role("scheduler"), w.scheduler, config=PlannerConfig())
-        planner.bind(LeaderTerm(1, "n1"))
+        planner.loop.bind(LeaderTerm(1, "n1"))
         await planner.plan_pass()
         row = await w.owner.fetchrow(
             "SELECT next_fire_at, paused, last_error FROM duetime.schedules"
@@ -341,9 +342,9 @@ async def test_scheduler_maintainer_ddl_goes_through_definer_functions(world: Wo
     maintainer = Maintainer(
         settings,
         world.scheduler,
-        config=MaintainerConfig.from_settings(settings, days_ahead=20, retention_days=7.0),
+        config=config_from_settings(MaintainerConfig, settings, days_ahead=20, retention_days=7.0),
     )
-    maintainer.bind(LeaderTerm(epoch=2, node_id="leader"))
+    maintainer.loop.bind(LeaderTerm(epoch=2, node_id="leader"))
     await maintainer.run_once()
     report = maintainer.last_report
     assert report is not None
@@ -384,7 +385,7 @@ async def test_end_to_end_as_least_privilege_roles(world: World, unique: str) ->
         job = await JobStore(world.producer).enqueue("w.ok", {"n": 1}, queue=queue)
         assert await FenceStore(world.scheduler).advance(9, "leader")
         dispatcher = Dispatcher(world.as_role("scheduler"), world.scheduler)
-        dispatcher.bind(LeaderTerm(epoch=9, node_id="leader"))
+        dispatcher.loop.bind(LeaderTerm(epoch=9, node_id="leader"))
         worker = Worker(
             world.as_role("worker"), queues=[queue], registry=_registry(calls), concurrency=2
         )

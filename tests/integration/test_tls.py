@@ -32,9 +32,9 @@ import pytest
 
 from scheduler import db
 from scheduler.config import load_settings
-from scheduler.election import Election
 from scheduler.errors import ConfigError, LeadershipLost, ServiceUnavailable
-from scheduler.etcd_client import EtcdTLS, etcd_tls
+from scheduler.leadership.election import Election
+from scheduler.leadership.etcd_client import EtcdTLS, etcd_tls
 from scheduler.status import read_election_key
 from tests.support.etcd import PrivateEtcd
 from tests.support.pg import PG_BIN, PrivatePostgres

@@ -1,4 +1,4 @@
-"""``LoopDuty.stop()`` ends the loop even when it lands in a teardown.
+"""``Duty.stop()`` ends the loop even when it lands in a teardown.
 
 A pass that fails is followed by a teardown (shielded, so it completes). A ``stop()``
 arriving during that teardown must still end the task once the teardown is done,
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler.duty import LeaderTerm, LoopDuty
+from scheduler.duties.base import DutyLoop, LeaderTerm
 
 
-class FailingDuty(LoopDuty):
+class FailingDuty:
     name = "failing"
 
     def __init__(self) -> None:
-        super().__init__()
+        self.loop = DutyLoop(self)
         self.in_teardown = asyncio.Event()
         self.release = asyncio.Event()
         self.passes = 0
@@ -34,9 +34,9 @@ class FailingDuty(LoopDuty):
 
 async def test_stop_during_the_teardown_after_a_failed_pass_ends_the_loop() -> None:
     duty = FailingDuty()
-    task = duty.start(LeaderTerm(1, "n"))
+    task = duty.loop.start(LeaderTerm(1, "n"))
     await asyncio.wait_for(duty.in_teardown.wait(), 2)
-    stopping = asyncio.ensure_future(duty.stop())
+    stopping = asyncio.ensure_future(duty.loop.stop())
     await asyncio.sleep(0)  # stop() has cancelled the task; the teardown still runs
     assert not stopping.done()
     duty.release.set()
@@ -46,14 +46,14 @@ async def test_stop_during_the_teardown_after_a_failed_pass_ends_the_loop() -> N
     assert duty.teardowns_done >= 1
 
 
-class SwallowingDuty(LoopDuty):
+class SwallowingDuty:
     """A pass that answers its cancellation with another error, as asyncpg does for a
     query cancelled on a connection that died meanwhile."""
 
     name = "swallowing"
 
     def __init__(self) -> None:
-        super().__init__()
+        self.loop = DutyLoop(self)
         self.running = asyncio.Event()
         self.passes = 0
 
@@ -69,9 +69,9 @@ class SwallowingDuty(LoopDuty):
 
 async def test_stop_ends_the_loop_when_the_pass_turns_cancellation_into_an_error() -> None:
     duty = SwallowingDuty()
-    task = duty.start(LeaderTerm(1, "n"))
+    task = duty.loop.start(LeaderTerm(1, "n"))
     await asyncio.wait_for(duty.running.wait(), 2)
-    await asyncio.wait_for(duty.stop(), 2)
+    await asyncio.wait_for(duty.loop.stop(), 2)
     assert task.done() and task.cancelled()
     assert duty.passes == 1
-    assert duty.failures == 0  # a stop is not a failed pass
+    assert duty.loop.failures == 0  # a stop is not a failed pass

@@ -1,16 +1,13 @@
-"""The trust window arithmetic of ``scheduler.election``, without etcd."""
+"""The trust window arithmetic of ``scheduler.leadership.lease``, without etcd."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduler.election import (
-    Election,
-    LeaseDeadline,
-    default_safety_margin,
-    parse_endpoint,
-)
 from scheduler.errors import ConfigError
+from scheduler.leadership.election import Election
+from scheduler.leadership.etcd_client import parse_endpoint
+from scheduler.leadership.lease import LeaseDeadline, default_safety_margin
 
 
 def test_never_renewed_is_expired() -> None:

@@ -32,7 +32,7 @@ def test_every_metric_is_documented_in_the_table() -> None:
 
 
 def test_step_down_reasons_and_status_codes_are_documented() -> None:
-    from scheduler.replica import STEP_DOWN_REASONS
+    from scheduler.leadership.policy import STEP_DOWN_REASONS
 
     text = DOC.read_text()
     for reason in STEP_DOWN_REASONS:

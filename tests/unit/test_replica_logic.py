@@ -8,7 +8,7 @@ import random
 import pytest
 
 from scheduler.errors import Fenced, LeadershipLost
-from scheduler.replica import STEP_DOWN_REASONS, recampaign_delay, term_end_reason
+from scheduler.leadership.policy import STEP_DOWN_REASONS, recampaign_delay, term_end_reason
 
 
 def pending() -> asyncio.Future[None]:

@@ -19,8 +19,8 @@ import pytest
 from scheduler import broker, db
 from scheduler.cli import main as cli_main
 from scheduler.config import load_settings
-from scheduler.election import Election
 from scheduler.errors import ConfigError, ServiceUnavailable
+from scheduler.leadership.election import Election
 from scheduler.log import configure_logging, get_logger, scrub
 from scheduler.secrets import read_credentials
 

@@ -7,7 +7,7 @@ import pytest
 
 from scheduler.config import load_settings
 from scheduler.errors import ConfigError
-from scheduler.replica import session_settings
+from scheduler.leadership.policy import session_settings
 
 
 def test_defaults_derive_from_the_lease_ttl() -> None:

@@ -20,14 +20,21 @@ answer: waiting fixes the second, never the first, so a replica exits on it at o
 
 ``GRPC_OPTIONS`` are the keepalive settings every duetime etcd channel uses (why each
 one is there is said beside it); plain and TLS channels get the same.
+
+``EtcdConnection`` is the election's way to etcd: every call has a deadline (gRPC and
+``asyncio.wait_for``); endpoints are tried in turn, and after any error but an answer
+("no", "not found", refused credentials) the client is discarded (aetcd's watcher does
+not survive a failed stream) and the next endpoint gets a fresh channel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aetcd
 import grpc
@@ -40,11 +47,14 @@ if TYPE_CHECKING:
     from scheduler.config import Settings
 
 __all__ = [
+    "ETCD_ERRORS",
     "GRPC_OPTIONS",
+    "EtcdConnection",
     "EtcdTLS",
     "TlsClient",
     "etcd_tls",
     "make_client",
+    "parse_endpoint",
     "refused_credentials",
     "tls_failure_hint",
 ]
@@ -67,6 +77,17 @@ GRPC_OPTIONS: dict[str, int] = {
 }
 
 _MAX_PEM_BYTES = 1024 * 1024
+T = TypeVar("T")
+
+#: What a failed etcd call raises (the connection may be broken).
+ETCD_ERRORS: tuple[type[BaseException], ...] = (
+    aetcd.ClientError, grpc.RpcError, grpc.aio.BaseError, TimeoutError, OSError,
+)  # fmt: skip
+# etcd answered and said no: the connection is fine, keep it.
+_ANSWERS: tuple[type[BaseException], ...] = (
+    aetcd.InvalidArgumentError, aetcd.PreconditionFailedError, aetcd.RevisionCompactedError,
+)  # fmt: skip
+_CLOSE_TIMEOUT = 1.0
 
 
 @dataclass(frozen=True, repr=False)
@@ -257,3 +278,82 @@ def make_client(
     if tls is None:
         return aetcd.Client(**kwargs)
     return TlsClient(tls=tls, **kwargs)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (or ``http://host:port``, ``[::1]:2379``) to ``(host, port)``."""
+    text = endpoint.strip().removeprefix("http://").removeprefix("https://").rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"etcd endpoint {endpoint!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class EtcdConnection:
+    """One etcd client at a time over ``endpoints``, moving on after a failure."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        call_timeout: float,
+        username: str | None = None,
+        password: str | None = None,
+        tls: EtcdTLS | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ConfigError("at least one etcd endpoint is required")
+        self._endpoints = [parse_endpoint(e) for e in endpoints]
+        self.call_timeout = call_timeout
+        self.username = username
+        self._password = password
+        self._tls = tls  # None: plain gRPC
+        self._client: aetcd.Client | None = None
+        self._index = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint in use (or tried next), as ``host:port``."""
+        return "{}:{}".format(*self._endpoints[self._index])
+
+    def client(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = self._endpoints[self._index]
+            self._client = make_client(
+                host, port, username=self.username, password=self._password,
+                timeout=self.call_timeout, tls=self._tls,
+            )  # fmt: skip
+        return self._client
+
+    async def call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """Run one bounded etcd call; on failure drop the client and move endpoints."""
+        client = self.client()
+        try:
+            return await asyncio.wait_for(op(client), self.call_timeout)
+        except ETCD_ERRORS as exc:
+            await self.discard(client, exc)
+            raise
+
+    async def discard(self, client: aetcd.Client, error: BaseException) -> None:
+        """Drop ``client`` after ``error`` unless etcd merely answered "no"."""
+        if isinstance(error, _ANSWERS) or refused_credentials(error) or "not found" in str(error):
+            return
+        if client is self._client:
+            self._client = None
+            self._index = (self._index + 1) % len(self._endpoints)
+        await _close_client(client)
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await _close_client(client)
+
+
+async def _close_client(client: aetcd.Client) -> None:
+    channel = client.channel
+    try:
+        await asyncio.wait_for(client.close(), _CLOSE_TIMEOUT)
+    except Exception:  # a half-broken watcher must not keep the channel open
+        if channel is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(channel.close(), _CLOSE_TIMEOUT)

@@ -16,7 +16,7 @@ refusal, raised at COMMIT, surfaces here as ``Fenced`` too.
 
 A zombie can also *hold* the fence: frozen while its backend blocks sending a claim's
 result, its transaction keeps the share lock and no server timeout ends it (see
-``scheduler.replica.session_settings``). So ``advance`` does not only wait: when its
+``scheduler.leadership.policy.session_settings``). So ``advance`` does not only wait: when its
 update has not got the row after ``takeover_grace``, it terminates the sessions that
 ``pg_blocking_pids`` names as holding it *and* look like fenced transactions (named
 ``duetime:<node id>``, only row-level locks on the fence: never a migration's DDL or an

@@ -42,39 +42,28 @@ the same node id would wake up holding the same epoch, and a fence cannot tell t
 holders of one epoch apart. We wait for that lease to expire (at most one TTL; a
 graceful shutdown resigns and avoids the wait) and win a new incarnation and epoch.
 
-**The trust window.** etcd expires a lease TTL seconds after it *processed* the last
-refresh, and it processed it after we *sent* it. So, clock rates being equal, the
-lease lives at least until ``sent_at + TTL``. The leader trusts its lease until
-``sent_at + TTL - safety_margin`` of the last successful refresh (monotonic clock): a
-slow reply shortens the window instead of stretching it, and a stale reply can neither
-move the deadline back nor past its own ``sent_at + TTL``. We ask etcd for the TTL
-rounded up to whole seconds (etcd TTLs are integers, and etcd may raise them to its
-minimum); the window uses the smaller of the configured and the granted TTL.
-The window opens when the lease is granted, so ``hold()`` must start as soon as
-``campaign()`` returns (it raises at once if the window already closed). It refreshes
-every TTL/3 (less if the margin is huge), so two refreshes can fail before the window
-closes, and it raises ``LeadershipLost`` when the window closes without a successful refresh,
-when etcd says the lease is gone (TTL <= 0), or when the key is gone or another
+**The trust window** of a term (how long the leader may believe its lease after the
+last refresh) and its safety margin are ``scheduler.leadership.lease``. ``hold()``
+refreshes every TTL/3 (less if the margin is huge), so two refreshes can fail before the
+window closes, and raises ``LeadershipLost`` when the window closes without a successful
+refresh, when etcd says the lease is gone (TTL <= 0), or when the key is gone or another
 incarnation. ``is_leader()``/``term_valid_until()`` let a duty check the window right
 before acting: fail closed.
-
-**Safety margin.** Default ``min(max(0.25, 0.2 * TTL), 2.0)`` (the same rule as
-``Settings.effective_safety_margin``). It covers what happens after the deadline is
-computed: event-loop stalls and the time to cancel duties (hundreds of ms on a loaded
-host) and clock-rate skew (ppm). Those do not grow with the TTL, hence the 2 s cap; the
-20 % keeps at least 80 % of the TTL usable.
 
 **Limits.** The window is the first line of defence, not the guarantee: CLOCK_MONOTONIC
 stops while a VM is suspended, and a process can stall between checking ``is_leader()``
 and committing. The database fence (``leader_fence``) is what makes a zombie harmless.
 
-**Connections.** The client comes from ``scheduler.etcd_client``: plain gRPC, or TLS
-when an ``EtcdTLS`` is given, with the same keepalive options either way. Every call
-has a deadline (gRPC and ``asyncio.wait_for``). gRPC keepalive notices a frozen etcd
-under an idle watch in 5-7 s (a killed one at once, by the connection reset); a leader
-notices within TTL - margin either way. Endpoints are tried in turn; after any error
-the client is discarded (aetcd's watcher does not survive a failed stream) and the
-next endpoint gets a fresh channel.
+**Connections.** ``scheduler.leadership.etcd_client.EtcdConnection``: plain gRPC, or TLS
+when an ``EtcdTLS`` is given, with the same keepalive options either way; every call has
+a deadline, and endpoints are tried in turn. gRPC keepalive notices a frozen etcd under
+an idle watch in 5-7 s (a killed one at once, by the connection reset); a leader
+notices within TTL - margin either way.
+
+**Size.** The module is over ~400 lines on purpose: a quarter is this design, and
+campaign, hold and resign read and write one term's state (term, deadline, lost) that a
+split would pass between objects. The pure parts are apart already: the trust window
+(``lease``) and the etcd connection (``etcd_client``).
 """
 
 from __future__ import annotations
@@ -83,42 +72,27 @@ import asyncio
 import contextlib
 import math
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import aetcd
-import grpc
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK
 from scheduler.errors import ConfigError, DuetimeError, LeadershipLost, ServiceUnavailable
-from scheduler.etcd_client import GRPC_OPTIONS, EtcdTLS, make_client, refused_credentials
+from scheduler.leadership.etcd_client import (
+    ETCD_ERRORS,
+    EtcdConnection,
+    EtcdTLS,
+    refused_credentials,
+)
+from scheduler.leadership.lease import LeaseDeadline, default_safety_margin
 from scheduler.log import get_logger
 
-__all__ = [
-    "GRPC_OPTIONS",
-    "Election",
-    "ElectionError",
-    "LeaderInfo",
-    "LeadershipLost",
-    "LeaseDeadline",
-    "Term",
-    "default_safety_margin",
-]
+__all__ = ["Election", "ElectionError", "LeaderInfo", "LeadershipLost", "Term"]
 
 log = get_logger(__name__)
-T = TypeVar("T")
-
-_ETCD_ERRORS: tuple[type[BaseException], ...] = (
-    aetcd.ClientError, grpc.RpcError, grpc.aio.BaseError, TimeoutError, OSError,
-)  # fmt: skip
-# etcd answered and said no: the connection is fine, keep it.
-_ANSWERS: tuple[type[BaseException], ...] = (
-    aetcd.InvalidArgumentError, aetcd.PreconditionFailedError, aetcd.RevisionCompactedError,
-)  # fmt: skip
-_CLOSE_TIMEOUT = 1.0
-
 
 class ElectionError(DuetimeError):
     """The election API was used out of order (e.g. ``hold`` on a term that ended)."""
@@ -143,57 +117,6 @@ class LeaderInfo(NamedTuple):
     epoch: int
 
 
-def default_safety_margin(ttl: float) -> float:
-    """The margin used when none is configured (see the module docstring)."""
-    return min(max(0.25, ttl * 0.2), 2.0)
-
-
-class LeaseDeadline:
-    """The trust window of one lease, as pure arithmetic on monotonic seconds."""
-
-    def __init__(self, ttl: float, safety_margin: float) -> None:
-        if ttl <= 0 or not 0 <= safety_margin < ttl:
-            raise ValueError(
-                f"need ttl > 0 and 0 <= safety_margin < ttl (got {ttl}, {safety_margin})"
-            )
-        self.ttl = ttl
-        self.safety_margin = safety_margin
-        self._valid_until: float | None = None
-
-    @property
-    def valid_until(self) -> float | None:
-        """Monotonic instant the lease stops being trusted; None before any refresh."""
-        return self._valid_until
-
-    def renewed(self, sent_at: float, granted_ttl: float | None = None) -> float | None:
-        """Record a successful refresh whose request was *sent* at ``sent_at``.
-
-        The window never shrinks (a stale reply is harmless) and never extends past
-        ``sent_at + min(ttl, granted_ttl) - safety_margin``.
-        """
-        ttl = self.ttl if granted_ttl is None else min(self.ttl, granted_ttl)
-        if ttl > 0:
-            candidate = sent_at + ttl - self.safety_margin
-            if self._valid_until is None or candidate > self._valid_until:
-                self._valid_until = candidate
-        return self._valid_until
-
-    def expired(self, now: float) -> bool:
-        return self._valid_until is None or now >= self._valid_until
-
-    def remaining(self, now: float) -> float:
-        return 0.0 if self._valid_until is None else max(0.0, self._valid_until - now)
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` (or ``http://host:port``, ``[::1]:2379``) to ``(host, port)``."""
-    text = endpoint.strip().removeprefix("http://").removeprefix("https://").rstrip("/")
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"etcd endpoint {endpoint!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
 class Election:
     """Campaign for, hold, and resign ``<prefix>/leader``. One instance per replica."""
 
@@ -212,8 +135,6 @@ class Election:
         rng: random.Random | None = None,
         tls: EtcdTLS | None = None,
     ) -> None:
-        if not endpoints:
-            raise ConfigError("at least one etcd endpoint is required")
         if not node_id:
             raise ConfigError("node_id must not be empty")
         if call_timeout <= 0:
@@ -223,7 +144,6 @@ class Election:
             raise ConfigError(
                 f"need lease ttl > 0 and 0 <= safety margin < ttl (got {ttl}, {margin})"
             )
-        self._endpoints = [parse_endpoint(e) for e in endpoints]
         self.key = f"{prefix.rstrip('/')}/leader"
         self._key = self.key.encode()
         self.node_id = node_id
@@ -234,11 +154,10 @@ class Election:
         self.renew_interval = min(ttl / 3, (ttl - margin) / 2)
         self.call_timeout = call_timeout
         self._clock: MonotonicClock = clock or SYSTEM_CLOCK
-        self._auth = (username, password)
-        self._tls = tls  # None: plain gRPC (see scheduler/etcd_client.py)
+        self._etcd = EtcdConnection(
+            endpoints, call_timeout=call_timeout, username=username, password=password, tls=tls
+        )
         self._rng = rng or random.Random()
-        self._client: aetcd.Client | None = None
-        self._endpoint_index = 0
         self._term: Term | None = None
         self._deadline: LeaseDeadline | None = None
         self._lost: str | None = None
@@ -276,7 +195,7 @@ class Election:
         while True:
             try:
                 term = await self._campaign_once()
-            except _ETCD_ERRORS as exc:
+            except ETCD_ERRORS as exc:
                 if refused_credentials(exc):
                     raise self._refused(exc) from None
                 failures += 1
@@ -293,7 +212,7 @@ class Election:
 
     async def _campaign_once(self) -> Term | None:
         self.state = "candidate"
-        current = await self._call(lambda c: c.get(self._key))
+        current = await self._etcd.call(lambda c: c.get(self._key))
         if current is None:
             return await self._try_acquire()
         self._note_holder(current)
@@ -302,9 +221,9 @@ class Election:
 
     async def _try_acquire(self) -> Term | None:
         sent_at = self._clock.monotonic()
-        lease = await self._call(lambda c: c.lease(self.etcd_ttl))
+        lease = await self._etcd.call(lambda c: c.lease(self.etcd_ttl))
         try:
-            won, responses = await self._call(
+            won, responses = await self._etcd.call(
                 lambda c: c.transaction(
                     compare=[c.transactions.create(self._key) == 0],
                     success=[
@@ -350,7 +269,7 @@ class Election:
 
     async def _wait_for_vacancy(self, read_revision: int) -> None:
         """Return when the key was deleted after ``read_revision``, or after one TTL."""
-        client = self._get_client()
+        client = self._etcd.client()
         watch = None
         try:
             watch = await asyncio.wait_for(
@@ -366,11 +285,11 @@ class Election:
             return  # history is gone: re-read the key instead
         except TimeoutError as exc:
             if watch is None:
-                await self._discard(client, exc)
+                await self._etcd.discard(client, exc)
                 raise
             return
-        except _ETCD_ERRORS as exc:
-            await self._discard(client, exc)
+        except ETCD_ERRORS as exc:
+            await self._etcd.discard(client, exc)
             raise
         finally:
             if watch is not None:  # cleanup only: the client may already be closed
@@ -394,7 +313,7 @@ class Election:
                 granted, kv = await self._renew(
                     term, min(self.call_timeout, deadline.remaining(sent_at))
                 )
-            except _ETCD_ERRORS as exc:
+            except ETCD_ERRORS as exc:
                 failures += 1
                 remaining = deadline.remaining(self._clock.monotonic())
                 self._log.warning(
@@ -426,7 +345,7 @@ class Election:
 
     async def _renew(self, term: Term, budget: float) -> tuple[int, Any]:
         """Refresh the lease, then read the key: ``(granted ttl, key or None)``."""
-        client = self._get_client()
+        client = self._etcd.client()
         try:
             async with asyncio.timeout(budget):
                 reply = await client.refresh_lease(term.lease_id)
@@ -435,8 +354,8 @@ class Election:
                 if reply.TTL <= 0:
                     return int(reply.TTL), None
                 return int(reply.TTL), await client.get(self._key)
-        except _ETCD_ERRORS as exc:
-            await self._discard(client, exc)
+        except ETCD_ERRORS as exc:
+            await self._etcd.discard(client, exc)
             raise
 
     def _deadline_of(self, term: Term) -> LeaseDeadline:
@@ -464,22 +383,22 @@ class Election:
             self.state = "idle"
         deleted = False
         try:
-            deleted, _ = await self._call(
+            deleted, _ = await self._etcd.call(
                 lambda c: c.transaction(
                     compare=[c.transactions.create(self._key) == term.epoch],
                     success=[c.transactions.delete(self._key)],
                     failure=[],
                 )
             )
-        except _ETCD_ERRORS as exc:
+        except ETCD_ERRORS as exc:
             self._log.warning("resign_delete_failed", epoch=term.epoch, error=_describe(exc))
         await self._revoke_quietly(term.lease_id)
         self._log.info("leadership_resigned", epoch=term.epoch, key_deleted=deleted)
 
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:
-            await self._call(lambda c: c.revoke_lease(lease_id))
-        except _ETCD_ERRORS as exc:  # "not found" included: the lease is gone either way
+            await self._etcd.call(lambda c: c.revoke_lease(lease_id))
+        except ETCD_ERRORS as exc:  # "not found" included: the lease is gone either way
             self._log.info("lease_revoke_failed", lease_id=lease_id, error=_describe(exc))
 
     # -- queries ----------------------------------------------------------------------
@@ -489,8 +408,8 @@ class Election:
 
         Raises ``ServiceUnavailable`` when etcd cannot answer in time."""
         try:
-            kv = await self._call(lambda c: c.get(self._key))
-        except _ETCD_ERRORS as exc:
+            kv = await self._etcd.call(lambda c: c.get(self._key))
+        except ETCD_ERRORS as exc:
             if refused_credentials(exc):
                 raise self._refused(exc) from None
             raise ServiceUnavailable(f"etcd did not answer: {_describe(exc)}") from exc
@@ -500,66 +419,24 @@ class Election:
 
     def _refused(self, exc: BaseException) -> ServiceUnavailable:
         """The one line for credentials etcd refused (the password is never in it)."""
-        username = self._auth[0]
+        username = self._etcd.username
         who = f"user {username!r}" if username else "no user name (etcd_username unset)"
-        endpoint = "{}:{}".format(*self._endpoints[self._endpoint_index])
+        endpoint = self._etcd.endpoint
         return ServiceUnavailable(
             f"etcd at {endpoint} refused {who} on {self.key}: {exc}; check "
             "etcd_username/etcd_password and the user's role",
             transient=False,
         )
 
-    # -- connection -------------------------------------------------------------------
-
-    def _get_client(self) -> aetcd.Client:
-        if self._client is None:
-            host, port = self._endpoints[self._endpoint_index]
-            username, password = self._auth
-            self._client = make_client(
-                host, port, username=username, password=password,
-                timeout=self.call_timeout, tls=self._tls,
-            )  # fmt: skip
-        return self._client
-
-    async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """Run one bounded etcd call; on failure drop the client and move endpoints."""
-        client = self._get_client()
-        try:
-            return await asyncio.wait_for(op(client), self.call_timeout)
-        except _ETCD_ERRORS as exc:
-            await self._discard(client, exc)
-            raise
-
-    async def _discard(self, client: aetcd.Client, error: BaseException) -> None:
-        """Drop ``client`` after ``error`` unless etcd merely answered "no"."""
-        if isinstance(error, _ANSWERS) or refused_credentials(error) or "not found" in str(error):
-            return
-        if client is self._client:
-            self._client = None
-            self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
-        await _close_client(client)
-
     async def close(self) -> None:
         """Close the etcd connection. Does not resign: call ``resign(term)`` first."""
-        client, self._client = self._client, None
-        if client is not None:
-            await _close_client(client)
+        await self._etcd.close()
 
     async def __aenter__(self) -> Election:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-async def _close_client(client: aetcd.Client) -> None:
-    channel = client.channel
-    try:
-        await asyncio.wait_for(client.close(), _CLOSE_TIMEOUT)
-    except Exception:  # a half-broken watcher must not keep the channel open
-        if channel is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(channel.close(), _CLOSE_TIMEOUT)
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""The replica: the glue between the etcd election and the leader's duties (DESIGN §4).
+"""The replica: the glue between the etcd election and the leader's duties (architecture.md §6).
 
 ``election.py`` decides *whether* this process may lead; this module decides *what
 runs* while it does. Each transition is logged with ``node_id`` and ``epoch``::
@@ -29,9 +29,12 @@ Rules, and why:
 - **No flapping.** A term shorter than one TTL counts as a failure; consecutive ones
   delay the next campaign with jittered back-off (e.g. a fence that is ahead).
 
-The duty list comes from a factory called once per replica with a ``ReplicaContext``
+The duty list comes from a factory called once per replica with a ``DutyContext``
 (pool, settings, clock, node id, fence), so ``duetime scheduler`` passes
-``scheduler.duties.default_duties`` and tests pass whatever they need.
+``scheduler.duties.default_duties`` and tests pass whatever they need. Starting,
+watching and stopping them is ``scheduler.leadership.duty_set``; the pure decisions
+(why a term ended, the re-campaign delay, the session settings) are
+``scheduler.leadership.policy``.
 """
 
 from __future__ import annotations
@@ -39,8 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -50,141 +52,30 @@ from scheduler import db
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.duty import LeaderTerm, LoopDuty
-from scheduler.election import Election, Term
-from scheduler.errors import Fenced, LeadershipLost, ServiceUnavailable
-from scheduler.etcd_client import etcd_tls
-from scheduler.fence import FenceStore
+from scheduler.duties.base import Duty, DutyContext, LeaderTerm
+from scheduler.errors import ServiceUnavailable
+from scheduler.leadership.duty_set import DutiesFactory, DutySet
+from scheduler.leadership.election import Election, Term
+from scheduler.leadership.etcd_client import etcd_tls
+from scheduler.leadership.fence import FenceStore
+from scheduler.leadership.policy import (
+    Transition,
+    describe,
+    recampaign_delay,
+    session_settings,
+    term_end_reason,
+)
 from scheduler.log import get_logger
 from scheduler.metrics import IS_LEADER, LEADER_EPOCH, LEADER_TRANSITIONS
 from scheduler.startup import start_with_retry
 
-__all__ = [
-    "STEP_DOWN_REASONS",
-    "DutiesFactory",
-    "Replica",
-    "ReplicaContext",
-    "Transition",
-    "recampaign_delay",
-    "session_settings",
-    "term_end_reason",
-]
+__all__ = ["Replica"]
 
 log = get_logger(__name__)
 
-# Bounded label values of duetime_leader_transitions_total{reason}; "elected" counts gains.
-STEP_DOWN_REASONS = ("stopped", "lease_lost", "fenced", "fence_error", "duty_exited", "error")
 POOL_SIZE = 10
 DUTY_STOP_TIMEOUT = 10.0  # a duty whose cleanup takes longer is abandoned (and logged)
 CLOSE_TIMEOUT = 5.0
-
-
-@dataclass(frozen=True)
-class ReplicaContext:
-    """What a duty may use: built once per replica, shared by every duty it runs."""
-
-    settings: Settings
-    pool: asyncpg.Pool
-    fence: FenceStore
-    clock: Clock
-    node_id: str
-    is_leader: Callable[[], bool]
-    """True only inside the lease's trust window; check right before acting (fail closed)."""
-
-
-DutiesFactory = Callable[[ReplicaContext], Sequence[LoopDuty]]
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    """One logged state change, kept in ``Replica.transitions`` for tests and status."""
-
-    event: str  # elected | leading | stepping_down | resigned
-    epoch: int
-    reason: str | None
-    at: float  # clock.monotonic()
-
-
-# -- pure decisions ----------------------------------------------------------------------
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def term_end_reason(
-    *,
-    hold: asyncio.Future[Any] | None,
-    duties: Mapping[str, asyncio.Future[Any]],
-    stopped: bool,
-) -> tuple[str, str]:
-    """Why a term ends, as ``(reason, detail)``, from the tasks that have finished.
-
-    ``reason`` is one of ``STEP_DOWN_REASONS`` (a metric label). A finished ``hold``
-    always means the lease can no longer be proven (even a bug in it: fail closed).
-    """
-    if hold is not None and hold.done():
-        if hold.cancelled():
-            return "lease_lost", "hold cancelled"
-        exc = hold.exception()
-        if isinstance(exc, LeadershipLost):
-            return "lease_lost", exc.reason
-        return "lease_lost", f"hold ended: {_describe(exc) if exc else 'returned'}"
-    for name, task in duties.items():
-        if not task.done():
-            continue
-        if task.cancelled():
-            return "duty_exited", f"{name}: cancelled"
-        exc = task.exception()
-        if isinstance(exc, Fenced):
-            return "fenced", f"{name}: {exc}"
-        if isinstance(exc, LeadershipLost):
-            return "lease_lost", f"{name}: {exc.reason}"
-        return "duty_exited", f"{name}: {_describe(exc) if exc else 'returned'}"
-    if stopped:
-        return "stopped", "stop requested"
-    raise ValueError("no term task has finished")
-
-
-def _ms(seconds: float) -> str:
-    return f"{max(1, round(seconds * 1000))}ms"
-
-
-def session_settings(settings: Settings) -> dict[str, str]:
-    """PostgreSQL settings of every scheduler session.
-
-    A paused (SIGSTOPped) leader's open transaction holds the fence row FOR SHARE, and
-    the next leader's fence update waits for it. Where the zombie's backend stands
-    decides what ends it (measured on PostgreSQL 15, Linux 6.x):
-
-    - idle in the transaction (between statements, e.g. waiting for confirms):
-      ``idle_in_transaction_session_timeout``, one TTL;
-    - running a statement or waiting for a lock: ``statement_timeout``, at most one TTL
-      (``Settings.effective_statement_timeout``);
-    - sending a result the frozen client no longer reads (state ``active``, wait event
-      ``ClientWrite``): neither timeout fires there (a 1 s statement_timeout still held
-      the lock after 15 s); ``tcp_user_timeout`` (one TTL by default) makes the kernel
-      drop the connection once the client's window stayed shut that long (2 s: gone
-      after 2.0-2.5 s). Keepalives and ``client_connection_check_interval`` do not help
-      (the frozen client's kernel still answers). Not every kernel enforces the user
-      timeout on a zero window, so the new leader also terminates the sessions that
-      still block its fence update after ``fence_takeover_grace`` (scheduler/fence.py).
-    """
-    out = {
-        "idle_in_transaction_session_timeout": _ms(max(1.0, settings.lease_ttl)),
-        "statement_timeout": _ms(settings.effective_statement_timeout),
-    }
-    if settings.effective_tcp_user_timeout > 0:
-        out["tcp_user_timeout"] = _ms(settings.effective_tcp_user_timeout)
-    return out
-
-
-def recampaign_delay(short_terms: int, ttl: float) -> float:
-    """Pause before campaigning again after ``short_terms`` consecutive terms that
-    lasted less than one TTL (0 after a healthy term)."""
-    if short_terms <= 0:
-        return 0.0
-    return bounded_jitter(short_terms, base=ttl / 4, cap=ttl * 4)
 
 
 # -- the replica -------------------------------------------------------------------------
@@ -208,10 +99,10 @@ class Replica:
         self._duties_factory = duties_factory
         self._pool_size = pool_size
         self._duty_stop_timeout = duty_stop_timeout
+        self._duties = DutySet([])
         self._pool: asyncpg.Pool | None = None
         self._election: Election | None = None
         self._fence: FenceStore | None = None
-        self.duties: list[LoopDuty] = []
         self.term: LeaderTerm | None = None  # set while leading (fence advanced, duties up)
         self.transitions: deque[Transition] = deque(maxlen=200)
         self._short_terms = 0
@@ -287,7 +178,7 @@ class Replica:
                 settings.etcd_password,
                 tls=etcd_tls(settings),
             )
-            ctx = ReplicaContext(
+            ctx = DutyContext(
                 settings=settings,
                 pool=self._pool,
                 fence=self._fence,
@@ -295,16 +186,15 @@ class Replica:
                 node_id=self.node_id,
                 is_leader=self._election.is_leader,
             )
-            self.duties = list(self._duties_factory(ctx))
-            names = [d.name for d in self.duties]
-            if len(set(names)) != len(names):
-                raise ValueError(f"duty names must be unique, got {names}")
+            self._duties = DutySet(
+                self._duties_factory(ctx), stop_timeout=self._duty_stop_timeout
+            )
         except BaseException:
             await self._close()
             raise
         self._log.info(
             "replica_started",
-            duties=[d.name for d in self.duties],
+            duties=self._duties.names,
             election_key=self._election.key,
             lease_ttl=settings.lease_ttl,
         )
@@ -312,18 +202,20 @@ class Replica:
     async def _close(self) -> None:
         election, self._election = self._election, None
         if election is not None:
-            try:
-                await asyncio.wait_for(election.close(), CLOSE_TIMEOUT)
-            except Exception as exc:
-                self._log.warning("election_close_failed", error=_describe(exc))
+            await self._close_bounded("election", election.close())
         pool, self._pool = self._pool, None
-        if pool is not None:
-            try:
-                await asyncio.wait_for(pool.close(), CLOSE_TIMEOUT)
-            except Exception as exc:
-                self._log.warning("pool_close_failed", error=_describe(exc))
-                pool.terminate()
+        if pool is not None and not await self._close_bounded("pool", pool.close()):
+            pool.terminate()
         self._log.info("replica_stopped")
+
+    async def _close_bounded(self, what: str, closing: Awaitable[None]) -> bool:
+        """Await ``closing`` for at most ``CLOSE_TIMEOUT``; False (logged) if it failed."""
+        try:
+            await asyncio.wait_for(closing, CLOSE_TIMEOUT)
+        except Exception as exc:
+            self._log.warning(f"{what}_close_failed", error=describe(exc))
+            return False
+        return True
 
     # -- the election loop ------------------------------------------------------------
 
@@ -376,7 +268,7 @@ class Replica:
             failures += 1
             delay = bounded_jitter(failures, base=0.5, cap=self.settings.lease_ttl * 4)
             self._log.error(
-                "campaign_failed", error=_describe(exc), retry_in=round(delay, 3), exc_info=exc
+                "campaign_failed", error=describe(exc), retry_in=round(delay, 3), exc_info=exc
             )
             await asyncio.wait({stop_waiter}, timeout=delay)
             if stop_waiter.done():
@@ -391,29 +283,31 @@ class Replica:
             tlog.info("elected", lease_id=term.lease_id)
             self._record("elected", epoch, None)
             hold = asyncio.create_task(self._election.hold(term), name=f"election:hold:{epoch}")
-            running: list[LoopDuty] = []
+            running: list[Duty] = []
             reason, detail = "stopped", "cancelled"
             try:
                 reason, detail = await self._advance_fence(term, hold, stop_waiter, tlog)
                 if not reason:
-                    running = self._start_duties(LeaderTerm(epoch, self.node_id), tlog)
+                    leader_term = LeaderTerm(epoch, self.node_id)
+                    running = self._duties.start(leader_term, tlog)
+                    self.term = leader_term
                     IS_LEADER.set(1)
                     LEADER_EPOCH.set(epoch)
                     LEADER_TRANSITIONS.labels("elected").inc()
                     tlog.info("leading", duties=[d.name for d in running])
                     self._record("leading", epoch, None)
-                    reason, detail = await self._watch(hold, running, stop_waiter)
+                    reason, detail = await self._watch(hold, stop_waiter)
             except asyncio.CancelledError:
                 reason, detail = "stopped", "replica cancelled"
                 raise
             except Exception as exc:  # a bug here must still end the term cleanly
                 tlog.exception("term_failed")
-                reason, detail = "error", _describe(exc)
+                reason, detail = "error", describe(exc)
                 raise
             finally:
                 tlog.info("stepping_down", reason=reason, detail=detail)
                 self._record("stepping_down", epoch, reason)
-                await self._stop_duties(running, tlog)
+                await self._duties.stop(tlog)
                 if running:
                     tlog.info("duties_stopped", reason=reason)
                 self.term = None
@@ -454,7 +348,7 @@ class Replica:
             return term_end_reason(hold=hold, duties={}, stopped=stop_waiter.done())
         if advance.cancelled() or advance.exception() is not None:
             exc = advance.exception() if not advance.cancelled() else None
-            error = _describe(exc) if exc else "cancelled"
+            error = describe(exc) if exc else "cancelled"
             tlog.error("fence_advance_failed", error=error)
             return "fence_error", error
         if not advance.result():
@@ -471,46 +365,16 @@ class Replica:
         tlog.info("fence_advanced")
         return "", ""
 
-    def _start_duties(self, leader_term: LeaderTerm, tlog: Any) -> list[LoopDuty]:
-        running: list[LoopDuty] = []
-        for duty in self.duties:
-            try:
-                duty.start(leader_term)
-            except Exception:
-                tlog.exception("duty_start_failed", duty=duty.name)
-                continue  # its missing task is noticed by _watch: the term ends
-            running.append(duty)
-        self.term = leader_term
-        return running
-
     async def _watch(
-        self, hold: asyncio.Task[Any], running: list[LoopDuty], stop_waiter: asyncio.Task[Any]
+        self, hold: asyncio.Task[Any], stop_waiter: asyncio.Task[Any]
     ) -> tuple[str, str]:
-        tasks: dict[str, asyncio.Future[Any]] = {}
-        for duty in self.duties:
-            task = duty.task if duty in running else None
-            if task is None:
-                return "duty_exited", f"{duty.name}: not running"
-            tasks[duty.name] = task
+        tasks, missing = self._duties.tasks()
+        if missing is not None:
+            return "duty_exited", f"{missing}: not running"
         await asyncio.wait(
             {hold, stop_waiter, *tasks.values()}, return_when=asyncio.FIRST_COMPLETED
         )
         return term_end_reason(hold=hold, duties=tasks, stopped=stop_waiter.done())
-
-    async def _stop_duties(self, running: list[LoopDuty], tlog: Any) -> None:
-        """Stop every duty and await its cleanup, concurrently, bounded per duty."""
-        if not running:
-            return
-
-        async def stop_one(duty: LoopDuty) -> None:
-            try:
-                await asyncio.wait_for(duty.stop(), self._duty_stop_timeout)
-            except TimeoutError:
-                tlog.error("duty_stop_timeout", duty=duty.name, timeout=self._duty_stop_timeout)
-            except Exception:
-                tlog.exception("duty_stop_failed", duty=duty.name)
-
-        await asyncio.gather(*(stop_one(d) for d in running))
 
     async def _resign(self, term: Term) -> None:
         assert self._election is not None
@@ -518,7 +382,7 @@ class Replica:
         try:
             await asyncio.wait_for(self._election.resign(term), budget)
         except Exception as exc:  # resign never raises on etcd trouble; bugs are logged
-            self._log.warning("resign_failed", epoch=term.epoch, error=_describe(exc))
+            self._log.warning("resign_failed", epoch=term.epoch, error=describe(exc))
 
     def _record(self, event: str, epoch: int, reason: str | None) -> None:
         self.transitions.append(Transition(event, epoch, reason, self.clock.monotonic()))
