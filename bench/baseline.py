@@ -31,7 +31,7 @@ from bench.harness import REPO, Sandbox, Services, wait_for_line
 from bench.report import load_average, now_iso, ratio
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore
+from scheduler.store.fence import FenceStore
 from tests.support.procs import python_module_argv
 
 

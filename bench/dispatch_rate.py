@@ -46,12 +46,13 @@ from scheduler import broker, db
 from scheduler.config import load_settings
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.fence import fenced_transaction
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from scheduler.publisher import Publisher
-from scheduler.rows import ClaimedJob
 from scheduler.store.dispatch import DispatchStore
+from scheduler.store.fence import FenceStore
+from scheduler.store.rows import ClaimedJob
 
 T = TypeVar("T")
 EPOCH = 1

@@ -43,10 +43,11 @@ from scheduler import db
 from scheduler.config import load_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.fence import fenced_transaction
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from scheduler.store.dispatch import DispatchStore
+from scheduler.store.fence import FenceStore
 
 EPOCH = 1
 DAYS_AHEAD = 14

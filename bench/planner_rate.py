@@ -55,10 +55,10 @@ from scheduler.config import load_settings
 from scheduler.duties import default_duties
 from scheduler.duties.planner import Planner, PlannerConfig, PlanReport
 from scheduler.duty import LeaderTerm, LoopDuty
-from scheduler.fence import FenceStore
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from scheduler.replica import Replica, ReplicaContext
+from scheduler.store.fence import FenceStore
 
 REPO = Path(__file__).resolve().parents[1]
 

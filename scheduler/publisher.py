@@ -38,14 +38,13 @@ from typing import Any
 
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
-from pamqp import commands as spec
 
 from scheduler import broker
 from scheduler.config import Settings
 from scheduler.errors import DuetimeError
 from scheduler.log import get_logger
-from scheduler.messages import CONTENT_TYPE, JobMessage, message_id
-from scheduler.rows import ClaimedJob
+from scheduler.messages import JobMessage, encode_job
+from scheduler.store.rows import ClaimedJob
 
 log = get_logger(__name__)
 
@@ -58,8 +57,6 @@ MAX_THROTTLE = 2.0
 #: How often a caller re-checks a blocked connection.
 BLOCKED_RECHECK = 0.25
 
-PERSISTENT = 2  # AMQP delivery_mode: written to disk (quorum queues always are)
-MAX_SHORTSTR = 255  # bytes in an AMQP short string (message properties)
 OUTCOMES = ("nack", "returned", "timeout", "connection", "declare", "error")
 
 
@@ -82,34 +79,6 @@ class PublishResult:
         for failure in self.failed:
             groups.setdefault((failure.reason, failure.job.queue), []).append(failure.job.id)
         return groups
-
-
-def _shortstr(text: str) -> str:
-    """``text`` cut to what an AMQP short string holds (255 bytes of UTF-8), on a
-    character boundary. A task may have 200 characters, up to 800 bytes: written whole
-    into ``type`` it failed every publish of its job (TypeError in pamqp), forever."""
-    data = text.encode("utf-8")
-    if len(data) <= MAX_SHORTSTR:
-        return text
-    return data[:MAX_SHORTSTR].decode("utf-8", "ignore")
-
-
-def encode_job(job: ClaimedJob, epoch: int) -> tuple[bytes, spec.Basic.Properties]:
-    """The contract message for one job: a JSON pointer body (``scheduler.messages``),
-    persistent, ``message_id`` ``<job_id>:<attempt>``; ``type`` carries the task name for
-    operators' tools (cut to 255 bytes: workers read the task from the row, never from
-    the message)."""
-    body = JobMessage(
-        job_id=job.id, due_at=job.due_at, attempt=job.attempt, epoch=epoch, task=job.task
-    ).encode()
-    properties = spec.Basic.Properties(
-        delivery_mode=PERSISTENT,
-        message_id=message_id(job.id, job.attempt),
-        content_type=CONTENT_TYPE,
-        message_type=_shortstr(job.task),
-        app_id="duetime",
-    )
-    return body, properties
 
 
 def publish_timeout_for(settings: Settings) -> float:
@@ -265,9 +234,6 @@ class Publisher:
             return BLOCKED_RECHECK
         return max(0.0, self._pause_until - time.monotonic())
 
-    def should_throttle(self) -> bool:
-        return self.throttle_delay() > 0
-
     def _record(self, seconds: float, timed_out: bool) -> None:
         if timed_out:  # the deadline was hit: back off at once
             self._pressure = 1.0
@@ -384,7 +350,10 @@ class Publisher:
         serialises a batch; here frames queue up at once and only confirms are awaited
         (measured ~15 % more msgs/s with 500 in flight).
         """
-        body, properties = encode_job(job, epoch)
+        message = JobMessage(
+            job_id=job.id, due_at=job.due_at, attempt=job.attempt, epoch=epoch, task=job.task
+        )
+        body, properties = encode_job(message)
         async with asyncio.timeout_at(deadline):
             await channel.basic_publish(
                 body,

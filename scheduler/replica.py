@@ -54,10 +54,10 @@ from scheduler.duty import LeaderTerm, LoopDuty
 from scheduler.election import Election, Term
 from scheduler.errors import Fenced, LeadershipLost, ServiceUnavailable
 from scheduler.etcd_client import etcd_tls
-from scheduler.fence import FenceStore
 from scheduler.log import get_logger
 from scheduler.metrics import IS_LEADER, LEADER_EPOCH, LEADER_TRANSITIONS
 from scheduler.startup import start_with_retry
+from scheduler.store.fence import FenceStore
 
 __all__ = [
     "STEP_DOWN_REASONS",

@@ -62,7 +62,8 @@ import asyncpg
 from scheduler.log import get_logger
 from scheduler.messages import JobMessage
 from scheduler.metrics import FIRE_LAG, JOB_DURATION, JOBS_FINISHED, MESSAGE_ROW_MISMATCH
-from scheduler.store.execution import Completion, ExecutionStore, JobRef, LockedJob
+from scheduler.store.execution import ExecutionStore
+from scheduler.store.rows import Completion, JobRef, LockedJob
 from workers.batching import Coalescer
 from workers.context import JobContext
 from workers.groups import Groups, Verdict

@@ -45,9 +45,10 @@ from typing import Any
 
 import asyncpg
 
-from scheduler.db import Conn
 from scheduler.log import get_logger
-from scheduler.store.execution import Completion, ExecutionStore
+from scheduler.store.conn import Conn
+from scheduler.store.execution import ExecutionStore
+from scheduler.store.rows import Completion
 
 log = get_logger("duetime.worker")
 

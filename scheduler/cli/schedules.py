@@ -18,13 +18,13 @@ from scheduler.cli._util import parse_duration, parse_payload, parse_when, print
 from scheduler.config import Settings
 from scheduler.cron import ScheduleSpecError
 from scheduler.errors import InvalidInput
-from scheduler.rows import Job
 from scheduler.schedules import (
     DEFAULT_MISFIRE_CAP,
     Schedule,
     ScheduleSpec,
     upcoming_fire_times,
 )
+from scheduler.store.rows import Job
 from scheduler.store.schedules import ScheduleStore
 
 LIST_COLUMNS = (

@@ -22,11 +22,12 @@ from scheduler.dashboard import charts, present
 from scheduler.dashboard.auth import local_path
 from scheduler.dashboard.cluster import read_broker
 from scheduler.errors import InvalidInput
-from scheduler.rows import JOB_STATUSES, Job
 from scheduler.schedules import upcoming_fire_times
-from scheduler.status import STALE_RENEWALS, StatusStore, evaluate, read_election_key
+from scheduler.status import STALE_RENEWALS, evaluate, read_election_key
 from scheduler.store import JobFilter
 from scheduler.store.dashboard import LAG_SAMPLE, MINUTE_SAMPLE
+from scheduler.store.rows import JOB_STATUSES, Job
+from scheduler.store.status import StatusStore
 
 if TYPE_CHECKING:
     from scheduler.dashboard.app import Dashboard

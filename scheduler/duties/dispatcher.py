@@ -59,7 +59,6 @@ import asyncpg
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.db import Conn
 from scheduler.duties.publishing import PublishingDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import (
@@ -75,9 +74,10 @@ from scheduler.publisher import (
     PublishResult,
     publish_timeout_for,
 )
-from scheduler.rows import UNREADABLE, ClaimedJob
+from scheduler.store.conn import Conn
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
 from scheduler.store.listener import KeptListener
+from scheduler.store.rows import UNREADABLE, ClaimedJob
 
 #: Errors after which a claim is simply tried again (another transaction won a race).
 RETRYABLE = (

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.duty import LoopDuty
-from scheduler.fence import FenceStore
+from scheduler.store.fence import FenceStore
 
 if TYPE_CHECKING:
     from scheduler.replica import ReplicaContext

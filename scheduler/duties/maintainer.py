@@ -66,9 +66,9 @@ import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.db import Conn
 from scheduler.duty import LeaderDuty
 from scheduler.fence import fenced_transaction
+from scheduler.store.conn import Conn
 from scheduler.store.maintenance import MaintenanceStore
 
 T = TypeVar("T")

@@ -57,15 +57,15 @@ import asyncpg
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.db import Conn
 from scheduler.duty import LeaderDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
-from scheduler.rows import UNREADABLE
 from scheduler.schedules import PlanConfig, PlanDecision, invalid_decision, plan_schedule
+from scheduler.store.conn import Conn
 from scheduler.store.listener import KeptListener
+from scheduler.store.rows import UNREADABLE, ClaimedSchedule
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
-from scheduler.store.schedules import ClaimedSchedule, ScheduleStore
+from scheduler.store.schedules import ScheduleStore
 
 #: Errors after which a batch is simply tried again.
 RETRYABLE = (

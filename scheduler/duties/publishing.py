@@ -20,11 +20,12 @@ import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.db import Conn
 from scheduler.duty import LeaderDuty
 from scheduler.metrics import JOBS_PARKED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher
-from scheduler.store.dispatch import DispatchStore, UnreadableRow
+from scheduler.store.conn import Conn
+from scheduler.store.dispatch import DispatchStore
+from scheduler.store.rows import UnreadableRow
 
 
 class PublishingDuty(LeaderDuty):

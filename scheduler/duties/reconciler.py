@@ -51,13 +51,12 @@ import asyncpg
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.db import Conn
 from scheduler.duties.publishing import PublishingDuty
 from scheduler.fence import fenced_transaction
 from scheduler.metrics import JOBS_PARKED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
-from scheduler.rows import UNREADABLE
-from scheduler.store.dispatch import StalledJob
+from scheduler.store.conn import Conn
+from scheduler.store.rows import UNREADABLE, StalledJob
 
 MAX_IDS_LOGGED = 100
 

@@ -26,10 +26,10 @@ from scheduler.config import Settings
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore
 from scheduler.publisher import Publisher, PublishResult
-from scheduler.rows import ClaimedJob
+from scheduler.store.fence import FenceStore
 from scheduler.store.jobs import JobStore
+from scheduler.store.rows import ClaimedJob
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
 

@@ -43,7 +43,7 @@ from scheduler.config import Settings
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
 from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore
+from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker

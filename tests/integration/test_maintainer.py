@@ -24,8 +24,9 @@ from scheduler.config import Settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced, LeadershipLost
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.fence import fenced_transaction
 from scheduler.store.dispatch import DispatchStore
+from scheduler.store.fence import FenceStore
 from tests.support.wait import wait_for
 
 EPOCH = 3

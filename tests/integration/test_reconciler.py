@@ -24,7 +24,7 @@ from scheduler.config import Settings
 from scheduler.duties.reconciler import Reconciler, ReconcilerConfig, ReconcileReport
 from scheduler.duty import LeaderTerm
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore
+from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, drain
 from tests.support.wait import wait_for
 

@@ -22,9 +22,10 @@ from scheduler.config import Settings
 from scheduler.duties import FenceHeartbeat, default_duties
 from scheduler.duty import LeaderTerm, LoopDuty
 from scheduler.errors import Fenced
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.fence import fenced_transaction
 from scheduler.metrics import DUTY_FAILURES, LEADER_TRANSITIONS
 from scheduler.replica import Replica, ReplicaContext, session_settings
+from scheduler.store.fence import FenceStore
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(90)

@@ -29,12 +29,13 @@ from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.duty import LeaderTerm
-from scheduler.fence import FenceStore, fenced_transaction
+from scheduler.fence import fenced_transaction
 from scheduler.jobspec import JobSpec
 from scheduler.messages import JobMessage
 from scheduler.roles import RoleNames, apply_roles, drop_roles_connection
 from scheduler.schedules import ScheduleSpec
 from scheduler.store import DispatchStore, ExecutionStore, JobStore, ScheduleStore
+from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
