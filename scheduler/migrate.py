@@ -4,6 +4,10 @@ Safe to run from many processes at once (a session advisory lock serialises them
 the loser finds nothing left to do) and idempotent (``schema_migrations`` records
 each applied version with a checksum, and a changed file is refused loudly rather
 than silently skipped). Each migration runs in its own transaction.
+
+This module runs SQL itself, outside ``scheduler.store``, on purpose: it applies the
+schema the stores' statements depend on (DDL files, its bookkeeping table, the advisory
+lock), before any store can be used.
 """
 
 from __future__ import annotations

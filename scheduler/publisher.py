@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import aiormq
@@ -109,32 +109,27 @@ def _classify(exc: BaseException) -> str:
     return "error"
 
 
+@dataclass(eq=False)
 class Publisher:
     """One confirmed channel, the queues declared on it, and the latency it sees."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        delivery_limit: int,
-        publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
-        connect_timeout: float = 10.0,
-        reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
-        name: str = "duetime-publisher",
-    ) -> None:
-        if publish_timeout <= 0:
+    url: str
+    _: KW_ONLY
+    delivery_limit: int
+    publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT
+    connect_timeout: float = 10.0
+    reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL
+    name: str = "duetime-publisher"
+    _connection: AbstractRobustConnection | None = field(default=None, init=False, repr=False)
+    _channel: AbstractChannel | None = field(default=None, init=False, repr=False)
+    _declared: set[str] = field(default_factory=set, init=False, repr=False)
+    _pressure: float = field(default=0.0, init=False, repr=False)  # EWMA: batch / timeout
+    #: monotonic time before which the next batch should wait
+    _pause_until: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.publish_timeout <= 0:
             raise ValueError("publish_timeout must be > 0")
-        self.url = url
-        self.delivery_limit = delivery_limit
-        self.publish_timeout = publish_timeout
-        self.connect_timeout = connect_timeout
-        self.reconnect_interval = reconnect_interval
-        self.name = name
-        self._connection: AbstractRobustConnection | None = None
-        self._channel: AbstractChannel | None = None
-        self._declared: set[str] = set()
-        self._pressure = 0.0  # EWMA of batch time / publish_timeout
-        self._pause_until = 0.0  # monotonic time before which the next batch should wait
 
     @classmethod
     def from_settings(cls, settings: Settings, *, name: str, **overrides: Any) -> Publisher:

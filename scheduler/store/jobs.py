@@ -7,8 +7,9 @@ writes — the transactional-outbox pattern that makes duetime safe to publish f
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -202,40 +203,62 @@ class JobStore:
 
     async def cancel(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """pending → cancelled. Other states are refused with the reason."""
-        async with self._db.conn(conn) as c:
-            record = await c.fetchrow(Q["cancel"], [job_id])
-            if record is not None:
-                return Job.from_record(record)
-            current = await self.get(job_id, conn=c)
-        raise InvalidTransition(
-            f"job {job_id} is {current.status}; only pending jobs can be cancelled"
+        return await self._transition(
+            "cancel",
+            [job_id],
+            job_id,
+            conn,
+            lambda job: f"job {job_id} is {job.status}; only pending jobs can be cancelled",
         )
 
     async def retry(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """dead → pending, runnable now, with attempts reset to 1 (a fresh budget)."""
-        async with self._db.conn(conn) as c, c.transaction():
-            record = await c.fetchrow(Q["retry"], [job_id])
-            if record is not None:
-                await c.execute(Q["notify"])
-                return Job.from_record(record)
-            current = await self.get(job_id, conn=c)
-        raise InvalidTransition(
-            f"job {job_id} is {current.status}; only dead jobs can be retried"
+        return await self._transition(
+            "retry",
+            [job_id],
+            job_id,
+            conn,
+            lambda job: f"job {job_id} is {job.status}; only dead jobs can be retried",
+            wakes=True,
         )
 
     async def run_now(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """A pending job waiting for its retry back-off becomes runnable now."""
-        async with self._db.conn(conn) as c, c.transaction():
-            record = await c.fetchrow(Q["run_now"], job_id)
-            if record is not None:
-                await c.execute(Q["notify"])
-                return Job.from_record(record)
-            current = await self.get(job_id, conn=c)
-        raise InvalidTransition(
-            f"job {job_id} is {current.status}, runnable from "
-            f"{current.next_run_at.isoformat()}; only a pending job in retry back-off "
-            "can be run now (never before its due time)"
+        return await self._transition(
+            "run_now",
+            job_id,
+            job_id,
+            conn,
+            lambda job: (
+                f"job {job_id} is {job.status}, runnable from "
+                f"{job.next_run_at.isoformat()}; only a pending job in retry back-off "
+                "can be run now (never before its due time)"
+            ),
+            wakes=True,
         )
+
+    async def _transition(
+        self,
+        statement: str,
+        argument: Any,
+        job_id: int,
+        conn: Conn | None,
+        refused: Callable[[Job], str],
+        *,
+        wakes: bool = False,
+    ) -> Job:
+        """Run one job's transition; ``InvalidTransition(refused(job as it is))`` when the
+        job is not in the state the transition leaves. A transition that ``wakes`` makes
+        the job runnable now: it NOTIFYs the dispatcher in the same transaction."""
+        async with self._db.conn(conn) as c:
+            async with c.transaction() if wakes else contextlib.nullcontext():
+                record = await c.fetchrow(Q[statement], argument)
+                if record is not None:
+                    if wakes:
+                        await c.execute(Q["notify"])
+                    return Job.from_record(record)
+                current = await self.get(job_id, conn=c)
+        raise InvalidTransition(refused(current))
 
     async def preview_matching(self, action: str, where: JobFilter) -> BulkPreview:
         """How many jobs ``cancel_matching``/``retry_matching`` would change now: shown

@@ -27,8 +27,10 @@ T = TypeVar("T")
 
 
 def from_record(cls: type[T], record: Any) -> T:
-    """A ``cls`` (a slotted dataclass) from the same-named columns of ``record``."""
-    return cls(**{name: record[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+    """A ``cls`` (a slotted dataclass) from the same-named columns of ``record``. Fields
+    are passed by position (``__slots__`` lists them in order): the claim builds 500 rows
+    a batch, and this is quicker than keywords or a lookup per field written out."""
+    return cls(*map(record.__getitem__, cls.__slots__))  # type: ignore[attr-defined]
 
 
 # -- jobs --------------------------------------------------------------------------------

@@ -111,12 +111,7 @@ class ScheduleStore:
         """Stop planning; jobs planned ahead and not due yet are cancelled (by the
         table's trigger, as for a pause by plain SQL). Returns the schedule and how many
         jobs were cancelled."""
-        async with self._db.acquire() as c, c.transaction():
-            schedule_id = (await self._resolve(c, ref))["id"]
-            await c.fetchval(Q["lock"], schedule_id)
-            record = await c.fetchrow(Q["pause"], schedule_id)
-            cancelled = await c.fetchval(Q["planned_cancelled"])
-        return Schedule.from_record(record), int(cancelled)
+        return await self._cancelling(ref, "pause")
 
     async def resume(self, ref: str | int) -> Schedule:
         """Plan again from now (fire times inside the pause are not caught up)."""
@@ -128,10 +123,15 @@ class ScheduleStore:
     async def remove(self, ref: str | int) -> tuple[Schedule, int]:
         """Delete the schedule; the table's trigger cancels its jobs that are not due
         yet (its finished jobs stay, with ``schedule_id`` pointing at nothing)."""
+        return await self._cancelling(ref, "delete")
+
+    async def _cancelling(self, ref: str | int, statement: str) -> tuple[Schedule, int]:
+        """Run ``statement`` (pause or delete) on the schedule ``ref``, under its lock,
+        and count the planned jobs its trigger cancelled in the same transaction."""
         async with self._db.acquire() as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             await c.fetchval(Q["lock"], schedule_id)
-            record = await c.fetchrow(Q["delete"], schedule_id)
+            record = await c.fetchrow(Q[statement], schedule_id)
             cancelled = await c.fetchval(Q["planned_cancelled"])
         return Schedule.from_record(record), int(cancelled)
 
