@@ -40,13 +40,17 @@ def fragment(group: str, name: str) -> str:
 
 def compose(group: str, name: str, **parts: str) -> str:
     """Statement ``name`` of ``<group>.sql`` with each ``{part}`` placeholder replaced by
-    the text given (often a ``fragment``). Statements that differ only in what they
+    the text given (often a ``fragment``); comment lines are left as written. Statements that differ only in what they
     select or in one predicate share one text this way; each composed text is still one
     statement, prepared and planned as if written out."""
-    sql = load(group)[name]
+    lines = load(group)[name].splitlines()
     for part, value in parts.items():
-        sql = sql.replace("{" + part + "}", value)
-    return sql
+        placeholder = "{" + part + "}"
+        lines = [
+            line if line.lstrip().startswith("--") else line.replace(placeholder, value)
+            for line in lines
+        ]
+    return "\n".join(lines)
 
 
 def migrations() -> list[tuple[int, str, str]]:

@@ -113,7 +113,7 @@ SELECT coalesce(worker, '?') AS worker, count(*) AS completed, max(completed_at)
 
 -- name: jobs_page
 -- The job list, newest first, keyset-paginated on id ($7: the last id of the previous
--- page), for "any state" ($6 NULL), succeeded and cancelled; `{filter}` is jobs.sql's
+-- page), for "any state" ($6 NULL), succeeded and cancelled; the filter part is jobs.sql's
 -- job_filter ($1..$5). Ordered by jobs_id_idx in every partition (a Merge Append): a page
 -- reads about as many entries as it shows when the filter matches often; a rare filter
 -- reads further (up to a whole partition that holds no match), bounded by the pool's
@@ -128,7 +128,7 @@ SELECT *
 
 -- name: state_page
 -- The jobs of one state in the order of that state's partial index, keyset-paginated
--- after ($6, $7) = the previous page's last (key, id); `{filter}` as for jobs_page.
+-- after ($6, $7) = the previous page's last (key, id); the filter part as for jobs_page.
 -- DashboardStore makes one statement per state from this text (PAGE_BY_STATE), with the
 -- state as a literal and the key written exactly as its index's expression, so each is
 -- planned on its own index (ordering by id instead read whole partitions of finished
@@ -137,7 +137,7 @@ SELECT *
 --   dead        most recently dead first  finished_at DESC          jobs_dead_finished_idx
 --   dispatched  longest silent first (what the reconciler rescues next)
 --                                  coalesce(heartbeat_at, dispatched_at)  jobs_dispatched_idx
--- `{after}` is > for an ascending key, < for a descending one.
+-- The comparison after the key is > for an ascending key, < for a descending one.
 SELECT *
   FROM duetime.jobs
  WHERE status = '{status}'
