@@ -40,9 +40,9 @@ def fragment(group: str, name: str) -> str:
 
 def compose(group: str, name: str, **parts: str) -> str:
     """Statement ``name`` of ``<group>.sql`` with each ``{part}`` placeholder replaced by
-    the text given (often a ``fragment``); comment lines are left as written. Statements that differ only in what they
-    select or in one predicate share one text this way; each composed text is still one
-    statement, prepared and planned as if written out."""
+    the text given (often a ``fragment``); comment lines are left as written. Statements
+    that differ only in what they select or in one predicate share one text this way;
+    each composed text is still one statement, prepared and planned as if written out."""
     lines = load(group)[name].splitlines()
     for part, value in parts.items():
         placeholder = "{" + part + "}"
