@@ -32,7 +32,7 @@ from bench.report import load_average, now_iso, ratio
 from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duties.knobs import config_from_settings
-from scheduler.leadership.fence import FenceStore
+from scheduler.store.fence import FenceStore
 from tests.support.procs import python_module_argv
 
 

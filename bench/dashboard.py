@@ -32,6 +32,7 @@ from scheduler.store.dashboard import (
     LAG_SAMPLE,
     LATEST_DEAD,
     MINUTE_SAMPLE,
+    PAGES,
     PENDING_EXACT_LIMIT,
     SAMPLE_MINUTES,
     WORKER_WINDOW,
@@ -137,19 +138,19 @@ async def run(services: Services, params: DashboardParams) -> dict[str, Any]:
             "minute_samples": (d["minute_samples"], (SAMPLE_MINUTES, MINUTE_SAMPLE, LAG_SAMPLE)),
             "workers": (d["workers"], (WORKER_WINDOW,)),
         }
-        page, no = d["jobs_page"], (None,) * 5
+        page, no = PAGES[None], (None,) * 5
         jobs_page = {  # the statement DashboardStore.jobs_page picks for each filter
-            "no filter": (page, (None, *no, None, 50)),
-            "status=pending": (d["pending_page"], (*no, None, None, 50)),
-            "status=dead": (d["dead_page"], (*no, None, None, 50)),
+            "no filter": (page, (*no, None, None, 50)),
+            "status=pending": (PAGES["pending"], (*no, None, None, 50)),
+            "status=dead": (PAGES["dead"], (*no, None, None, 50)),
             "status=dead&error~connectionerror": (
-                d["dead_page"],
+                PAGES["dead"],
                 (*no[:4], "connectionerror", None, None, 50),
             ),
-            "status=succeeded&queue=q1": (page, ("succeeded", "q1", *no[1:], None, 50)),
-            "queue=q1": (page, (None, "q1", *no[1:], None, 50)),
-            "task=bench.cancel": (page, (None, None, "bench.cancel", *no[2:], None, 50)),
-            "error~connectionerror": (page, (None, *no[:4], "connectionerror", None, 50)),
+            "status=succeeded&queue=q1": (page, ("q1", *no[1:], "succeeded", None, 50)),
+            "queue=q1": (page, ("q1", *no[1:], None, None, 50)),
+            "task=bench.cancel": (page, (None, "bench.cancel", *no[2:], None, None, 50)),
+            "error~connectionerror": (page, (*no[:4], "connectionerror", None, None, 50)),
         }
         async with sb.db.acquire() as conn:
             timings = {k: await _time(conn, q, a, params.repeat) for k, (q, a) in overview.items()}

@@ -56,10 +56,10 @@ from scheduler.duties import default_duties
 from scheduler.duties.base import Duty, DutyContext, LeaderTerm, from_context
 from scheduler.duties.plan_report import PlanReport
 from scheduler.duties.planner import Planner, PlannerConfig
-from scheduler.leadership.fence import FenceStore
 from scheduler.leadership.replica import Replica
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
+from scheduler.store.fence import FenceStore
 
 REPO = Path(__file__).resolve().parents[1]
 

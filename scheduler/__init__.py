@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "JobFilter": "scheduler.store.jobs",
     "BulkPreview": "scheduler.store.jobs",
     "JobSpec": "scheduler.jobspec",
-    "Job": "scheduler.rows",
+    "Job": "scheduler.store.rows",
     # schedules
     "ScheduleStore": "scheduler.store.schedules",
     "ScheduleSpec": "scheduler.planning",
@@ -86,8 +86,8 @@ if TYPE_CHECKING:
     )
     from scheduler.jobspec import JobSpec
     from scheduler.planning import Schedule, ScheduleNotFound, ScheduleSpec
-    from scheduler.rows import Job
     from scheduler.store.jobs import BulkPreview, JobFilter, JobStore
+    from scheduler.store.rows import Job
     from scheduler.store.schedules import ScheduleStore
 
 

@@ -2,35 +2,21 @@
 
 jsonb is decoded to dicts (and encoded from them) on every connection, so the rest of
 the code never calls ``json.loads`` on a column. Timeouts: asyncpg's ``timeout`` bounds
-connecting; ``command_timeout`` bounds each statement on the client side.
+connecting; ``command_timeout`` bounds each statement on the client side. What a store
+holds of a connection (the ``Conn`` type, its pool) is ``scheduler.store.conn``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any
 
 import asyncpg
 
 from scheduler.config import Settings, redact_url
 from scheduler.errors import ServiceUnavailable
 from scheduler.startup import is_permanent_cause
-
-if TYPE_CHECKING:
-    from asyncpg.pool import PoolConnectionProxy
-
-#: A connection as callers hold it: plain, or the pool's proxy.
-Conn: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
-
-
-def checked_acquire_timeout(seconds: float) -> float:
-    """A store's ``acquire_timeout``: the longest wait for a connection from its pool (a
-    full pool raises ``TimeoutError`` instead of queueing forever); callers pass
-    ``Settings.db_timeout``."""
-    if not seconds > 0:
-        raise ValueError(f"acquire_timeout must be > 0 (got {seconds!r})")
-    return seconds
 
 
 def _big_int(text: str) -> int | float:

@@ -1,11 +1,15 @@
 """The job message (contract, docs/architecture.md), encoded by the dispatcher, decoded
 by workers.
 
+This module is the whole message contract: the body, the AMQP properties it travels with,
+``message_id`` and a job's effective idempotency key (``effective_key``).
+
 The message is a **pointer**: persistent JSON ``{job_id, due_at, attempt, epoch, task}``;
-``message_id`` is ``<job_id>:<attempt>``. The worker reads the task, the payload and the
-idempotency key from the job row, in the statement that locks it (the row is
-authoritative), so the payload no longer travels through the broker: smaller messages,
-and no copy of a payload's personal data in RabbitMQ. ``task`` stays for operators
+``message_id`` is ``<job_id>:<attempt>``; ``type`` carries the task name for operators'
+tools (cut to the 255 bytes an AMQP short string holds). The worker reads the task, the
+payload and the idempotency key from the job row, in the statement that locks it (the
+row is authoritative), so the payload does not travel through the broker: smaller
+messages, and no copy of a payload's personal data in RabbitMQ. ``task`` stays for operators
 reading a queue and as a cross-check: a worker that finds another task in the row logs a
 security event and runs the row's.
 
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from pamqp import commands as spec
+
 from scheduler.errors import DuetimeError
 from scheduler.shards.config import DEFAULT_SHARD, SHARD_NAME
 
@@ -41,6 +47,8 @@ INT_MAX = 2**31 - 1
 FIELDS = ("job_id", "due_at", "attempt", "epoch")
 OPTIONAL_FIELDS = ("task", "payload", "idempotency_key")
 SHARD_FIELD = "shard"
+PERSISTENT = 2  # AMQP delivery_mode: written to disk (quorum queues always are)
+MAX_SHORTSTR = 255  # bytes in an AMQP short string (message properties)
 
 
 class MalformedMessage(DuetimeError):
@@ -81,9 +89,45 @@ class JobMessage:
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
+    def properties(self) -> spec.Basic.Properties:
+        """The AMQP properties of this message: persistent, ``message_id``, JSON, and
+        ``type`` = the task name cut to 255 bytes (workers read the task from the row,
+        never from the message)."""
+        return spec.Basic.Properties(
+            delivery_mode=PERSISTENT,
+            message_id=self.message_id,
+            content_type=CONTENT_TYPE,
+            message_type=_shortstr(self.task) if self.task is not None else None,
+            app_id="duetime",
+        )
+
+
+def encode_job(message: JobMessage) -> tuple[bytes, spec.Basic.Properties]:
+    """The body and the properties to publish ``message`` with."""
+    return message.encode(), message.properties()
+
+
 def message_id(job_id: int, attempt: int) -> str:
     """The AMQP ``message_id`` of an attempt's message (contract)."""
     return f"{job_id}:{attempt}"
+
+
+def effective_key(job_id: int, idempotency_key: str | None) -> str:
+    """A job's idempotency key (contract): the row's own, else ``job:<id>``; an empty
+    key counts as none. The worker reads the same rule in SQL, in the statement that
+    locks the row (``begin_deliveries`` in scheduler/sql/execution.sql);
+    tests/integration/test_effective_key.py checks that the two agree."""
+    return idempotency_key or f"job:{job_id}"
+
+
+def _shortstr(text: str) -> str:
+    """``text`` cut to what an AMQP short string holds (255 bytes of UTF-8), on a
+    character boundary. A task may have 200 characters, up to 800 bytes: written whole
+    into ``type`` it failed every publish of its job (TypeError in pamqp), forever."""
+    data = text.encode("utf-8")
+    if len(data) <= MAX_SHORTSTR:
+        return text
+    return data[:MAX_SHORTSTR].decode("utf-8", "ignore")
 
 
 def _int(body: dict[str, Any], key: str, minimum: int, maximum: int) -> int:

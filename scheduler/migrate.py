@@ -8,6 +8,10 @@ than silently skipped). Each migration runs in its own transaction.
 With shards every shard's database holds the whole schema: ``migrate_shards`` runs the
 same migrations on each, one after the other, and an error names the shard it came from
 (the shards before it stay migrated; running it again finishes the rest).
+
+This module runs SQL itself, outside ``scheduler.store``, on purpose: it applies the
+schema the stores' statements depend on (DDL files, its bookkeeping table, the advisory
+lock), before any store can be used.
 """
 
 from __future__ import annotations

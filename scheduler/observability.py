@@ -318,7 +318,7 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
 
 def database_check(pool: Any) -> Check:
     """Readiness of PostgreSQL: one trivial query on ``pool`` (an asyncpg pool)."""
-    from scheduler.status import StatusStore
+    from scheduler.store.status import StatusStore
 
     return StatusStore(pool).ping
 

@@ -33,20 +33,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
-from pamqp import commands as spec
 
 from scheduler import broker
 from scheduler.config import Settings
 from scheduler.errors import DuetimeError
 from scheduler.log import get_logger
-from scheduler.messages import CONTENT_TYPE, JobMessage, message_id
-from scheduler.rows import ClaimedJob
+from scheduler.messages import JobMessage, encode_job
 from scheduler.shards.config import DEFAULT_SHARD
+from scheduler.store.rows import ClaimedJob
 
 log = get_logger(__name__)
 
@@ -59,8 +58,6 @@ MAX_THROTTLE = 2.0
 #: How often a caller re-checks a blocked connection.
 BLOCKED_RECHECK = 0.25
 
-PERSISTENT = 2  # AMQP delivery_mode: written to disk (quorum queues always are)
-MAX_SHORTSTR = 255  # bytes in an AMQP short string (message properties)
 OUTCOMES = ("nack", "returned", "timeout", "connection", "declare", "error")
 
 
@@ -83,41 +80,6 @@ class PublishResult:
         for failure in self.failed:
             groups.setdefault((failure.reason, failure.job.queue), []).append(failure.job.id)
         return groups
-
-
-def _shortstr(text: str) -> str:
-    """``text`` cut to what an AMQP short string holds (255 bytes of UTF-8), on a
-    character boundary. A task may have 200 characters, up to 800 bytes: written whole
-    into ``type`` it failed every publish of its job (TypeError in pamqp), forever."""
-    data = text.encode("utf-8")
-    if len(data) <= MAX_SHORTSTR:
-        return text
-    return data[:MAX_SHORTSTR].decode("utf-8", "ignore")
-
-
-def encode_job(
-    job: ClaimedJob, epoch: int, shard: str = DEFAULT_SHARD
-) -> tuple[bytes, spec.Basic.Properties]:
-    """The contract message for one job: a JSON pointer body (``scheduler.messages``),
-    persistent, ``message_id`` ``<job_id>:<attempt>``; ``type`` carries the task name for
-    operators' tools (cut to 255 bytes: workers read the task from the row, never from
-    the message). ``shard``: the shard whose database holds the job's row."""
-    body = JobMessage(
-        job_id=job.id,
-        due_at=job.due_at,
-        attempt=job.attempt,
-        epoch=epoch,
-        task=job.task,
-        shard=shard,
-    ).encode()
-    properties = spec.Basic.Properties(
-        delivery_mode=PERSISTENT,
-        message_id=message_id(job.id, job.attempt),
-        content_type=CONTENT_TYPE,
-        message_type=_shortstr(job.task),
-        app_id="duetime",
-    )
-    return body, properties
 
 
 def publish_timeout_for(settings: Settings) -> float:
@@ -148,32 +110,30 @@ def _classify(exc: BaseException) -> str:
     return "error"
 
 
+@dataclass(eq=False)
 class Publisher:
     """One confirmed channel, the queues declared on it, and the latency it sees."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        delivery_limit: int,
-        publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
-        connect_timeout: float = 10.0,
-        reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
-        name: str = "duetime-publisher",
-    ) -> None:
-        if publish_timeout <= 0:
+    url: str
+    _: KW_ONLY
+    delivery_limit: int
+    publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT
+    connect_timeout: float = 10.0
+    reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL
+    name: str = "duetime-publisher"
+    #: The shard whose database holds the rows this publisher announces (the message
+    #: names it, so a worker runs the delivery against that shard).
+    shard: str = DEFAULT_SHARD
+    _connection: AbstractRobustConnection | None = field(default=None, init=False, repr=False)
+    _channel: AbstractChannel | None = field(default=None, init=False, repr=False)
+    _declared: set[str] = field(default_factory=set, init=False, repr=False)
+    _pressure: float = field(default=0.0, init=False, repr=False)  # EWMA: batch / timeout
+    #: monotonic time before which the next batch should wait
+    _pause_until: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.publish_timeout <= 0:
             raise ValueError("publish_timeout must be > 0")
-        self.url = url
-        self.delivery_limit = delivery_limit
-        self.publish_timeout = publish_timeout
-        self.connect_timeout = connect_timeout
-        self.reconnect_interval = reconnect_interval
-        self.name = name
-        self._connection: AbstractRobustConnection | None = None
-        self._channel: AbstractChannel | None = None
-        self._declared: set[str] = set()
-        self._pressure = 0.0  # EWMA of batch time / publish_timeout
-        self._pause_until = 0.0  # monotonic time before which the next batch should wait
 
     @classmethod
     def from_settings(cls, settings: Settings, *, name: str, **overrides: Any) -> Publisher:
@@ -272,9 +232,6 @@ class Publisher:
         if self.blocked:
             return BLOCKED_RECHECK
         return max(0.0, self._pause_until - time.monotonic())
-
-    def should_throttle(self) -> bool:
-        return self.throttle_delay() > 0
 
     def _record(self, seconds: float, timed_out: bool) -> None:
         if timed_out:  # the deadline was hit: back off at once
@@ -392,7 +349,15 @@ class Publisher:
         serialises a batch; here frames queue up at once and only confirms are awaited
         (measured ~15 % more msgs/s with 500 in flight).
         """
-        body, properties = encode_job(job, epoch)
+        message = JobMessage(
+            job_id=job.id,
+            due_at=job.due_at,
+            attempt=job.attempt,
+            epoch=epoch,
+            task=job.task,
+            shard=self.shard,
+        )
+        body, properties = encode_job(message)
         async with asyncio.timeout_at(deadline):
             await channel.basic_publish(
                 body,

@@ -9,6 +9,9 @@ stable role per component and logins come and go (docs/security.md).
 Applied under the migrations' advisory lock, in one transaction, after the migrations
 (the grants name tables and functions the migrations create). Convergent: every run
 revokes and re-grants, so a narrower configuration really narrows.
+
+Like ``scheduler.migrate`` (whose lock it shares) it runs its DDL itself, outside
+``scheduler.store``: grants are schema administration, not statements of a component.
 """
 
 from __future__ import annotations

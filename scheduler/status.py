@@ -2,10 +2,10 @@
 
 Two sources, read independently so either can be down:
 
-- PostgreSQL (``StatusStore``): the fence row (leader node, epoch, elected_at,
-  renewed_at), per-queue counts, and schedules when migration 0002 created that table.
-  One read-only REPEATABLE READ transaction, so the figures agree with each other, and
-  ages computed by the database clock.
+- PostgreSQL (``scheduler.store.status.StatusStore``): the fence row (leader node,
+  epoch, elected_at, renewed_at), per-queue counts, and schedules when migration 0002
+  created that table. One read-only REPEATABLE READ transaction, so the figures agree
+  with each other, and ages computed by the database clock.
 - etcd (``read_election_key``): the election key ``<prefix>/leader`` — value = node id,
   create_revision = epoch (DESIGN §4) — with a short timeout. etcd being unreachable
   from here is reported as a warning, not a crash: the fence alone still tells whether
@@ -28,62 +28,14 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
-from asyncpg.pool import PoolConnectionProxy
 
-from scheduler.config import DEFAULT_DB_TIMEOUT, Settings
+from scheduler.config import Settings
 from scheduler.errors import ConfigError
 from scheduler.log import scrub
-from scheduler.sql import load
+from scheduler.store.rows import DbSnapshot
+from scheduler.store.status import StatusStore
 
-Q = load("status")
-Conn = asyncpg.Connection | PoolConnectionProxy
-
-DEAD_WINDOW_SECONDS = 3600.0
 STALE_RENEWALS = 3  # fence renewals a leader may miss before status calls it gone
-UPCOMING_SCHEDULES = 5
-
-
-@dataclass(frozen=True, slots=True)
-class FenceView:
-    epoch: int
-    leader_node: str | None
-    elected_at: datetime | None
-    renewed_at: datetime | None
-    elected_age: float | None
-    renewed_age: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class QueueStatus:
-    queue: str
-    pending: int = 0
-    due_now: int = 0
-    oldest_overdue: float | None = None  # seconds the oldest due pending job is late
-    dispatched: int = 0
-    dead_last_hour: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class UpcomingFire:
-    name: str
-    next_fire_at: datetime
-    fires_in: float
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduleSummary:
-    total: int
-    paused: int
-    next_fire_at: datetime | None
-    upcoming: tuple[UpcomingFire, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class DbSnapshot:
-    db_now: datetime
-    fence: FenceView
-    queues: tuple[QueueStatus, ...]
-    schedules: ScheduleSummary | None  # None: no duetime.schedules table (before 0002)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,84 +102,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float):
         return round(value, 3)
     return value
-
-
-class StatusStore:
-    """Read-only queries behind ``duetime status`` and the ``db`` readiness check."""
-
-    def __init__(
-        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
-    ) -> None:
-        """``acquire_timeout``: the longest wait for a connection from ``pool``."""
-        if not acquire_timeout > 0:
-            raise ValueError(f"acquire_timeout must be > 0 (got {acquire_timeout!r})")
-        self._pool = pool
-        self._acquire_timeout = acquire_timeout
-
-    async def ping(self) -> None:
-        """Raise unless PostgreSQL answers a trivial query (a readiness check)."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-            await conn.fetchval(Q["ping"])
-
-    async def snapshot(
-        self, *, dead_window: float = DEAD_WINDOW_SECONDS, pending: bool = True
-    ) -> DbSnapshot:
-        """``pending=False`` skips counting pending jobs (its cost grows with the backlog:
-        the dashboard skips it above a bound); every queue then reads 0 pending."""
-        async with (
-            self._pool.acquire(timeout=self._acquire_timeout) as conn,
-            conn.transaction(isolation="repeatable_read", readonly=True),
-        ):
-            fence_row = await conn.fetchrow(Q["fence"])
-            pending_rows = await conn.fetch(Q["pending_by_queue"]) if pending else []
-            dispatched = await conn.fetch(Q["dispatched_by_queue"])
-            dead = await conn.fetch(Q["dead_by_queue"], dead_window)
-            schedules = None
-            if await conn.fetchval(Q["schedules_table"]):
-                schedules = await self._schedules(conn)
-            db_now = await conn.fetchval(Q["now"])
-        fence = _fence(fence_row)
-        queues: dict[str, dict[str, Any]] = {}
-        for row in pending_rows:
-            queues.setdefault(row["queue"], {}).update(
-                pending=row["pending"], due_now=row["due_now"], oldest_overdue=row["oldest_overdue"]
-            )
-        for row in dispatched:
-            queues.setdefault(row["queue"], {})["dispatched"] = row["dispatched"]
-        for row in dead:
-            queues.setdefault(row["queue"], {})["dead_last_hour"] = row["dead"]
-        return DbSnapshot(
-            db_now=db_now,
-            fence=fence,
-            queues=tuple(QueueStatus(queue=q, **queues[q]) for q in sorted(queues)),
-            schedules=schedules,
-        )
-
-    async def _schedules(self, conn: Conn) -> ScheduleSummary:
-        summary = await conn.fetchrow(Q["schedules_summary"])
-        assert summary is not None  # an aggregate always returns one row
-        upcoming = await conn.fetch(Q["schedules_next"], UPCOMING_SCHEDULES)
-        return ScheduleSummary(
-            total=summary["total"],
-            paused=summary["paused"],
-            next_fire_at=summary["next_fire_at"],
-            upcoming=tuple(
-                UpcomingFire(r["name"], r["next_fire_at"], r["fires_in"]) for r in upcoming
-            ),
-        )
-
-
-def _fence(row: Any) -> FenceView:
-    if row is None:  # the migration inserts the row; a missing one reads as "never"
-        return FenceView(0, None, None, None, None, None)
-    return FenceView(
-        epoch=row["epoch"],
-        leader_node=row["leader_node"],
-        elected_at=row["elected_at"],
-        renewed_at=row["renewed_at"],
-        elected_age=row["elected_age"],
-        renewed_age=row["renewed_age"],
-    )
 
 
 def election_key(prefix: str) -> str:

@@ -34,12 +34,12 @@ sys.path.insert(0, str(ROOT))
 from scheduler import db  # noqa: E402
 from scheduler.config import load_settings  # noqa: E402
 from scheduler.demo.children import Children  # noqa: E402
-from scheduler.demo.store import DemoStore, recreate_database, with_database  # noqa: E402
 from scheduler.demo.tasks import JOB_TASK  # noqa: E402
 from scheduler.jobspec import JobSpec  # noqa: E402
 from scheduler.migrate import migrate  # noqa: E402
 from scheduler.planning import ScheduleSpec  # noqa: E402
 from scheduler.store import JobStore, ScheduleStore  # noqa: E402
+from scheduler.store.demo import DemoStore, recreate_database, with_database  # noqa: E402
 
 DATABASE = "duetime_demo_dashboard_shots"
 CHROMIUM_ARGS = [

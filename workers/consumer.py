@@ -44,7 +44,8 @@ from scheduler.broker import declare_job_queue
 from scheduler.log import get_logger
 from scheduler.messages import MalformedMessage, decode
 from scheduler.metrics import DELIVERIES_REQUEUED, MALFORMED_MESSAGES
-from workers.executor import DatabaseUnavailable, Executor
+from workers.errors import DatabaseUnavailable
+from workers.executor import Executor
 from workers.shards import ShardExecutors, UnknownShard
 
 log = get_logger("duetime.worker")

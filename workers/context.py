@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
-from scheduler.db import Conn
 from scheduler.log import get_logger
+from scheduler.store.conn import Conn
 from workers.lazydb import LazyTransaction
 
 

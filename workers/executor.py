@@ -62,9 +62,11 @@ import asyncpg
 from scheduler.log import get_logger
 from scheduler.messages import JobMessage
 from scheduler.metrics import FIRE_LAG, JOB_DURATION, JOBS_FINISHED, MESSAGE_ROW_MISMATCH
-from scheduler.store.execution import Completion, ExecutionStore, JobRef, LockedJob
+from scheduler.store.execution import ExecutionStore
+from scheduler.store.rows import Completion, JobRef, LockedJob
 from workers.batching import Coalescer
 from workers.context import JobContext
+from workers.errors import DatabaseUnavailable
 from workers.groups import Groups, Verdict
 from workers.heartbeat import Heartbeat
 from workers.lazydb import LazyTransaction
@@ -93,10 +95,6 @@ class Outcome(StrEnum):
     RETRIED = "retried"
     DEAD = "dead"
     SKIPPED = "skipped"  # stale, duplicate, or superseded: nothing to do
-
-
-class DatabaseUnavailable(Exception):
-    """No outcome could be recorded (PostgreSQL unreachable, or a bug): requeue."""
 
 
 class UnknownTask(Exception):

@@ -45,9 +45,11 @@ from typing import Any
 
 import asyncpg
 
-from scheduler.db import Conn
 from scheduler.log import get_logger
-from scheduler.store.execution import Completion, ExecutionStore
+from scheduler.store.conn import Conn
+from scheduler.store.execution import ExecutionStore
+from scheduler.store.rows import Completion
+from workers.errors import DatabaseUnavailable
 
 log = get_logger("duetime.worker")
 
@@ -219,8 +221,6 @@ class Group:
         except BaseException as exc:
             error = exc
             if isinstance(exc, _CONNECTION_ERRORS):
-                from workers.executor import DatabaseUnavailable
-
                 error = DatabaseUnavailable(f"{type(exc).__name__}: {exc}")
             for member in self.members:
                 if not member.verdict.done():

@@ -22,8 +22,8 @@ from typing import Any
 
 import asyncpg
 
-from scheduler.db import Conn
-from scheduler.store.execution import Completion
+from scheduler.store.conn import Conn
+from scheduler.store.rows import Completion
 from workers.groups import Groups, Member
 
 

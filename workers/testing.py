@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from scheduler.messages import effective_key
 from workers.context import JobContext
 from workers.registry import Registry, default_registry
 
@@ -52,7 +53,7 @@ def make_context(
         due_at=due_at or datetime.now(UTC),
         task=task,
         queue=queue,
-        idempotency_key=idempotency_key or f"job:{job_id}",
+        idempotency_key=effective_key(job_id, idempotency_key),
         db=db,
         beat=heartbeat or _alive,
     )

@@ -21,9 +21,9 @@ from scheduler.cli._util import (
 )
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput
-from scheduler.rows import JOB_STATUSES, Job
 from scheduler.shards.router import ShardRouter
 from scheduler.store import JobStore
+from scheduler.store.rows import JOB_STATUSES, Job
 
 LIST_COLUMNS = ("id", "task", "queue", "status", "attempt", "due_at", "run_at", "last_error")
 

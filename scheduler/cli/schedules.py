@@ -32,7 +32,7 @@ from scheduler.planning import (
     ScheduleSpec,
     upcoming_fire_times,
 )
-from scheduler.rows import Job
+from scheduler.store.rows import Job
 from scheduler.store.schedules import ScheduleStore
 
 LIST_COLUMNS = (

@@ -8,6 +8,7 @@ from typing import Any
 from scheduler import db
 from scheduler.cli._util import print_json, print_table
 from scheduler.config import Settings
+from scheduler.dashboard.present import age_parts
 from scheduler.errors import ServiceUnavailable
 from scheduler.status import STALE_RENEWALS, StatusReport, collect_status
 
@@ -107,13 +108,8 @@ def _age(seconds: float | None) -> str:
         return "-"
     if seconds < 60:
         return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours}h{minutes:02d}m"
-    return f"{hours // 24}d{hours % 24:02d}h"
+    big, big_unit, small, small_unit = age_parts(seconds)
+    return f"{big}{big_unit}{small:02d}{small_unit}"
 
 
 def render(report: StatusReport) -> None:

@@ -24,10 +24,11 @@ from scheduler.dashboard.cluster import read_broker
 from scheduler.dashboard.site import Dashboard
 from scheduler.errors import InvalidInput
 from scheduler.planning import upcoming_fire_times
-from scheduler.rows import JOB_STATUSES, Job
-from scheduler.status import STALE_RENEWALS, StatusStore, evaluate, read_election_key
+from scheduler.status import STALE_RENEWALS, evaluate, read_election_key
 from scheduler.store import JobFilter
 from scheduler.store.dashboard import LAG_SAMPLE, MINUTE_SAMPLE
+from scheduler.store.rows import JOB_STATUSES, Job
+from scheduler.store.status import StatusStore
 
 PAGE_SIZE = 50
 SCHEDULES_SHOWN = 500

@@ -137,6 +137,19 @@ def completions_per_minute(samples: Iterable[_Minute], *, cap: int) -> Completio
     return Completions(counts, frozenset(estimated))
 
 
+def age_parts(seconds: float) -> tuple[int, str, int, str]:
+    """An age of a minute or more as its two largest units, e.g. ``(3, "m", 5, "s")``,
+    ``(2, "h", 4, "m")``, ``(1, "d", 3, "h")`` (up to 48 hours in hours): how
+    the dashboard and ``duetime status`` print ages, each in its own spacing."""
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return minutes, "m", secs, "s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return hours, "h", minutes, "m"
+    return hours // 24, "d", hours % 24, "h"
+
+
 def age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -146,13 +159,8 @@ def age(seconds: float | None) -> str:
         return f"{seconds:.1f}s"
     if seconds < 60:
         return f"{seconds:.0f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m {secs}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours}h {minutes}m"
-    return f"{hours // 24}d {hours % 24}h"
+    big, big_unit, small, small_unit = age_parts(seconds)
+    return f"{big}{big_unit} {small}{small_unit}"
 
 
 def seconds(value: float | None) -> str:

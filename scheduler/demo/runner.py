@@ -51,7 +51,6 @@ from scheduler.demo.config import (
     DemoConfig,
     duetime_argv,
 )
-from scheduler.demo.store import DemoStore, Progress, recreate_database
 from scheduler.demo.summary import Failover, Summary, judge, render
 from scheduler.demo.tasks import CRON_TASK, JOB_TASK
 from scheduler.demo.view import LiveView, PlainView, ProcessLine, Snapshot, View, fmt_seconds
@@ -59,7 +58,9 @@ from scheduler.errors import ServiceUnavailable
 from scheduler.jobspec import JobSpec
 from scheduler.migrate import migrate
 from scheduler.status import read_election_key
+from scheduler.store.demo import DemoStore, recreate_database
 from scheduler.store.jobs import JobStore
+from scheduler.store.rows import Progress
 
 
 async def run_demo(settings: Settings, cfg: DemoConfig) -> int:

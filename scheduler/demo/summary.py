@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from scheduler.demo.store import Lag, Progress
 from scheduler.demo.view import fmt_lag, fmt_seconds
+from scheduler.store.rows import Lag, Progress
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from scheduler.demo.store import Q
+from scheduler.store.demo import Q
 from workers import JobContext, task
 
 JOB_TASK = "demo.record"

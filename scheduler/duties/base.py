@@ -61,9 +61,9 @@ from scheduler.store.listener import KeptListener
 
 if TYPE_CHECKING:
     from scheduler.config import Settings
-    from scheduler.db import Conn
-    from scheduler.leadership.fence import FenceStore
-    from scheduler.store.dispatch import UnreadableRow
+    from scheduler.store.conn import Conn
+    from scheduler.store.fence import FenceStore
+    from scheduler.store.rows import UnreadableRow
 
 D_co = TypeVar("D_co", covariant=True)
 

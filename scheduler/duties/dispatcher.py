@@ -58,7 +58,6 @@ import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.db import Conn
 from scheduler.duties.base import (
     MAX_IDS_LOGGED,
     DutyLoop,
@@ -84,8 +83,9 @@ from scheduler.publisher import (
     PublishResult,
     publish_timeout_for,
 )
-from scheduler.rows import UNREADABLE, ClaimedJob
+from scheduler.store.conn import Conn
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
+from scheduler.store.rows import UNREADABLE, ClaimedJob
 
 __all__ = ["RETRYABLE", "BatchReport", "Dispatcher", "DispatcherConfig"]
 

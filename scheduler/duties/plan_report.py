@@ -15,7 +15,7 @@ from typing import Any
 
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.planning import PlanDecision
-from scheduler.store.schedules import ClaimedSchedule
+from scheduler.store.rows import ClaimedSchedule
 
 __all__ = ["MAX_LOGGED", "PlanReport", "account_batch"]
 

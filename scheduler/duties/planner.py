@@ -55,15 +55,15 @@ import asyncpg
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.db import Conn
 from scheduler.duties.base import DutyLoop, FencedWrites, duty_listener
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.duties.plan_report import PlanReport, account_batch
 from scheduler.leadership.fence import fenced_transaction
 from scheduler.planning import PlanConfig, PlanDecision, invalid_decision, plan_schedule
-from scheduler.rows import UNREADABLE
+from scheduler.store.conn import Conn
+from scheduler.store.rows import UNREADABLE, ClaimedSchedule
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
-from scheduler.store.schedules import ClaimedSchedule, ScheduleStore
+from scheduler.store.schedules import ScheduleStore
 
 #: Errors after which a batch is simply tried again.
 RETRYABLE = (

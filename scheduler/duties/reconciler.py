@@ -49,7 +49,6 @@ import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.db import Conn
 from scheduler.duties.base import (
     MAX_IDS_LOGGED,
     DutyLoop,
@@ -62,8 +61,8 @@ from scheduler.duties.base import (
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.metrics import JOBS_PARKED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
-from scheduler.rows import UNREADABLE
-from scheduler.store.dispatch import StalledJob
+from scheduler.store.conn import Conn
+from scheduler.store.rows import UNREADABLE, StalledJob
 
 
 @dataclass(frozen=True, slots=True)

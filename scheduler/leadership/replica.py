@@ -57,7 +57,6 @@ from scheduler.errors import ServiceUnavailable
 from scheduler.leadership.duty_set import DutiesFactory, DutySet
 from scheduler.leadership.election import Election, Term
 from scheduler.leadership.etcd_client import etcd_tls
-from scheduler.leadership.fence import FenceStore
 from scheduler.leadership.policy import (
     Transition,
     describe,
@@ -68,6 +67,7 @@ from scheduler.leadership.policy import (
 from scheduler.log import get_logger
 from scheduler.metrics import IS_LEADER, LEADER_EPOCH, LEADER_TRANSITIONS
 from scheduler.startup import start_with_retry
+from scheduler.store.fence import FenceStore
 
 __all__ = ["Replica"]
 

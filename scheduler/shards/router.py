@@ -36,11 +36,11 @@ import asyncpg
 
 from scheduler import db
 from scheduler.config import Settings
-from scheduler.db import Conn
 from scheduler.errors import InvalidInput
 from scheduler.jobspec import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec
-from scheduler.rows import Job
+from scheduler.store.conn import Conn
 from scheduler.store.jobs import JobStore
+from scheduler.store.rows import Job
 
 __all__ = ["RoutedJob", "ShardRouter", "shard_for_key"]
 

@@ -2,7 +2,8 @@
 
 ``queries.sql``-style files hold named statements (``-- name: claim_due`` headers,
 as procrastinate does); ``migrations/NNNN_name.sql`` hold schema changes. Logic
-modules never build SQL strings: store classes load the named statements here.
+modules never build SQL strings: store classes load the named statements here, and
+compose the few that share a select list from named fragments (``compose``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,28 @@ def load(group: str) -> dict[str, str]:
             raise ValueError(f"duplicate query name {name!r} in {group}.sql")
         queries[name] = body
     return queries
+
+
+def fragment(group: str, name: str) -> str:
+    """Named piece ``name`` of ``<group>.sql`` (a select list, a set of predicates) without
+    its comment lines, for ``compose``."""
+    lines = load(group)[name].splitlines()
+    return "\n".join(line for line in lines if not line.lstrip().startswith("--"))
+
+
+def compose(group: str, name: str, **parts: str) -> str:
+    """Statement ``name`` of ``<group>.sql`` with each ``{part}`` placeholder replaced by
+    the text given (often a ``fragment``); comment lines are left as written. Statements
+    that differ only in what they select or in one predicate share one text this way;
+    each composed text is still one statement, prepared and planned as if written out."""
+    lines = load(group)[name].splitlines()
+    for part, value in parts.items():
+        placeholder = "{" + part + "}"
+        lines = [
+            line if line.lstrip().startswith("--") else line.replace(placeholder, value)
+            for line in lines
+        ]
+    return "\n".join(lines)
 
 
 def migrations() -> list[tuple[int, str, str]]:

@@ -6,8 +6,8 @@
 
 -- name: pending_probe
 -- Pending jobs counted only up to $1 (jobs_pending_run_idx): counting them exactly per
--- queue (status.sql) costs ~0.75 us a row (91 ms at 120k pending), so above $1 the
--- overview says "at least $1" instead.
+-- queue (status.sql) costs in proportion to the backlog (docs/benchmarks.md, "Notes moved
+-- from the SQL"), so above $1 the overview says "at least $1" instead.
 SELECT count(*) AS n
   FROM (SELECT 1 FROM duetime.jobs WHERE status = 'pending' LIMIT $1) AS probe;
 
@@ -69,8 +69,8 @@ SELECT *
 -- (dispatched_at - run time) of its latest $3 (one job lookup each).
 -- Bounded whatever the rate ($1 x $2 index entries, $1 x $3 job lookups): a minute
 -- with fewer than $2 completions is counted exactly, a busier one is estimated from
--- the spacing of its sample (scheduler/dashboard/present.py). Counting every ledger row
--- of the hour instead read 350k index entries at 100 jobs/s: 480 ms (bench dashboard).
+-- the spacing of its sample (scheduler/dashboard/present.py); counting every ledger row
+-- of the hour instead grows with the rate (docs/benchmarks.md, "Notes moved from the SQL").
 -- Each lag lookup goes by id (jobs_id_idx per partition); `due_at <= completed_at`
 -- prunes the partitions ahead of the completion at run time.
 SELECT m.i AS minutes_ago, r.sampled, r.span, coalesce(g.lags, '{}') AS lags
@@ -113,69 +113,38 @@ SELECT coalesce(worker, '?') AS worker, count(*) AS completed, max(completed_at)
 
 -- name: jobs_page
 -- The job list, newest first, keyset-paginated on id ($7: the last id of the previous
--- page), for "any state", succeeded and cancelled. Ordered by jobs_id_idx in every
--- partition (a Merge Append): a page reads about as many entries as it shows when the
--- filter matches often; a rare filter reads further (up to a whole partition that holds
--- no match), bounded by the pool's statement_timeout. The due window prunes partitions.
+-- page), for "any state" ($6 NULL), succeeded and cancelled; the filter part is jobs.sql's
+-- job_filter ($1..$5). Ordered by jobs_id_idx in every partition (a Merge Append): a page
+-- reads about as many entries as it shows when the filter matches often; a rare filter
+-- reads further (up to a whole partition that holds no match), bounded by the pool's
+-- statement_timeout. The due window prunes partitions.
 SELECT *
   FROM duetime.jobs
- WHERE ($1::text IS NULL OR status = $1)
-   AND ($2::text IS NULL OR queue = $2)
-   AND ($3::text IS NULL OR task = $3)
-   AND ($4::timestamptz IS NULL OR due_at >= $4)
-   AND ($5::timestamptz IS NULL OR due_at < $5)
-   AND ($6::text IS NULL OR strpos(lower(last_error), lower($6)) > 0)
+ WHERE ($6::text IS NULL OR status = $6)
+{filter}
    AND ($7::bigint IS NULL OR id < $7)
  ORDER BY id DESC
  LIMIT $8;
 
--- name: pending_page
--- Pending jobs, soonest runnable first, through jobs_pending_run_idx (only pending rows:
--- a partition without any costs nothing). Keyset on (run time, id) after ($6, $7).
--- With id ordering this filter read whole partitions of finished rows: 277 ms at 1M.
+-- name: state_page
+-- The jobs of one state in the order of that state's partial index, keyset-paginated
+-- after ($6, $7) = the previous page's last (key, id); the filter part as for jobs_page.
+-- DashboardStore makes one statement per state from this text (PAGE_BY_STATE), with the
+-- state as a literal and the key written exactly as its index's expression, so each is
+-- planned on its own index (ordering by id instead read whole partitions of finished
+-- rows: docs/benchmarks.md, "Notes moved from the SQL"):
+--   pending     soonest runnable first   coalesce(run_at, due_at)   jobs_pending_run_idx
+--   dead        most recently dead first  finished_at DESC          jobs_dead_finished_idx
+--   dispatched  longest silent first (what the reconciler rescues next)
+--                                  coalesce(heartbeat_at, dispatched_at)  jobs_dispatched_idx
+-- The comparison after the key is > for an ascending key, < for a descending one.
 SELECT *
   FROM duetime.jobs
- WHERE status = 'pending'
-   AND ($1::text IS NULL OR queue = $1)
-   AND ($2::text IS NULL OR task = $2)
-   AND ($3::timestamptz IS NULL OR due_at >= $3)
-   AND ($4::timestamptz IS NULL OR due_at < $4)
-   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
-   AND ($6::timestamptz IS NULL OR coalesce(run_at, due_at) >= $6)
-   AND ($6::timestamptz IS NULL OR coalesce(run_at, due_at) > $6 OR id > $7)
- ORDER BY coalesce(run_at, due_at), id
- LIMIT $8;
-
--- name: dead_page
--- Dead jobs, most recently dead first, through jobs_dead_finished_idx. Keyset on
--- (finished_at, id) before ($6, $7).
-SELECT *
-  FROM duetime.jobs
- WHERE status = 'dead'
-   AND ($1::text IS NULL OR queue = $1)
-   AND ($2::text IS NULL OR task = $2)
-   AND ($3::timestamptz IS NULL OR due_at >= $3)
-   AND ($4::timestamptz IS NULL OR due_at < $4)
-   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
-   AND ($6::timestamptz IS NULL OR finished_at <= $6)
-   AND ($6::timestamptz IS NULL OR finished_at < $6 OR id < $7)
- ORDER BY finished_at DESC, id DESC
- LIMIT $8;
-
--- name: dispatched_page
--- Dispatched jobs, longest without a sign of life first (what the reconciler will
--- rescue next), through jobs_dispatched_idx. Keyset on (last sign of life, id).
-SELECT *
-  FROM duetime.jobs
- WHERE status = 'dispatched'
-   AND ($1::text IS NULL OR queue = $1)
-   AND ($2::text IS NULL OR task = $2)
-   AND ($3::timestamptz IS NULL OR due_at >= $3)
-   AND ($4::timestamptz IS NULL OR due_at < $4)
-   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
-   AND ($6::timestamptz IS NULL OR coalesce(heartbeat_at, dispatched_at) >= $6)
-   AND ($6::timestamptz IS NULL OR coalesce(heartbeat_at, dispatched_at) > $6 OR id > $7)
- ORDER BY coalesce(heartbeat_at, dispatched_at), id
+ WHERE status = '{status}'
+{filter}
+   AND ($6::timestamptz IS NULL OR {key} {after}= $6)
+   AND ($6::timestamptz IS NULL OR {key} {after} $6 OR id {after} $7)
+ ORDER BY {key} {order}, id {order}
  LIMIT $8;
 
 -- name: ledger_row

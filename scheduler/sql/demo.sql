@@ -1,4 +1,4 @@
--- Statements of `duetime demo` (scheduler/demo/store.py). The demo database is its own,
+-- Statements of `duetime demo` (scheduler/store/demo.py). The demo database is its own,
 -- dropped and re-created at every run, so these read whole tables without filters
 -- beyond the run's queue.
 
@@ -33,7 +33,9 @@ VALUES ($1, $2, $3, $4, $5, $6, $7);
 SELECT clock_timestamp();
 
 -- name: fence
+-- As status.sql's `fence`, with ages by clock_timestamp() like the demo's `now`.
 SELECT epoch, leader_node, elected_at, renewed_at,
+       extract(epoch FROM clock_timestamp() - elected_at)::float8 AS elected_age,
        extract(epoch FROM clock_timestamp() - renewed_at)::float8 AS renewed_age
   FROM duetime.leader_fence WHERE shard = 0;
 

@@ -5,35 +5,24 @@
 -- also says `due_at <= now()` (true whenever the run time is due, because run_at is
 -- never earlier than due_at) so future partitions are pruned.
 
--- name: claim
--- Runs inside the dispatcher's fenced transaction. Not the payload: the message is a
--- pointer and the worker reads the payload from the row (a 1 MiB payload was read, sent
--- and decoded by the leader for nothing). SKIP LOCKED: rows held by a concurrent
--- claimer, a canceller or a worker (FOR KEY SHARE) are left for a later pass.
--- The LIMIT placeholder is the batch size, spliced in as an integer literal by
--- DispatchStore (never text from outside): with `LIMIT $1` PostgreSQL judged the
--- generic plan costlier (an unknown LIMIT is estimated as 10 % of the rows) and
--- re-planned the claim on every execution: ~2.5-3 ms of planning across 17
--- partitions, more than the claim itself (1.4-2 ms), and planning grew with the table
--- (10M/10k claim 1.42x in `bench scale`; 1.02x with the literal). Without parameters
--- the statement is planned once per connection; now() still prunes the partitions at
--- executor start. Raw claim of 500, interleaved A/B: p50 5.8 -> 2.4 ms at 10k stored,
--- 6.2 -> 2.5 ms at 10M.
-SELECT id, task, queue, due_at, run_at, attempt
-  FROM duetime.jobs
- WHERE status = 'pending'
-   AND coalesce(run_at, due_at) <= now()
-   AND due_at <= now()
- ORDER BY coalesce(run_at, due_at)
- LIMIT {limit}
-   FOR UPDATE SKIP LOCKED;
+-- name: claimed_columns
+-- What `claim`, `claimed_row` and the stalled statements return of a job: a pointer at
+-- the row, never the payload (the worker reads it from the row). Spliced into `{columns}`
+-- by DispatchStore (scheduler.sql.compose), as is `stalled_columns`.
+id, task, queue, due_at, run_at, attempt
 
--- name: claim_ids
--- The claim when a row of it cannot be read by the client (a value outside what Python
--- holds, JSON nested deeper than its parser goes): the same rows, locked the same way,
--- by id only, so that each can then be read alone (claimed_row) and the unreadable ones
--- parked. Only after `claim` failed; never on the hot path.
-SELECT id
+-- name: claim
+-- Runs inside the dispatcher's fenced transaction. SKIP LOCKED: rows held by a concurrent
+-- claimer, a canceller or a worker (FOR KEY SHARE) are left for a later pass. The limit
+-- placeholder is the batch size, spliced in as an integer literal by DispatchStore (never text from
+-- outside), so the statement is planned once per connection (with `LIMIT $1` PostgreSQL
+-- re-planned it on every execution; measured in docs/benchmarks.md, "Notes moved from the
+-- SQL"); now() still prunes the partitions at executor start. The columns placeholder is
+-- `claimed_columns`, or only `id` when a row of the claim cannot be read by the client (a
+-- value outside what Python holds, JSON nested deeper than its parser goes): the same
+-- rows, locked the same way, each then read alone (claimed_row) and the unreadable ones
+-- parked. The id-only form runs only after the full one failed, never on the hot path.
+SELECT {columns}
   FROM duetime.jobs
  WHERE status = 'pending'
    AND coalesce(run_at, due_at) <= now()
@@ -43,8 +32,8 @@ SELECT id
    FOR UPDATE SKIP LOCKED;
 
 -- name: claimed_row
--- One row claim_ids locked (by id alone: jobs_id_idx, one probe per bucket).
-SELECT id, task, queue, due_at, run_at, attempt
+-- One row the id-only claim locked (by id alone: jobs_id_idx, one probe per bucket).
+SELECT {columns}
   FROM duetime.jobs
  WHERE id = $1 AND status = 'pending';
 
@@ -59,11 +48,10 @@ UPDATE duetime.jobs
 -- name: mark_dispatched
 -- Only the jobs RabbitMQ confirmed: $1 their ids, $2..$3 the smallest and largest of their
 -- due_at. Ids are unique (one sequence), so `id = ANY($1)` finds exactly them, and the
--- due_at range prunes the scan to the partitions the batch lives in. Measured against
--- joining `unnest($1, $2)` on (id, due_at): the join probes every partition per row
--- (9.0 ms for 500 rows with 17 partitions, 20.7 ms for 1000), `= ANY` on both columns
--- filters in O(n²) (10.9 / 25.6 ms); this form takes 6.2 / 12.8 ms. statement_timestamp()
--- is after the confirms, so dispatched_at and the returned lag include publishing.
+-- due_at range prunes the scan to the partitions the batch lives in (faster than joining
+-- `unnest($1, $2)` or `= ANY` on both columns: docs/benchmarks.md, "Notes moved from the
+-- SQL"). statement_timestamp() is after the confirms, so dispatched_at and the returned
+-- lag include publishing.
 -- The fence predicate makes a stale epoch mark nothing; the commit-time trigger
 -- jobs_dispatch_fenced (migration 0006) refuses it whatever the statement says.
 -- republish_count restarts: the reconciler's cap counts re-publishes of this dispatch.
@@ -82,7 +70,7 @@ RETURNING j.id,
 -- Seconds from now until the earliest pending run time (negative when overdue, NULL when
 -- nothing is pending), computed on the database clock so host clock skew cannot make
 -- the dispatcher wake early or late. Plans as a Limit over the per-partition partial
--- indexes (~0.2 ms).
+-- indexes.
 SELECT extract(epoch FROM min(coalesce(run_at, due_at)) - clock_timestamp())::float8
   FROM duetime.jobs
  WHERE status = 'pending';
@@ -95,28 +83,20 @@ SELECT count(*)
    AND coalesce(run_at, due_at) <= now()
    AND due_at <= now();
 
+-- name: stalled_columns
+-- What the stalled statements return: claimed_columns and the reconciler's bookkeeping.
+id, task, queue, due_at, run_at, attempt,
+dispatch_epoch, republish_count,
+extract(epoch FROM now() - coalesce(heartbeat_at, dispatched_at))::float8 AS silent_for
+
 -- name: lock_stalled
 -- Reconciler, inside its fenced transaction: dispatched jobs with no sign of life for
 -- $1 seconds, except in the queues $3 (deferred: they still hold a backlog of messages).
 -- A job a worker is executing is kept out of it by its heartbeats (every
 -- visibility_timeout / 3); a re-publish that still happens is a duplicate delivery,
--- which the worker's ledger absorbs.
-SELECT id, task, queue, due_at, run_at, attempt,
-       dispatch_epoch, republish_count,
-       extract(epoch FROM now() - coalesce(heartbeat_at, dispatched_at))::float8 AS silent_for
-  FROM duetime.jobs
- WHERE status = 'dispatched'
-   AND coalesce(heartbeat_at, dispatched_at) < now() - make_interval(secs => $1)
-   AND due_at <= now()
-   AND queue <> ALL($3::text[])
- ORDER BY coalesce(heartbeat_at, dispatched_at)
- LIMIT $2
-   FOR UPDATE SKIP LOCKED;
-
--- name: lock_stalled_ids
--- lock_stalled when a row of it cannot be read by the client: the same rows, locked the
--- same way, by id only, each then read alone (stalled_row).
-SELECT id
+-- which the worker's ledger absorbs. Columns: `stalled_columns`, or only `id` when a
+-- row of it cannot be read by the client (as for `claim`; each then read by stalled_row).
+SELECT {columns}
   FROM duetime.jobs
  WHERE status = 'dispatched'
    AND coalesce(heartbeat_at, dispatched_at) < now() - make_interval(secs => $1)
@@ -127,10 +107,8 @@ SELECT id
    FOR UPDATE SKIP LOCKED;
 
 -- name: stalled_row
--- One row lock_stalled_ids locked, as lock_stalled returns it.
-SELECT id, task, queue, due_at, run_at, attempt,
-       dispatch_epoch, republish_count,
-       extract(epoch FROM now() - coalesce(heartbeat_at, dispatched_at))::float8 AS silent_for
+-- One row the id-only lock_stalled locked, as lock_stalled returns it.
+SELECT {columns}
   FROM duetime.jobs
  WHERE id = $1 AND status = 'dispatched';
 

@@ -14,12 +14,14 @@
 -- (id, due_at) it returns the row as it is *after* any in-flight claim: FOR KEY SHARE waits
 -- for the dispatcher's claim transaction (it publishes before it commits) and is released
 -- when this statement ends. The row is authoritative: task and payload are read here, in
--- the statement that locks the row, never taken from the message. `effective_key` is the
--- one definition of a job's idempotency key (the row's, else 'job:<id>'); `done` says the
--- ledger already holds it (the effect was applied by an earlier delivery). `i` is the
--- position in the input arrays; missing jobs return no row.
+-- the statement that locks the row, never taken from the message. `key` is the job's
+-- idempotency key, the row's else 'job:<id>': the rule of scheduler.messages.effective_key,
+-- written here so the ledger check runs in this statement (the two are checked to agree by
+-- tests/integration/test_effective_key.py). `done` says the ledger already holds it (the
+-- effect was applied by an earlier delivery). `i` is the position in the input arrays;
+-- missing jobs return no row.
 SELECT w.i, j.status, j.attempt, j.max_attempts, j.queue, j.task, j.payload,
-       j.effective_key, j.run_time,
+       j.effective_key AS key, j.run_time,
        EXISTS (SELECT 1 FROM duetime.job_ledger l WHERE l.idempotency_key = j.effective_key)
            AS done
   FROM unnest($1::bigint[], $2::timestamptz[]) WITH ORDINALITY AS w(id, due_at, i)

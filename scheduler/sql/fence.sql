@@ -1,4 +1,4 @@
--- Leader fence (DESIGN §4). Shard 0 until dispatch is sharded.
+-- Leader fence (DESIGN §4; scheduler/store/fence.py): the row of shard 0, the one dispatch uses.
 
 -- name: lock
 SELECT epoch FROM duetime.leader_fence WHERE shard = 0 FOR SHARE;

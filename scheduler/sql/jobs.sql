@@ -9,17 +9,25 @@ RETURNING *;
 -- name: get
 SELECT * FROM duetime.jobs WHERE id = $1;
 
+-- name: job_filter
+-- The predicates of a JobFilter, $1..$5 = JobFilter.params() (queue, task, due window,
+-- a substring of last_error): spliced as `{filter}` into the statements that filter jobs,
+-- here and in dashboard.sql (scheduler.sql.compose).
+   AND ($1::text IS NULL OR queue = $1)
+   AND ($2::text IS NULL OR task = $2)
+   AND ($3::timestamptz IS NULL OR due_at >= $3)
+   AND ($4::timestamptz IS NULL OR due_at < $4)
+   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+
 -- name: list
 -- Keyset pagination on id: stable and complete while rows are inserted concurrently.
+-- $6 the status (any when NULL), $7 the last id of the previous page.
 SELECT * FROM duetime.jobs
- WHERE ($1::text IS NULL OR status = $1)
-   AND ($2::text IS NULL OR queue = $2)
-   AND ($3::text IS NULL OR task = $3)
-   AND ($4::timestamptz IS NULL OR due_at >= $4)
-   AND ($5::timestamptz IS NULL OR due_at < $5)
-   AND ($6::bigint IS NULL OR id > $6)
+ WHERE ($6::text IS NULL OR status = $6)
+{filter}
+   AND ($7::bigint IS NULL OR id > $7)
  ORDER BY id
- LIMIT $7;
+ LIMIT $8;
 
 -- name: cancel
 -- $1: the ids (one for `jobs cancel`, a batch for a cancel by filter): one transition.
@@ -57,11 +65,7 @@ RETURNING *;
 SELECT count(*) AS n, max(id) AS max_id
   FROM duetime.jobs
  WHERE status = '{status}'
-   AND ($1::text IS NULL OR queue = $1)
-   AND ($2::text IS NULL OR task = $2)
-   AND ($3::timestamptz IS NULL OR due_at >= $3)
-   AND ($4::timestamptz IS NULL OR due_at < $4)
-   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+{filter}
    AND id <= $6;
 
 -- name: matching_ids
@@ -71,11 +75,7 @@ SELECT count(*) AS n, max(id) AS max_id
 SELECT id
   FROM duetime.jobs
  WHERE status = '{status}'
-   AND ($1::text IS NULL OR queue = $1)
-   AND ($2::text IS NULL OR task = $2)
-   AND ($3::timestamptz IS NULL OR due_at >= $3)
-   AND ($4::timestamptz IS NULL OR due_at < $4)
-   AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
+{filter}
    AND id <= $6
  LIMIT $7;
 

@@ -76,10 +76,9 @@ WITH doomed AS (
 SELECT count(*) FROM gone;
 
 -- name: prune_fires
--- (fenced) One batch of schedule_fires rows older than $1 seconds. Same rule as
--- schedules.sql prune_fires (a fire row is only dropped once the schedule's
--- next_fire_at is past it, so deduplication never loses a row it may still need),
--- bounded: walks each schedule's primary-key range, at most $2 rows in all.
+-- (fenced) One batch of schedule_fires rows older than $1 seconds. A fire row is only
+-- dropped once the schedule's next_fire_at is past it, so deduplication never loses a
+-- row it may still need. Bounded: walks each schedule's primary-key range, at most $2 rows in all.
 WITH doomed AS (
     SELECT s.id AS schedule_id, f.fire_time
       FROM duetime.schedules s

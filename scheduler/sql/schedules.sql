@@ -79,28 +79,24 @@ SELECT * FROM duetime.jobs
  ORDER BY due_at DESC, id DESC
  LIMIT $2;
 
+-- name: claimed_columns
+-- What the planner reads of a schedule it claimed (claim_due, claimed_schedule).
+-- previous_active: the last job materialized for the schedule is not terminal (read only
+-- for the overlap policies that need it; a job already deleted by retention counts as
+-- finished).
+s.*, s.plan_at = 'infinity' AS finished,
+CASE WHEN s.overlap_policy <> 'allow' AND s.last_job_id IS NOT NULL THEN
+    EXISTS (SELECT 1 FROM duetime.jobs j
+             WHERE j.id = s.last_job_id AND j.due_at = s.last_job_due_at
+               AND j.status IN ('pending', 'dispatched'))
+ELSE false END AS previous_active
+
 -- name: claim_due
 -- Planner, inside its fenced transaction: schedules to look at by $1 (the planner's now),
--- oldest plan_at first. previous_active: the last job materialized for the schedule is
--- not terminal (read only for the overlap policies that need it; a job already deleted
--- by retention counts as finished).
-SELECT s.*, s.plan_at = 'infinity' AS finished,
-       CASE WHEN s.overlap_policy <> 'allow' AND s.last_job_id IS NOT NULL THEN
-           EXISTS (SELECT 1 FROM duetime.jobs j
-                    WHERE j.id = s.last_job_id AND j.due_at = s.last_job_due_at
-                      AND j.status IN ('pending', 'dispatched'))
-       ELSE false END AS previous_active
-  FROM duetime.schedules s
- WHERE NOT s.paused
-   AND coalesce(s.plan_at, '-infinity'::timestamptz) <= $1
- ORDER BY coalesce(s.plan_at, '-infinity'::timestamptz)
- LIMIT $2
-   FOR UPDATE OF s SKIP LOCKED;
-
--- name: claim_due_ids
--- claim_due when a row of it cannot be read by the client: the same rows, locked the
--- same way, by id only, so that each can be read alone (claimed_schedule).
-SELECT s.id
+-- oldest plan_at first. The columns placeholder is `claimed_columns` (ScheduleStore), or
+-- only `s.id` when a row of it cannot be read by the client: the same rows, locked the
+-- same way, each then read alone (claimed_schedule).
+SELECT {columns}
   FROM duetime.schedules s
  WHERE NOT s.paused
    AND coalesce(s.plan_at, '-infinity'::timestamptz) <= $1
@@ -109,13 +105,8 @@ SELECT s.id
    FOR UPDATE OF s SKIP LOCKED;
 
 -- name: claimed_schedule
--- One schedule claim_due_ids locked, as claim_due returns it.
-SELECT s.*, s.plan_at = 'infinity' AS finished,
-       CASE WHEN s.overlap_policy <> 'allow' AND s.last_job_id IS NOT NULL THEN
-           EXISTS (SELECT 1 FROM duetime.jobs j
-                    WHERE j.id = s.last_job_id AND j.due_at = s.last_job_due_at
-                      AND j.status IN ('pending', 'dispatched'))
-       ELSE false END AS previous_active
+-- One schedule the id-only claim_due locked, as claim_due returns it.
+SELECT {columns}
   FROM duetime.schedules s
  WHERE s.id = $1 AND NOT s.paused;
 
@@ -184,11 +175,3 @@ RETURNING s.id, coalesce(l.n, 0)::integer AS fired;
 SELECT extract(epoch FROM min(coalesce(plan_at, '-infinity'::timestamptz)))::float8
   FROM duetime.schedules
  WHERE NOT paused;
-
--- name: prune_fires
--- Retention (maintainer): fire rows older than $1 are not needed for deduplication any
--- more once next_fire_at is past them. Walks each schedule's primary-key range.
-DELETE FROM duetime.schedule_fires f
- USING duetime.schedules s
- WHERE f.schedule_id = s.id
-   AND f.fire_time < least($1::timestamptz, coalesce(s.next_fire_at, $1::timestamptz));

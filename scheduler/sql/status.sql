@@ -1,4 +1,4 @@
--- Read-only views for `duetime status` and readiness checks (scheduler/status.py).
+-- Read-only views for `duetime status` and readiness checks (scheduler/store/status.py).
 -- All run in one REPEATABLE READ, READ ONLY transaction so the figures agree.
 -- Ages are computed by the database (now()), so a skewed clock on the host running
 -- `duetime status` cannot make a healthy leader look stale.

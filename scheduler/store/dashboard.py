@@ -19,16 +19,23 @@ newest id first), with an opaque keyset cursor ``"<id>"`` or ``"<timestamp>|<id>
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 import asyncpg
 
-from scheduler.rows import Job
-from scheduler.sql import load
-from scheduler.status import DbSnapshot, StatusStore
-from scheduler.store.jobs import MAX_PAGE, JobFilter
+from scheduler.sql import compose, load
+from scheduler.store.jobs import FILTER, MAX_PAGE, JobFilter
+from scheduler.store.rows import (
+    Job,
+    JobDetail,
+    JobPage,
+    LedgerRow,
+    MinuteSample,
+    OverviewData,
+    WorkerSeen,
+    from_record,
+)
+from scheduler.store.status import StatusStore
 
 __all__ = [
     "DashboardStore",
@@ -50,72 +57,28 @@ WORKER_WINDOW = 300.0
 SAMPLE_MINUTES = 60
 MINUTE_SAMPLE = 200
 LAG_SAMPLE = 25
-#: state -> (statement, the column that orders it); None: by id
-PAGE_BY_STATE: dict[str | None, tuple[str, str | None]] = {
-    "pending": ("pending_page", "next_run_at"),
-    "dead": ("dead_page", "finished_at"),
-    "dispatched": ("dispatched_page", "last_sign_of_life"),
+#: state -> (its index's key expression, ascending?, the Job field the cursor carries);
+#: every other state pages by id, newest first (``jobs_page``)
+PAGE_BY_STATE: dict[str, tuple[str, bool, str]] = {
+    "pending": ("coalesce(run_at, due_at)", True, "next_run_at"),
+    "dead": ("finished_at", False, "finished_at"),
+    "dispatched": ("coalesce(heartbeat_at, dispatched_at)", True, "last_sign_of_life"),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class MinuteSample:
-    """Up to ``MINUTE_SAMPLE`` of one minute's latest completions."""
-
-    minutes_ago: int
-    sampled: int
-    span: float  # seconds between the oldest and newest sampled completion
-    lags: list[float]
-
-
-@dataclass(frozen=True, slots=True)
-class JobPage:
-    jobs: list[Job]
-    next_cursor: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSeen:
-    worker: str
-    completed: int
-    last_seen: datetime
-    age: float
-
-
-@dataclass(frozen=True, slots=True)
-class LedgerRow:
-    idempotency_key: str
-    job_id: int
-    attempt: int
-    task: str
-    worker: str | None
-    completed_at: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class OverviewData:
-    snapshot: DbSnapshot
-    #: None: pending counts in ``snapshot`` are exact; else at least this many pending
-    pending_at_least: int | None
-    #: (queue, status) -> count for terminal states when exact; else queue is "*"
-    terminal: dict[tuple[str, str], int]
-    terminal_exact: bool
-    oldest_overdue: Job | None
-    oldest_late: float | None
-    latest_dead: list[Job]
-    minutes: list[MinuteSample]
-    workers: list[WorkerSeen] = field(default_factory=list)
-
-    @property
-    def lag_samples(self) -> list[tuple[int, float]]:
-        return [(m.minutes_ago, lag) for m in self.minutes for lag in m.lags]
-
-
-@dataclass(frozen=True, slots=True)
-class JobDetail:
-    job: Job
-    ledger: LedgerRow | None
-    schedule_name: str | None
+#: The page statements: one per state of PAGE_BY_STATE (planned on that state's index),
+#: and ``jobs_page`` (None) for the others.
+PAGES: dict[str | None, str] = {
+    state: compose(
+        "dashboard",
+        "state_page",
+        status=state,
+        filter=FILTER,
+        key=key,
+        after=">" if ascending else "<",
+        order="ASC" if ascending else "DESC",
+    )
+    for state, (key, ascending, _) in PAGE_BY_STATE.items()
+}
+PAGES[None] = compose("dashboard", "jobs_page", filter=FILTER)
 
 
 class DashboardStore:
@@ -170,14 +133,15 @@ class DashboardStore:
         parse starts from the beginning."""
         if not 1 <= limit <= MAX_PAGE:
             raise ValueError(f"limit must be between 1 and {MAX_PAGE}")
-        statement, key = PAGE_BY_STATE.get(where.status, ("jobs_page", None))
+        state = PAGE_BY_STATE.get(where.status or "")
+        key = state[2] if state else None
         at, after_id = _parse_cursor(cursor, keyed=key is not None)
         async with self._pool.acquire() as c:
             if key is None:
-                args = (where.status, *where.params(), after_id, limit)
+                statement, args = PAGES[None], (*where.params(), where.status, after_id, limit)
             else:
-                args = (*where.params(), at, after_id, limit)
-            records = await c.fetch(Q[statement], *args)
+                statement, args = PAGES[where.status], (*where.params(), at, after_id, limit)
+            records = await c.fetch(statement, *args)
         jobs = [Job.from_record(r) for r in records]
         if len(jobs) < limit:
             return JobPage(jobs, None)
@@ -198,7 +162,7 @@ class DashboardStore:
             name = None
             if job.schedule_id is not None:
                 name = await c.fetchval(Q["schedule_name"], job.schedule_id)
-        return JobDetail(job, LedgerRow(**_mapping(ledger)) if ledger else None, name)
+        return JobDetail(job, from_record(LedgerRow, ledger) if ledger else None, name)
 
 
 def _parse_cursor(cursor: str | None, *, keyed: bool) -> tuple[datetime | None, int | None]:
@@ -213,7 +177,3 @@ def _parse_cursor(cursor: str | None, *, keyed: bool) -> tuple[datetime | None, 
         return datetime.fromisoformat(stamp), int(ident)
     except ValueError:
         return None, None
-
-
-def _mapping(record: Any) -> dict[str, Any]:
-    return {k: record[k] for k in record.keys()}

@@ -1,5 +1,6 @@
-"""DispatchStore: every statement the dispatcher and the reconciler run, plus the
-LISTEN connection that wakes the dispatcher (statements in ``sql/dispatch.sql``).
+"""DispatchStore: every statement the dispatcher and the reconciler run (statements in
+``sql/dispatch.sql``; the LISTEN connection that wakes the dispatcher is
+``scheduler.store.listener``).
 
 Methods that must run inside the caller's fenced transaction take ``conn``; the others
 use the pool. Statements go through asyncpg's per-connection statement cache, so the
@@ -14,66 +15,67 @@ at a time, so the caller can park the bad ones and dispatch the rest.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import TypeAlias
+from typing import TypeVar
 
 import asyncpg
-from asyncpg.pool import PoolConnectionProxy
 
 from scheduler.config import DEFAULT_DB_TIMEOUT
-from scheduler.db import checked_acquire_timeout
 from scheduler.log import get_logger
-from scheduler.rows import UNREADABLE, ClaimedJob
-from scheduler.sql import load
+from scheduler.sql import compose, fragment, load
+from scheduler.store.conn import Conn, Pooled
+from scheduler.store.rows import UNREADABLE, ClaimedJob, StalledJob, UnreadableRow
 
 Q = load("dispatch")
+T = TypeVar("T")
+
+
+CLAIMED = fragment("dispatch", "claimed_columns")
+STALLED = fragment("dispatch", "stalled_columns")
+CLAIMED_ROW = compose("dispatch", "claimed_row", columns=CLAIMED)
+LOCK_STALLED = compose("dispatch", "lock_stalled", columns=STALLED)
+LOCK_STALLED_IDS = compose("dispatch", "lock_stalled", columns="id")
+STALLED_ROW = compose("dispatch", "stalled_row", columns=STALLED)
 
 
 @functools.cache
-def claim_sql(limit: int, query: str = "claim") -> str:
+def claim_sql(limit: int, columns: str = CLAIMED) -> str:
     """The claim with ``limit`` as a literal (why: the comment on ``claim`` in
-    dispatch.sql); one text per batch size, so asyncpg prepares it once per connection."""
+    dispatch.sql); one text per batch size, so asyncpg prepares it once per connection.
+    ``columns="id"``: the id-only form, for ``claim_isolated``."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"claim limit must be a positive integer (got {limit!r})")
-    return Q[query].replace("{limit}", str(limit))
+    return compose("dispatch", "claim", columns=columns, limit=str(limit))
 
 
 log = get_logger(__name__)
 
-#: A connection of its own or one borrowed from a pool.
-Conn: TypeAlias = asyncpg.Connection | PoolConnectionProxy
-
-#: Channel the insert trigger, the retry paths and the client API notify (migration 0001).
+#: Channel the client API, the CLI and the planner notify when they write a job that is
+#: runnable within about a second; plain-SQL inserts are found by the probe
+#: (``next_run_in``; migrations/0004_wakeups.sql).
 NOTIFY_CHANNEL = "duetime_jobs"
 
 
-@dataclass(frozen=True, slots=True)
-class StalledJob:
-    """A dispatched job with no sign of life past the visibility timeout."""
-
-    job: ClaimedJob
-    silent_for: float  # seconds since dispatched_at / heartbeat_at
-    dispatch_epoch: int | None
-    republish_count: int = 0  # re-publishes since it was dispatched
-
-
-@dataclass(frozen=True, slots=True)
-class UnreadableRow:
-    """A claimed row the client could not decode, and why."""
-
-    job_id: int
-    error: str
-
-
-def _stalled(record: asyncpg.Record) -> StalledJob:
-    return StalledJob(
-        ClaimedJob.from_record(record),
-        record["silent_for"],
-        record["dispatch_epoch"],
-        record["republish_count"],
-    )
+async def _one_by_one(
+    conn: Conn,
+    ids: Sequence[asyncpg.Record],
+    row_sql: str,
+    build: Callable[[asyncpg.Record], T],
+) -> tuple[list[T], list[UnreadableRow]]:
+    """Read the rows ``ids`` (locked by the caller) one at a time with ``row_sql``: the
+    ones the client can decode, and the ones it cannot, with why."""
+    read: list[T] = []
+    unreadable: list[UnreadableRow] = []
+    for job_id in [r["id"] for r in ids]:
+        try:
+            record = await conn.fetchrow(row_sql, job_id)
+        except UNREADABLE as exc:
+            unreadable.append(UnreadableRow(job_id, f"{type(exc).__name__}: {exc}"))
+            continue
+        if record is not None:
+            read.append(build(record))
+    return read, unreadable
 
 
 def _key_arrays(jobs: Sequence[ClaimedJob]) -> tuple[list[int], datetime, datetime]:
@@ -86,9 +88,8 @@ class DispatchStore:
     def __init__(
         self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
     ) -> None:
-        """``acquire_timeout``: see ``scheduler.db.checked_acquire_timeout``."""
-        self._pool = pool
-        self._acquire_timeout = checked_acquire_timeout(acquire_timeout)
+        """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
+        self._db = Pooled(pool, acquire_timeout=acquire_timeout)
 
     # -- dispatcher (inside its fenced transaction) ----------------------------------
 
@@ -102,17 +103,8 @@ class DispatchStore:
     ) -> tuple[list[ClaimedJob], list[UnreadableRow]]:
         """``claim`` one row at a time, for when ``claim`` raised ``UNREADABLE``: the jobs
         that could be read, and the rows that could not (still locked, for ``park``)."""
-        jobs: list[ClaimedJob] = []
-        unreadable: list[UnreadableRow] = []
-        for job_id in [r["id"] for r in await conn.fetch(claim_sql(limit, "claim_ids"))]:
-            try:
-                record = await conn.fetchrow(Q["claimed_row"], job_id)
-            except UNREADABLE as exc:
-                unreadable.append(UnreadableRow(job_id, f"{type(exc).__name__}: {exc}"))
-                continue
-            if record is not None:
-                jobs.append(ClaimedJob.from_record(record))
-        return jobs, unreadable
+        ids = await conn.fetch(claim_sql(limit, "id"))
+        return await _one_by_one(conn, ids, CLAIMED_ROW, ClaimedJob.from_record)
 
     async def park(self, conn: Conn, job_id: int, reason: str) -> bool:
         """pending or dispatched → dead with ``reason`` as last_error, by id alone (the
@@ -133,13 +125,13 @@ class DispatchStore:
 
     async def next_run_in(self) -> float | None:
         """Seconds until the earliest pending run time (≤ 0: due now; None: nothing)."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+        async with self._db.acquire() as conn:
             value = await conn.fetchval(Q["next_run_in"])
         return None if value is None else float(value)
 
     async def backlog(self) -> int:
         """Pending jobs whose run time has passed."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+        async with self._db.acquire() as conn:
             return int(await conn.fetchval(Q["backlog"]))
 
     # -- reconciler (inside its fenced transaction) ----------------------------------
@@ -154,9 +146,9 @@ class DispatchStore:
     ) -> list[StalledJob]:
         """Lock up to ``limit`` stalled jobs, longest silent first."""
         records = await conn.fetch(
-            Q["lock_stalled"], float(visibility_timeout), limit, list(skip_queues)
+            LOCK_STALLED, float(visibility_timeout), limit, list(skip_queues)
         )
-        return [_stalled(r) for r in records]
+        return [StalledJob.from_record(r) for r in records]
 
     async def lock_stalled_isolated(
         self,
@@ -167,20 +159,10 @@ class DispatchStore:
         skip_queues: Sequence[str] = (),
     ) -> tuple[list[StalledJob], list[UnreadableRow]]:
         """``lock_stalled`` one row at a time, for when it raised ``UNREADABLE``."""
-        stalled: list[StalledJob] = []
-        unreadable: list[UnreadableRow] = []
         ids = await conn.fetch(
-            Q["lock_stalled_ids"], float(visibility_timeout), limit, list(skip_queues)
+            LOCK_STALLED_IDS, float(visibility_timeout), limit, list(skip_queues)
         )
-        for job_id in [r["id"] for r in ids]:
-            try:
-                record = await conn.fetchrow(Q["stalled_row"], job_id)
-            except UNREADABLE as exc:
-                unreadable.append(UnreadableRow(job_id, f"{type(exc).__name__}: {exc}"))
-                continue
-            if record is not None:
-                stalled.append(_stalled(record))
-        return stalled, unreadable
+        return await _one_by_one(conn, ids, STALLED_ROW, StalledJob.from_record)
 
     async def mark_redispatched(
         self, conn: Conn, jobs: Sequence[ClaimedJob], epoch: int

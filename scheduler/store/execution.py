@@ -10,58 +10,16 @@ own: a failure is rare, and a sign of life must be visible while a handler still
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-from scheduler.db import Conn
 from scheduler.sql import load
+from scheduler.store.conn import Conn, Pooled
+from scheduler.store.rows import Completion, Finish, JobRef, LockedJob, from_record
 
 Q = load("execution")
-
-
-@dataclass(frozen=True, slots=True)
-class JobRef:
-    """Which attempt of which job a delivery is about (what the message points at)."""
-
-    job_id: int
-    due_at: datetime
-    attempt: int
-
-
-@dataclass(frozen=True, slots=True)
-class LockedJob:
-    """The job row as ``begin`` read it, after waiting for any in-flight claim."""
-
-    status: str
-    attempt: int
-    max_attempts: int
-    queue: str
-    task: str
-    payload: dict[str, Any]
-    key: str  # the effective idempotency key: the row's, else job:<id>
-    run_time: datetime  # coalesce(run_at, due_at): when this attempt was meant to run
-    done: bool  # the ledger already holds the key: the effect was applied before
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A successful attempt to settle in a batch (``complete``)."""
-
-    ref: JobRef
-    key: str
-    task: str
-
-
-@dataclass(frozen=True, slots=True)
-class Finish:
-    """What ``finish`` found: ``settled`` (the row was this attempt's and is now
-    succeeded) and ``recorded`` (this attempt inserted the ledger row)."""
-
-    settled: bool
-    recorded: bool
 
 
 def _columns(items: Sequence[Completion]) -> tuple[list[Any], ...]:
@@ -76,29 +34,14 @@ def _columns(items: Sequence[Completion]) -> tuple[list[Any], ...]:
     )
 
 
-def _locked(record: asyncpg.Record) -> LockedJob:
-    return LockedJob(
-        status=record["status"],
-        attempt=record["attempt"],
-        max_attempts=record["max_attempts"],
-        queue=record["queue"],
-        task=record["task"],
-        payload=record["payload"],
-        key=record["effective_key"],
-        run_time=record["run_time"],
-        done=record["done"],
-    )
-
-
 class ExecutionStore:
     def __init__(self, pool: asyncpg.Pool, *, timeout: float = 10.0) -> None:
-        self._pool = pool
-        self._timeout = timeout
+        self._db = Pooled(pool, acquire_timeout=timeout)
 
     async def begin(self, refs: Sequence[JobRef]) -> list[LockedJob | None]:
         """Read the rows of ``refs`` (one statement; waits for in-flight claims). The
         result is aligned with ``refs``: None where the job does not exist."""
-        async with self._pool.acquire(timeout=self._timeout) as conn:
+        async with self._db.acquire() as conn:
             records = await conn.fetch(
                 Q["begin_deliveries"],
                 [r.job_id for r in refs],
@@ -106,13 +49,13 @@ class ExecutionStore:
             )
         found: list[LockedJob | None] = [None] * len(refs)
         for record in records:
-            found[record["i"] - 1] = _locked(record)
+            found[record["i"] - 1] = from_record(LockedJob, record)
         return found
 
     async def complete(self, items: Sequence[Completion], worker: str) -> set[int]:
         """Settle ``items`` as succeeded with their ledger rows, in one statement. Returns
         the job ids that were still this attempt's (the others moved on meanwhile)."""
-        async with self._pool.acquire(timeout=self._timeout) as conn:
+        async with self._db.acquire() as conn:
             ids = await conn.fetchval(Q["complete_deliveries"], *_columns(items), worker)
         return set(ids)
 
@@ -148,7 +91,7 @@ class ExecutionStore:
         No NOTIFY: the dispatcher's probe finds the new run time ahead of it, and a
         NOTIFY here would serialise worker commits on PostgreSQL's notify lock exactly
         when a failure storm retries thousands of jobs (migrations/0004_wakeups.sql)."""
-        async with self._pool.acquire(timeout=self._timeout) as conn:
+        async with self._db.acquire() as conn:
             run_at = await conn.fetchval(
                 Q["schedule_retry"], ref.job_id, ref.due_at, ref.attempt, float(delay), error
             )
@@ -156,16 +99,16 @@ class ExecutionStore:
 
     async def mark_dead(self, ref: JobRef, error: str) -> bool:
         """dispatched → dead with ``error``; False if the row moved on meanwhile."""
-        async with self._pool.acquire(timeout=self._timeout) as conn:
+        async with self._db.acquire() as conn:
             value = await conn.fetchval(Q["mark_dead"], ref.job_id, ref.due_at, ref.attempt, error)
         return value == 1
 
     async def heartbeat(self, job_id: int, due_at: datetime, attempt: int) -> bool:
         """Set heartbeat_at = now() on a connection of its own (autocommit). False when
         the job is no longer this attempt's (finished elsewhere or superseded)."""
-        async with self._pool.acquire(timeout=self._timeout) as conn:
+        async with self._db.acquire() as conn:
             value = await conn.fetchval(
-                Q["heartbeat"], job_id, due_at, attempt, timeout=self._timeout
+                Q["heartbeat"], job_id, due_at, attempt, timeout=self._db.timeout
             )
         return value == 1
 

@@ -7,9 +7,9 @@ writes — the transactional-outbox pattern that makes duetime safe to publish f
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,13 +17,16 @@ from typing import Any
 import asyncpg
 
 from scheduler.config import DEFAULT_DB_TIMEOUT
-from scheduler.db import Conn, checked_acquire_timeout
 from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound
 from scheduler.jobspec import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec, resolve_due
-from scheduler.rows import JOB_STATUSES, Job
-from scheduler.sql import load
+from scheduler.sql import compose, fragment, load
+from scheduler.store.conn import Conn, Pooled
+from scheduler.store.rows import JOB_STATUSES, BulkPreview, Job
 
 Q = load("jobs")
+#: The JobFilter predicates ($1..$5), shared by every statement that filters jobs.
+FILTER = fragment("jobs", "job_filter")
+LIST = compose("jobs", "list", filter=FILTER)
 
 #: Jobs due within this many seconds of now get a NOTIFY so the dispatcher wakes at
 #: once; later ones are found ahead of time by its probe (migrations/0004_wakeups.sql).
@@ -63,30 +66,12 @@ class JobFilter:
         return (self.queue, self.task, self.due_from, self.due_to, self.error)
 
 
-@dataclass(frozen=True, slots=True)
-class BulkPreview:
-    """What a bulk action would touch: ``count`` jobs, none newer than ``up_to_id``."""
-
-    action: str
-    count: int
-    up_to_id: int
-
-
 class JobStore:
     def __init__(
         self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
     ) -> None:
-        """``acquire_timeout``: see ``scheduler.db.checked_acquire_timeout``."""
-        self._pool = pool
-        self._acquire_timeout = checked_acquire_timeout(acquire_timeout)
-
-    @asynccontextmanager
-    async def _conn(self, conn: Conn | None) -> AsyncIterator[Conn]:
-        if conn is not None:
-            yield conn
-        else:
-            async with self._pool.acquire(timeout=self._acquire_timeout) as acquired:
-                yield acquired
+        """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
+        self._db = Pooled(pool, acquire_timeout=acquire_timeout)
 
     async def enqueue(
         self,
@@ -110,7 +95,7 @@ class JobStore:
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
         )
-        async with self._conn(conn) as c:
+        async with self._db.conn(conn) as c:
             record = await c.fetchrow(
                 Q["insert"],
                 spec.task,
@@ -162,7 +147,7 @@ class JobStore:
             lines.append("\t".join(map(_copy_field, fields)) + "\n")
         if not lines:
             return 0
-        async with self._conn(conn) as c:
+        async with self._db.conn(conn) as c:
             result = await c.copy_to_table(
                 "jobs",
                 schema_name="duetime",
@@ -176,7 +161,7 @@ class JobStore:
         return int(str(result).split()[-1])
 
     async def get(self, job_id: int, *, conn: Conn | None = None) -> Job:
-        async with self._conn(conn) as c:
+        async with self._db.conn(conn) as c:
             record = await c.fetchrow(Q["get"], job_id)
         if record is None:
             raise JobNotFound(job_id)
@@ -199,9 +184,9 @@ class JobStore:
             raise InvalidInput(f"unknown status {status!r} (one of {', '.join(JOB_STATUSES)})")
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidInput(f"limit must be between 1 and {MAX_PAGE}")
-        async with self._conn(conn) as c:
+        async with self._db.conn(conn) as c:
             records = await c.fetch(
-                Q["list"], status, queue, task, due_from, due_to, after_id, limit
+                LIST, queue, task, due_from, due_to, None, status, after_id, limit
             )
         return [Job.from_record(r) for r in records]
 
@@ -218,48 +203,72 @@ class JobStore:
 
     async def cancel(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """pending → cancelled. Other states are refused with the reason."""
-        async with self._conn(conn) as c:
-            record = await c.fetchrow(Q["cancel"], [job_id])
-            if record is not None:
-                return Job.from_record(record)
-            current = await self.get(job_id, conn=c)
-        raise InvalidTransition(
-            f"job {job_id} is {current.status}; only pending jobs can be cancelled"
+        return await self._transition(
+            "cancel",
+            [job_id],
+            job_id,
+            conn,
+            lambda job: f"job {job_id} is {job.status}; only pending jobs can be cancelled",
         )
 
     async def retry(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """dead → pending, runnable now, with attempts reset to 1 (a fresh budget)."""
-        async with self._conn(conn) as c, c.transaction():
-            record = await c.fetchrow(Q["retry"], [job_id])
-            if record is not None:
-                await c.execute(Q["notify"])
-                return Job.from_record(record)
-            current = await self.get(job_id, conn=c)
-        raise InvalidTransition(
-            f"job {job_id} is {current.status}; only dead jobs can be retried"
+        return await self._transition(
+            "retry",
+            [job_id],
+            job_id,
+            conn,
+            lambda job: f"job {job_id} is {job.status}; only dead jobs can be retried",
+            wakes=True,
         )
 
     async def run_now(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """A pending job waiting for its retry back-off becomes runnable now."""
-        async with self._conn(conn) as c, c.transaction():
-            record = await c.fetchrow(Q["run_now"], job_id)
-            if record is not None:
-                await c.execute(Q["notify"])
-                return Job.from_record(record)
-            current = await self.get(job_id, conn=c)
-        raise InvalidTransition(
-            f"job {job_id} is {current.status}, runnable from "
-            f"{current.next_run_at.isoformat()}; only a pending job in retry back-off "
-            "can be run now (never before its due time)"
+        return await self._transition(
+            "run_now",
+            job_id,
+            job_id,
+            conn,
+            lambda job: (
+                f"job {job_id} is {job.status}, runnable from "
+                f"{job.next_run_at.isoformat()}; only a pending job in retry back-off "
+                "can be run now (never before its due time)"
+            ),
+            wakes=True,
         )
+
+    async def _transition(
+        self,
+        statement: str,
+        argument: Any,
+        job_id: int,
+        conn: Conn | None,
+        refused: Callable[[Job], str],
+        *,
+        wakes: bool = False,
+    ) -> Job:
+        """Run one job's transition; ``InvalidTransition(refused(job as it is))`` when the
+        job is not in the state the transition leaves. A transition that ``wakes`` makes
+        the job runnable now: it NOTIFYs the dispatcher in the same transaction."""
+        async with self._db.conn(conn) as c:
+            async with c.transaction() if wakes else contextlib.nullcontext():
+                record = await c.fetchrow(Q[statement], argument)
+                if record is not None:
+                    if wakes:
+                        await c.execute(Q["notify"])
+                    return Job.from_record(record)
+                current = await self.get(job_id, conn=c)
+        raise InvalidTransition(refused(current))
 
     async def preview_matching(self, action: str, where: JobFilter) -> BulkPreview:
         """How many jobs ``cancel_matching``/``retry_matching`` would change now: shown
         to the operator, who confirms with the returned ``up_to_id``."""
         status = _bulk_source(action, where)
-        async with self._pool.acquire() as c:
+        async with self._db.pool.acquire() as c:
             row = await c.fetchrow(
-                Q["matching"].replace("{status}", status), *where.params(), _BIGINT_MAX
+                compose("jobs", "matching", status=status, filter=FILTER),
+                *where.params(),
+                _BIGINT_MAX,
             )
         assert row is not None  # an aggregate always returns one row
         return BulkPreview(action, int(row["n"]), int(row["max_id"] or 0))
@@ -277,10 +286,10 @@ class JobStore:
 
     async def _bulk(self, action: str, where: JobFilter, up_to_id: int) -> int:
         status = _bulk_source(action, where)
-        select = Q["matching_ids"].replace("{status}", status)
+        select = compose("jobs", "matching_ids", status=status, filter=FILTER)
         changed = 0
         while True:
-            async with self._pool.acquire() as c, c.transaction():
+            async with self._db.pool.acquire() as c, c.transaction():
                 ids = [
                     r["id"] for r in await c.fetch(select, *where.params(), up_to_id, BULK_BATCH)
                 ]
@@ -292,7 +301,7 @@ class JobStore:
             changed += len(done)
 
     async def counts_by_status(self) -> dict[str, int]:
-        async with self._pool.acquire(timeout=self._acquire_timeout) as c:
+        async with self._db.acquire() as c:
             rows = await c.fetch(Q["count_by_status"])
         counts = dict.fromkeys(JOB_STATUSES, 0)
         counts.update({r["status"]: r["n"] for r in rows})

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Self
 
 import asyncpg
@@ -28,25 +30,19 @@ Q = load("listener")
 log = get_logger(__name__)
 
 
+@dataclass(eq=False)
 class ChannelListener:
-    def __init__(
-        self,
-        dsn: str,
-        channel: str,
-        on_notify: Callable[[], None],
-        *,
-        on_lost: Callable[[], None] | None = None,
-        timeout: float = 10.0,
-        application_name: str = "duetime:listen",
-    ) -> None:
-        self._dsn = dsn
-        self._channel = channel
-        self._on_notify = on_notify
-        self._on_lost = on_lost
-        self._timeout = timeout
-        self._application_name = application_name
-        self._conn: asyncpg.Connection | None = None
-        self._lost = False
+    """One LISTEN connection (module docstring); ``open()`` connects it."""
+
+    dsn: str
+    channel: str
+    on_notify: Callable[[], None]
+    _: KW_ONLY
+    on_lost: Callable[[], None] | None = None
+    timeout: float = 10.0
+    application_name: str = "duetime:listen"
+    _conn: asyncpg.Connection | None = field(default=None, init=False, repr=False)
+    _lost: bool = field(default=False, init=False, repr=False)
 
     @property
     def alive(self) -> bool:
@@ -54,11 +50,11 @@ class ChannelListener:
 
     async def open(self) -> Self:
         conn = await db.connect(
-            self._dsn, timeout=self._timeout, application_name=self._application_name
+            self.dsn, timeout=self.timeout, application_name=self.application_name
         )
         try:
             conn.add_termination_listener(self._terminated)
-            await conn.add_listener(self._channel, self._notified)
+            await conn.add_listener(self.channel, self._notified)
         except BaseException:
             conn.terminate()
             raise
@@ -73,7 +69,7 @@ class ChannelListener:
         try:
             await conn.fetchval(Q["ping"], timeout=timeout)
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-            log.warning("listener_check_failed", channel=self._channel, error=repr(exc))
+            log.warning("listener_check_failed", channel=self.channel, error=repr(exc))
             self._terminated(conn)
             return False
         return True
@@ -84,13 +80,13 @@ class ChannelListener:
             return
         conn.remove_termination_listener(self._terminated)
         try:
-            await asyncio.wait_for(conn.close(), min(self._timeout, 5.0))
+            await asyncio.wait_for(conn.close(), min(self.timeout, 5.0))
         except Exception:
             with contextlib.suppress(Exception):
                 conn.terminate()
 
     def _notified(self, *_: Any) -> None:
-        self._on_notify()
+        self.on_notify()
 
     def _terminated(self, conn: Any) -> None:
         if self._lost:
@@ -98,8 +94,8 @@ class ChannelListener:
         self._lost = True
         if not conn.is_closed():
             conn.terminate()
-        if self._on_lost is not None:
-            self._on_lost()
+        if self.on_lost is not None:
+            self.on_lost()
 
 
 class KeptListener:
@@ -124,11 +120,18 @@ class KeptListener:
         check_interval: float,
         log: Callable[[], Any],
     ) -> None:
-        self._dsn = dsn
+        #: a fresh ChannelListener, each time the kept one must be replaced
+        self._new = functools.partial(
+            ChannelListener,
+            dsn,
+            channel,
+            on_notify,
+            on_lost=on_notify,
+            timeout=timeout,
+            application_name=application_name,
+        )
         self._channel = channel
-        self._on_notify = on_notify
         self._timeout = timeout
-        self._application_name = application_name
         self._check_interval = check_interval
         self._log = log
         self._listener: ChannelListener | None = None
@@ -155,14 +158,7 @@ class KeptListener:
             self._log().warning("listener_lost", channel=self._channel)
         if now < self._retry_at:
             return False
-        fresh = ChannelListener(
-            self._dsn,
-            self._channel,
-            self._on_notify,
-            on_lost=self._on_notify,
-            timeout=self._timeout,
-            application_name=self._application_name,
-        )
+        fresh = self._new()
         try:
             await fresh.open()
         except (ServiceUnavailable, asyncpg.PostgresError, OSError) as exc:

@@ -9,24 +9,16 @@ stronger than ACCESS SHARE. Writes take ``conn`` inside the caller's fenced tran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import date
 
 import asyncpg
 
 from scheduler.config import DEFAULT_DB_TIMEOUT
-from scheduler.db import Conn, checked_acquire_timeout
 from scheduler.sql import load
+from scheduler.store.conn import Conn, Pooled
+from scheduler.store.rows import ExpiredBucket
 
 Q = load("maintenance")
-
-
-@dataclass(frozen=True, slots=True)
-class ExpiredBucket:
-    """A bucket whose whole range is older than the retention."""
-
-    day: date
-    live: bool  # holds a pending or dispatched row (as of the unlocked look)
 
 
 def _ms(seconds: float) -> str:
@@ -42,25 +34,24 @@ class MaintenanceStore:
     def __init__(
         self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
     ) -> None:
-        """``acquire_timeout``: see ``scheduler.db.checked_acquire_timeout``."""
-        self._pool = pool
-        self._acquire_timeout = checked_acquire_timeout(acquire_timeout)
+        """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
+        self._db = Pooled(pool, acquire_timeout=acquire_timeout)
 
     # -- reads (pool) ----------------------------------------------------------------
 
     async def missing_days(self, days_ahead: int) -> list[date]:
         """Days from today (UTC, database clock) to today + ``days_ahead`` without a bucket."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+        async with self._db.acquire() as conn:
             return [r["day"] for r in await conn.fetch(Q["missing_days"], days_ahead)]
 
     async def expired_buckets(self, retention: float) -> list[ExpiredBucket]:
         """Attached buckets whose range ended more than ``retention`` seconds ago."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+        async with self._db.acquire() as conn:
             rows = await conn.fetch(Q["expired_buckets"], float(retention))
         return [ExpiredBucket(r["day"], r["live"]) for r in rows]
 
     async def detached_leftovers(self) -> list[str]:
-        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+        async with self._db.acquire() as conn:
             return [r["name"] for r in await conn.fetch(Q["detached_leftovers"])]
 
     # -- writes (inside the caller's fenced transaction) ------------------------------

@@ -1,6 +1,7 @@
 """ScheduleStore: schedules for users (add, list, get, pause, resume, remove, trigger) and
-for the planner (claim, apply a batch of decisions, wake-up probe), plus the LISTEN
-connection that wakes the planner. Statements live in ``sql/schedules.sql``.
+for the planner (claim, apply a batch of decisions, wake-up probe). Statements live in
+``sql/schedules.sql``; the LISTEN connection that wakes the planner is
+``scheduler.store.listener``.
 
 Methods the planner runs inside its fenced transaction take ``conn``; the others use
 the pool (or ``conn=`` to join a caller's transaction).
@@ -9,25 +10,27 @@ the pool (or ``conn=`` to join a caller's transaction).
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime
 
 import asyncpg
 
 from scheduler.config import DEFAULT_DB_TIMEOUT
-from scheduler.db import Conn, checked_acquire_timeout
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
 from scheduler.planning import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
-from scheduler.rows import UNREADABLE, Job
-from scheduler.sql import load
+from scheduler.sql import compose, fragment, load
+from scheduler.store.conn import Conn, Pooled
 from scheduler.store.jobs import NOTIFY_HORIZON
+from scheduler.store.rows import UNREADABLE, ClaimedSchedule, Job
 
 __all__ = ["NOTIFY_CHANNEL", "ClaimedSchedule", "ScheduleStore"]
 
 Q = load("schedules")
+CLAIMED = fragment("schedules", "claimed_columns")
+CLAIM_DUE = compose("schedules", "claim_due", columns=CLAIMED)
+CLAIM_DUE_IDS = compose("schedules", "claim_due", columns="s.id")
+CLAIMED_SCHEDULE = compose("schedules", "claimed_schedule", columns=CLAIMED)
 log = get_logger(__name__)
 
 #: Channel of the schedules insert/update trigger (migration 0002).
@@ -36,35 +39,18 @@ MAX_PAGE = 10_000
 _BIGINT_MAX = 2**63 - 1
 
 
-@dataclass(frozen=True, slots=True)
-class ClaimedSchedule:
-    """A schedule locked by the planner, with what the overlap policies need to know."""
-
-    schedule: Schedule
-    previous_active: bool
-
-
 class ScheduleStore:
     def __init__(
         self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
     ) -> None:
-        """``acquire_timeout``: see ``scheduler.db.checked_acquire_timeout``."""
-        self._pool = pool
-        self._acquire_timeout = checked_acquire_timeout(acquire_timeout)
-
-    @asynccontextmanager
-    async def _conn(self, conn: Conn | None) -> AsyncIterator[Conn]:
-        if conn is not None:
-            yield conn
-        else:
-            async with self._pool.acquire(timeout=self._acquire_timeout) as acquired:
-                yield acquired
+        """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
+        self._db = Pooled(pool, acquire_timeout=acquire_timeout)
 
     # -- users -------------------------------------------------------------------------
 
     async def add(self, spec: ScheduleSpec, *, conn: Conn | None = None) -> Schedule:
         """Create a schedule; the planner (woken by the insert trigger) plans it."""
-        async with self._conn(conn) as c:
+        async with self._db.conn(conn) as c:
             try:
                 record = await c.fetchrow(
                     Q["insert"],
@@ -94,7 +80,7 @@ class ScheduleStore:
 
     async def get(self, ref: str | int, *, conn: Conn | None = None) -> Schedule:
         """A schedule by name, or by id (a name wins when both match)."""
-        async with self._conn(conn) as c:
+        async with self._db.conn(conn) as c:
             record = await self._resolve(c, ref)
         return Schedule.from_record(record)
 
@@ -117,7 +103,7 @@ class ScheduleStore:
         """One page ordered by id; pass the last id as ``after_id`` for the next one."""
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidInput(f"limit must be between 1 and {MAX_PAGE}")
-        async with self._conn(conn) as c:
+        async with self._db.conn(conn) as c:
             records = await c.fetch(Q["list"], paused, after_id, limit)
         return [Schedule.from_record(r) for r in records]
 
@@ -125,16 +111,11 @@ class ScheduleStore:
         """Stop planning; jobs planned ahead and not due yet are cancelled (by the
         table's trigger, as for a pause by plain SQL). Returns the schedule and how many
         jobs were cancelled."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
-            schedule_id = (await self._resolve(c, ref))["id"]
-            await c.fetchval(Q["lock"], schedule_id)
-            record = await c.fetchrow(Q["pause"], schedule_id)
-            cancelled = await c.fetchval(Q["planned_cancelled"])
-        return Schedule.from_record(record), int(cancelled)
+        return await self._cancelling(ref, "pause")
 
     async def resume(self, ref: str | int) -> Schedule:
         """Plan again from now (fire times inside the pause are not caught up)."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
+        async with self._db.acquire() as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             record = await c.fetchrow(Q["resume"], schedule_id)
         return Schedule.from_record(record)
@@ -142,16 +123,21 @@ class ScheduleStore:
     async def remove(self, ref: str | int) -> tuple[Schedule, int]:
         """Delete the schedule; the table's trigger cancels its jobs that are not due
         yet (its finished jobs stay, with ``schedule_id`` pointing at nothing)."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
+        return await self._cancelling(ref, "delete")
+
+    async def _cancelling(self, ref: str | int, statement: str) -> tuple[Schedule, int]:
+        """Run ``statement`` (pause or delete) on the schedule ``ref``, under its lock,
+        and count the planned jobs its trigger cancelled in the same transaction."""
+        async with self._db.acquire() as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             await c.fetchval(Q["lock"], schedule_id)
-            record = await c.fetchrow(Q["delete"], schedule_id)
+            record = await c.fetchrow(Q[statement], schedule_id)
             cancelled = await c.fetchval(Q["planned_cancelled"])
         return Schedule.from_record(record), int(cancelled)
 
     async def trigger(self, ref: str | int) -> Job:
         """Fire once now, outside the timing (paused or not; no overlap check)."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as c, c.transaction():
+        async with self._db.acquire() as c, c.transaction():
             schedule_id = (await self._resolve(c, ref))["id"]
             record = await c.fetchrow(Q["trigger"], schedule_id)
             if record is not None:
@@ -161,7 +147,7 @@ class ScheduleStore:
         return Job.from_record(record)
 
     async def recent_runs(self, schedule_id: int, limit: int = 10) -> builtins.list[Job]:
-        async with self._pool.acquire(timeout=self._acquire_timeout) as c:
+        async with self._db.acquire() as c:
             records = await c.fetch(Q["recent_runs"], schedule_id, limit)
         return [Job.from_record(r) for r in records]
 
@@ -171,7 +157,7 @@ class ScheduleStore:
         self, conn: Conn, now: datetime, limit: int
     ) -> builtins.list[ClaimedSchedule]:
         """Lock up to ``limit`` schedules whose ``plan_at`` has come, oldest first."""
-        records = await conn.fetch(Q["claim_due"], now, limit)
+        records = await conn.fetch(CLAIM_DUE, now, limit)
         return [
             ClaimedSchedule(Schedule.from_record(r), bool(r["previous_active"])) for r in records
         ]
@@ -183,9 +169,9 @@ class ScheduleStore:
         schedules that could be read, and (id, error) of those that could not."""
         claimed: builtins.list[ClaimedSchedule] = []
         unreadable: builtins.list[tuple[int, str]] = []
-        for schedule_id in [r["id"] for r in await conn.fetch(Q["claim_due_ids"], now, limit)]:
+        for schedule_id in [r["id"] for r in await conn.fetch(CLAIM_DUE_IDS, now, limit)]:
             try:
-                record = await conn.fetchrow(Q["claimed_schedule"], schedule_id)
+                record = await conn.fetchrow(CLAIMED_SCHEDULE, schedule_id)
                 if record is None:
                     continue
                 claimed.append(
@@ -243,12 +229,6 @@ class ScheduleStore:
     async def next_plan_at(self) -> float | None:
         """Epoch seconds of the earliest ``plan_at`` of an active schedule (-inf: now;
         None or inf: nothing to plan)."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+        async with self._db.acquire() as conn:
             value = await conn.fetchval(Q["next_plan_at"])
         return None if value is None else float(value)
-
-    async def prune_fires(self, older_than: datetime) -> int:
-        """Forget dedupe rows of fire times before ``older_than`` (for the maintainer)."""
-        async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-            status = await conn.execute(Q["prune_fires"], older_than)
-        return int(status.split()[-1])

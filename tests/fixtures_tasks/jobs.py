@@ -18,7 +18,7 @@ import asyncpg
 from aio_pika.abc import AbstractChannel
 
 from scheduler.broker import declare_job_queue, queue_name
-from scheduler.messages import CONTENT_TYPE, JobMessage
+from scheduler.messages import CONTENT_TYPE, JobMessage, effective_key
 from tests.support.wait import wait_for
 
 #: SQL for the fence's epoch: a row a test marks dispatched must carry it, or the
@@ -80,7 +80,7 @@ async def dispatched_job(
         task=task,
         queue=queue,
         payload=payload,
-        key=idempotency_key or f"job:{row['id']}",
+        key=effective_key(row["id"], idempotency_key),
     )
 
 

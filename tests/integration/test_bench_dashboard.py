@@ -35,7 +35,7 @@ async def test_bench_dashboard_quick_times_every_statement(
     overview = {k.removeprefix("status.") for k in result["overview_statements"]}
     read_models = set(load("dashboard")) - {
         "terminal_counts", "ledger_row", "schedule_name",  # exact path / job page only
-        "jobs_page", "pending_page", "dead_page", "dispatched_page",
+        "jobs_page", "state_page",
     }  # fmt: skip
     assert read_models <= overview, read_models - overview
     assert result["ledger_rows_last_hour"] > 0

@@ -31,10 +31,10 @@ from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.maintainer import Maintainer
 from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler
-from scheduler.leadership.fence import FenceStore
 from scheduler.leadership.replica import Replica
-from scheduler.status import StatusStore
 from scheduler.store import DispatchStore, JobStore, ScheduleStore
+from scheduler.store.fence import FenceStore
+from scheduler.store.status import StatusStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,7 +85,7 @@ def schedule_calls(store: ScheduleStore) -> list[Callable[[], Awaitable[Any]]]:
     return [
         store.list, lambda: store.get("x"), lambda: store.pause("x"),
         lambda: store.resume("x"), lambda: store.remove("x"), lambda: store.trigger("x"),
-        lambda: store.recent_runs(1), store.next_plan_at, lambda: store.prune_fires(NOW),
+        lambda: store.recent_runs(1), store.next_plan_at,
     ]  # fmt: skip
 
 

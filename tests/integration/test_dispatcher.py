@@ -27,10 +27,10 @@ from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duties.knobs import config_from_settings
 from scheduler.errors import Fenced
-from scheduler.leadership.fence import FenceStore
 from scheduler.publisher import Publisher, PublishResult
-from scheduler.rows import ClaimedJob
+from scheduler.store.fence import FenceStore
 from scheduler.store.jobs import JobStore
+from scheduler.store.rows import ClaimedJob
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
 

@@ -18,7 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from scheduler import db
-from scheduler.leadership.fence import FenceStore
+from scheduler.store.fence import FenceStore
 from tests.conftest import own_database
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,7 +50,7 @@ async def holder(dsn: str, application_name: str) -> asyncpg.Connection:
 
 
 async def alive(fence: FenceStore, pid: int) -> bool:
-    read = await fence._pool.fetchval(
+    read = await fence._db.pool.fetchval(
         "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid
     )
     return bool(read)

@@ -43,7 +43,7 @@ from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
-from scheduler.leadership.fence import FenceStore
+from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker

@@ -31,7 +31,7 @@ from scheduler.duties.base import LeaderTerm
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler, ReconcilerConfig
-from scheduler.leadership.fence import FenceStore
+from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare, dispatched_job, job_row, publish, queue_depth
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker

@@ -18,9 +18,9 @@ import pytest
 from scheduler import db
 from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound
 from scheduler.jobspec import JobSpec
-from scheduler.rows import Job
 from scheduler.store import JobStore
 from scheduler.store.jobs import MAX_PAGE
+from scheduler.store.rows import Job
 from tests.conftest import own_database
 from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.wait import wait_for

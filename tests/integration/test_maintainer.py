@@ -25,8 +25,9 @@ from scheduler.duties.base import LeaderTerm
 from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.errors import Fenced, LeadershipLost
-from scheduler.leadership.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import fenced_transaction
 from scheduler.store.dispatch import DispatchStore
+from scheduler.store.fence import FenceStore
 from tests.support.wait import wait_for
 
 EPOCH = 3

@@ -25,7 +25,7 @@ from scheduler.observability import (
     database_check,
     start_observability,
 )
-from scheduler.status import StatusStore
+from scheduler.store.status import StatusStore
 from tests.support.wait import wait_for
 
 

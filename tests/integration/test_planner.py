@@ -28,11 +28,12 @@ from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
 from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.errors import Fenced
-from scheduler.leadership.fence import FenceStore
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
 from scheduler.planning import ScheduleSpec, deterministic_jitter, fire_key
+from scheduler.store.fence import FenceStore
 from scheduler.store.schedules import ScheduleStore
 from tests.fixtures_tasks.jobs import FENCE_EPOCH
+from tests.support.helpers import prune_fires
 from tests.support.wait import wait_for
 
 EPOCH = 5
@@ -629,12 +630,12 @@ async def test_prune_fires_keeps_what_deduplication_still_needs(world: World) ->
     sid = await world.add("pruned", cron="* * * * * *")
     clock = ManualClock(utc(2026, 12, 1, 8, 0, 0))
     await world.planner(clock).plan_pass()  # fires 08:00:00 .. 08:00:10 recorded
-    assert await world.store.prune_fires(utc(2026, 12, 1, 8, 0, 5)) == 5
+    assert await prune_fires(world.pool, utc(2026, 12, 1, 8, 0, 5)) == 5
     # a cut-off in the future stops at each schedule's next_fire_at (08:00:11 here)
     await world.execute(
         "INSERT INTO duetime.schedule_fires VALUES ($1, $2, 0, $2)", sid, utc(2026, 12, 1, 9)
     )
-    assert await world.store.prune_fires(utc(2030, 1, 1)) == 6
+    assert await prune_fires(world.pool, utc(2030, 1, 1)) == 6
     await world.execute("DELETE FROM duetime.schedule_fires WHERE job_id = 0")
     async with world.pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM duetime.schedule_fires") == 0

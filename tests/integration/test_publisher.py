@@ -21,8 +21,9 @@ import pytest
 from scheduler import broker, messages
 from scheduler.config import Settings
 from scheduler.publisher import Publisher
-from scheduler.rows import ClaimedJob
+from scheduler.store.rows import ClaimedJob
 from tests.fixtures_tasks.jobs import drain
+from tests.support.helpers import should_throttle
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
 
@@ -202,11 +203,11 @@ async def test_slow_confirms_throttle_and_recover(settings: Settings, unique: st
         await pub.open()
         try:
             await pub.ensure_queue(queue)
-            assert not pub.should_throttle()
+            assert not should_throttle(pub)
             proxy.set_latency(0.4)  # a confirm needs > 0.8 s: the batch times out
             slow = await pub.publish(make_jobs(queue, 20), epoch=1)
             assert {f.reason for f in slow.failed} == {"timeout"}
-            assert pub.should_throttle()
+            assert should_throttle(pub)
             assert 0 < pub.throttle_delay() <= 2.0
             proxy.heal()
             await asyncio.sleep(0.5)  # let the delayed frames of the slow batch land
@@ -215,7 +216,7 @@ async def test_slow_confirms_throttle_and_recover(settings: Settings, unique: st
                 assert fast.failed == []
             assert pub.pressure < 0.1
             # the last pause bought by a slow batch runs out; fast batches buy none
-            await wait_for(lambda: not pub.should_throttle(), timeout=3, message="unthrottled")
+            await wait_for(lambda: not should_throttle(pub), timeout=3, message="unthrottled")
         finally:
             await pub.close()
 
@@ -230,10 +231,10 @@ async def test_blocked_connection_is_seen(publisher: Publisher) -> None:
     event.clear()
     try:
         assert publisher.blocked
-        assert publisher.should_throttle()
+        assert should_throttle(publisher)
     finally:
         event.set()
-    assert not publisher.should_throttle()
+    assert not should_throttle(publisher)
 
 
 async def test_confirm_latency_for_one_message(publisher: Publisher, unique: str) -> None:

@@ -25,7 +25,7 @@ from scheduler.duties.base import LeaderTerm
 from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.reconciler import Reconciler, ReconcilerConfig, ReconcileReport
 from scheduler.errors import Fenced
-from scheduler.leadership.fence import FenceStore
+from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, drain
 from tests.support.wait import wait_for
 

@@ -22,10 +22,11 @@ from scheduler.config import Settings
 from scheduler.duties import FenceHeartbeat, default_duties
 from scheduler.duties.base import Duty, DutyContext, DutyLoop, LeaderTerm
 from scheduler.errors import Fenced
-from scheduler.leadership.fence import FenceStore, fenced_transaction
+from scheduler.leadership.fence import fenced_transaction
 from scheduler.leadership.policy import session_settings
 from scheduler.leadership.replica import Replica
 from scheduler.metrics import DUTY_FAILURES, LEADER_TRANSITIONS
+from scheduler.store.fence import FenceStore
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(90)

@@ -21,7 +21,8 @@ import asyncpg
 import pytest
 
 from scheduler import db
-from scheduler.status import StatusStore, election_key
+from scheduler.status import election_key
+from scheduler.store.status import StatusStore
 from tests.support.cli import Run, run_duetime
 
 

@@ -118,7 +118,7 @@ def test_login_redirect_stays_on_this_site() -> None:
 
 
 def test_queue_counts_merge_live_and_terminal_states() -> None:
-    from scheduler.status import QueueStatus
+    from scheduler.store.rows import QueueStatus
 
     live = [QueueStatus("b", pending=3, due_now=1, dispatched=2, dead_last_hour=1)]
     rows, totals = present.queue_counts(

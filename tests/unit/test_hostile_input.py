@@ -358,12 +358,11 @@ def test_any_task_name_fits_the_message_properties(task: str) -> None:
     property holds 255 bytes; the publisher cuts it, and the body keeps the whole name."""
     from pamqp.header import ContentHeader
 
-    from scheduler.publisher import encode_job
-    from scheduler.rows import ClaimedJob
+    from scheduler.messages import JobMessage, encode_job
 
-    job = ClaimedJob(1, task, "q", datetime(2026, 1, 1, tzinfo=UTC), 1)
+    message = JobMessage(1, datetime(2026, 1, 1, tzinfo=UTC), 1, 1, task=task)
     try:
-        body, properties = encode_job(job, 1)
+        body, properties = encode_job(message)
     except UnicodeEncodeError:  # a lone surrogate: PostgreSQL text cannot hold one
         return
     ContentHeader(0, len(body), properties).marshal()

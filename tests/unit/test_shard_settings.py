@@ -4,6 +4,7 @@ message, and the producer's routing rule (``shard_for_key``): all pure."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -11,9 +12,7 @@ import pytest
 
 from scheduler.config import Settings, load_settings
 from scheduler.errors import ConfigError
-from scheduler.messages import JobMessage, MalformedMessage, decode
-from scheduler.publisher import encode_job
-from scheduler.rows import ClaimedJob
+from scheduler.messages import JobMessage, MalformedMessage, decode, encode_job
 from scheduler.shards.router import shard_for_key
 
 A = "postgresql://duetime:hunter2@db1.internal:5432/duetime_a"
@@ -117,10 +116,10 @@ def test_a_bad_shard_name_is_malformed(shard: object) -> None:
         decode(json.dumps(body).encode())
 
 
-def test_the_dispatchers_encoder_takes_the_shard() -> None:
-    job = ClaimedJob(id=9, due_at=DUE, attempt=1, task="t", queue="default")
-    assert decode(encode_job(job, 4)[0]).shard == "main"
-    assert decode(encode_job(job, 4, "b")[0]).shard == "b"
+def test_the_encoder_carries_the_shard() -> None:
+    message = JobMessage(job_id=9, due_at=DUE, attempt=1, epoch=4, task="t")
+    assert decode(encode_job(message)[0]).shard == "main"
+    assert decode(encode_job(replace(message, shard="b"))[0]).shard == "b"
 
 
 # -- routing rule --------------------------------------------------------------------

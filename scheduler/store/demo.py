@@ -1,15 +1,16 @@
 """The demo database: create it afresh, and read what the run did.
 
 Statements live in ``scheduler/sql/demo.sql`` with every other statement (loaded by
-``scheduler.sql.load``); they touch only the demo's own table, not the product schema.
-``DemoStore`` is the only code that runs them; ``recreate_database`` drops and creates
-the demo database on the configured server, which is why its name must say "demo".
+``scheduler.sql.load``); they read the product schema and write only the demo's own
+table. ``DemoStore`` runs them, except ``record_effect``: the demo's handlers
+(``scheduler.demo.tasks``) run that one on their ``ctx.db``, as any user's handler runs
+its own writes; ``recreate_database`` drops and creates the demo
+database on the configured server, which is why its name must say "demo".
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urlsplit, urlunsplit
 
@@ -18,6 +19,7 @@ import asyncpg
 from scheduler import db
 from scheduler.errors import InvalidInput
 from scheduler.sql import load
+from scheduler.store.rows import CronEffects, FenceView, JobCounts, JobEffects, Lag, Progress
 
 _DATABASE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -63,72 +65,6 @@ async def recreate_database(server_url: str, name: str, *, timeout: float) -> st
     return with_database(server_url, name)
 
 
-@dataclass(frozen=True, slots=True)
-class Fence:
-    epoch: int
-    leader_node: str | None
-    elected_at: datetime | None
-    renewed_age: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class JobCounts:
-    total: int = 0
-    pending: int = 0
-    dispatched: int = 0
-    succeeded: int = 0
-    dead: int = 0
-    cancelled: int = 0
-    fired: int = 0
-
-    @property
-    def finished(self) -> int:
-        return self.succeeded + self.dead + self.cancelled
-
-
-@dataclass(frozen=True, slots=True)
-class Lag:
-    """Seconds from due_at to handler start."""
-
-    p50: float | None = None
-    p99: float | None = None
-    max: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class JobEffects:
-    effects: int = 0
-    distinct_jobs: int = 0
-    lag: Lag = Lag()
-
-    @property
-    def duplicates(self) -> int:
-        return self.effects - self.distinct_jobs
-
-
-@dataclass(frozen=True, slots=True)
-class CronEffects:
-    schedule: str
-    effects: int
-    distinct_fires: int
-    lag: Lag
-
-    @property
-    def duplicates(self) -> int:
-        return self.effects - self.distinct_fires
-
-
-@dataclass(frozen=True, slots=True)
-class Progress:
-    """One consistent reading of the run (one REPEATABLE READ transaction)."""
-
-    fence: Fence
-    jobs: JobCounts
-    effects: JobEffects
-    by_worker: dict[str, int]
-    cron: tuple[CronEffects, ...]
-
-
 class DemoStore:
     def __init__(self, pool: asyncpg.Pool, *, queue: str, job_task: str) -> None:
         self._pool = pool
@@ -144,16 +80,16 @@ class DemoStore:
             value: datetime = await conn.fetchval(Q["now"])
         return value
 
-    async def fence(self) -> Fence:
+    async def fence(self) -> FenceView:
         async with self._pool.acquire() as conn:
-            return _fence(await conn.fetchrow(Q["fence"]))
+            return FenceView.from_record(await conn.fetchrow(Q["fence"]))
 
     async def progress(self) -> Progress:
         async with (
             self._pool.acquire() as conn,
             conn.transaction(isolation="repeatable_read", readonly=True),
         ):
-            fence = _fence(await conn.fetchrow(Q["fence"]))
+            fence = FenceView.from_record(await conn.fetchrow(Q["fence"]))
             counts = await conn.fetchrow(Q["job_counts"], self._queue, self._task)
             effects = await conn.fetchrow(Q["job_effects"], None, None)
             workers = await conn.fetch(Q["effects_by_worker"])
@@ -161,10 +97,11 @@ class DemoStore:
         return Progress(
             fence=fence,
             jobs=JobCounts(**dict(counts)) if counts else JobCounts(),
-            effects=_effects(effects),
+            effects=JobEffects.from_record(effects),
             by_worker={r["worker"]: r["effects"] for r in workers},
             cron=tuple(
-                CronEffects(r["schedule"], r["effects"], r["distinct_fires"], _lag(r)) for r in cron
+                CronEffects(r["schedule"], r["effects"], r["distinct_fires"], Lag.from_record(r))
+                for r in cron
             ),
         )
 
@@ -172,25 +109,11 @@ class DemoStore:
         """Lag of the jobs that did not wait for the failover: not (due before
         ``gap_to`` and started after ``gap_from``)."""
         async with self._pool.acquire() as conn:
-            return _effects(await conn.fetchrow(Q["job_effects"], gap_from, gap_to)).lag
+            return JobEffects.from_record(
+                await conn.fetchrow(Q["job_effects"], gap_from, gap_to)
+            ).lag
 
     async def first_dispatch(self, epoch: int) -> datetime | None:
         async with self._pool.acquire() as conn:
             value: datetime | None = await conn.fetchval(Q["first_dispatch"], epoch, self._queue)
         return value
-
-
-def _fence(row: asyncpg.Record | None) -> Fence:
-    if row is None:
-        return Fence(0, None, None, None)
-    return Fence(row["epoch"], row["leader_node"], row["elected_at"], row["renewed_age"])
-
-
-def _lag(row: asyncpg.Record) -> Lag:
-    return Lag(p50=row["p50"], p99=row.get("p99"), max=row["max"])
-
-
-def _effects(row: asyncpg.Record | None) -> JobEffects:
-    if row is None:
-        return JobEffects()
-    return JobEffects(effects=row["effects"], distinct_jobs=row["distinct_jobs"], lag=_lag(row))

@@ -1,0 +1,391 @@
+"""Every typed row the stores return (never a raw asyncpg Record past a store).
+
+Grouped by who reads them: jobs (producers, CLI, dashboard), the leader's dispatch path,
+the worker's execution path, maintenance, ``duetime status``, the dashboard and the
+demo. A row type whose fields are the columns its statement returns is built with
+``from_record``; the others say how they are put together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import date, datetime
+from typing import Any, Literal, TypeVar
+
+from scheduler.messages import effective_key
+from scheduler.planning import Schedule
+
+JobStatus = Literal["pending", "dispatched", "succeeded", "dead", "cancelled"]
+JOB_STATUSES: tuple[str, ...] = ("pending", "dispatched", "succeeded", "dead", "cancelled")
+TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "dead", "cancelled"})
+#: What decoding a row can raise in the client (asyncpg's codecs, scheduler/db.py's jsonb
+#: decoder) as opposed to the database refusing a statement: a date outside Python's
+#: years 1-9999 (OverflowError), JSON nested deeper than its parser goes (RecursionError).
+UNREADABLE: tuple[type[Exception], ...] = (OverflowError, RecursionError, ValueError)
+
+T = TypeVar("T")
+
+
+def from_record(cls: type[T], record: Any) -> T:
+    """A ``cls`` (a slotted dataclass) from the same-named columns of ``record``. Fields
+    are passed by position (``__slots__`` lists them in order): the claim builds 500 rows
+    a batch, and this is quicker than keywords or a lookup per field written out."""
+    return cls(*map(record.__getitem__, cls.__slots__))  # type: ignore[attr-defined]
+
+
+# -- jobs --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: int
+    task: str
+    payload: dict[str, Any]
+    queue: str
+    due_at: datetime
+    run_at: datetime | None
+    status: str
+    attempt: int
+    max_attempts: int
+    idempotency_key: str | None
+    created_at: datetime
+    dispatched_at: datetime | None
+    heartbeat_at: datetime | None
+    finished_at: datetime | None
+    dispatch_epoch: int | None
+    last_error: str | None
+    schedule_id: int | None
+
+    @property
+    def effective_key(self) -> str:
+        """The ledger key (``scheduler.messages.effective_key``)."""
+        return effective_key(self.id, self.idempotency_key)
+
+    @property
+    def next_run_at(self) -> datetime:
+        return self.run_at or self.due_at
+
+    @classmethod
+    def from_record(cls, record: Any) -> Job:
+        return from_record(cls, record)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, datetime):
+                out[key] = value.isoformat()
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class BulkPreview:
+    """What a bulk action would touch: ``count`` jobs, none newer than ``up_to_id``."""
+
+    action: str
+    count: int
+    up_to_id: int
+
+
+# -- the leader: dispatch, reconcile, plan, fence ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedJob:
+    """What the dispatcher needs to publish a job: the message is a pointer at the row
+    (scheduler/messages.py), so neither the payload nor the idempotency key is read."""
+
+    id: int
+    task: str
+    queue: str
+    due_at: datetime
+    attempt: int
+    run_at: datetime | None = None
+
+    @classmethod
+    def from_record(cls, record: Any) -> ClaimedJob:
+        return from_record(cls, record)
+
+
+@dataclass(frozen=True, slots=True)
+class StalledJob:
+    """A dispatched job with no sign of life past the visibility timeout."""
+
+    job: ClaimedJob
+    silent_for: float  # seconds since dispatched_at / heartbeat_at
+    dispatch_epoch: int | None
+    republish_count: int = 0  # re-publishes since it was dispatched
+
+    @classmethod
+    def from_record(cls, record: Any) -> StalledJob:
+        return cls(
+            ClaimedJob.from_record(record),
+            record["silent_for"],
+            record["dispatch_epoch"],
+            record["republish_count"],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableRow:
+    """A claimed row the client could not decode, and why."""
+
+    job_id: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedSchedule:
+    """A schedule locked by the planner, with what the overlap policies need to know."""
+
+    schedule: Schedule
+    previous_active: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FenceState:
+    epoch: int
+    leader_node: str | None
+    elected_at: datetime | None
+    renewed_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiredBucket:
+    """A bucket whose whole range is older than the retention."""
+
+    day: date
+    live: bool  # holds a pending or dispatched row (as of the unlocked look)
+
+
+# -- the worker --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    """Which attempt of which job a delivery is about (what the message points at)."""
+
+    job_id: int
+    due_at: datetime
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class LockedJob:
+    """The job row as ``begin`` read it, after waiting for any in-flight claim."""
+
+    status: str
+    attempt: int
+    max_attempts: int
+    queue: str
+    task: str
+    payload: dict[str, Any]
+    key: str  # the effective idempotency key: the row's, else job:<id>
+    run_time: datetime  # coalesce(run_at, due_at): when this attempt was meant to run
+    done: bool  # the ledger already holds the key: the effect was applied before
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A successful attempt to settle in a batch (``complete``)."""
+
+    ref: JobRef
+    key: str
+    task: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """What ``finish`` found: ``settled`` (the row was this attempt's and is now
+    succeeded) and ``recorded`` (this attempt inserted the ledger row)."""
+
+    settled: bool
+    recorded: bool
+
+
+# -- duetime status ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FenceView:
+    """The fence row with its ages (seconds, by the database clock)."""
+
+    epoch: int
+    leader_node: str | None
+    elected_at: datetime | None
+    renewed_at: datetime | None
+    elected_age: float | None
+    renewed_age: float | None
+
+    @classmethod
+    def from_record(cls, record: Any) -> FenceView:
+        """The migration inserts the row; a missing one reads as "never fenced"."""
+        if record is None:
+            return cls(0, None, None, None, None, None)
+        return from_record(cls, record)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    queue: str
+    pending: int = 0
+    due_now: int = 0
+    oldest_overdue: float | None = None  # seconds the oldest due pending job is late
+    dispatched: int = 0
+    dead_last_hour: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UpcomingFire:
+    name: str
+    next_fire_at: datetime
+    fires_in: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleSummary:
+    total: int
+    paused: int
+    next_fire_at: datetime | None
+    upcoming: tuple[UpcomingFire, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DbSnapshot:
+    db_now: datetime
+    fence: FenceView
+    queues: tuple[QueueStatus, ...]
+    schedules: ScheduleSummary | None  # None: no duetime.schedules table (before 0002)
+
+
+# -- the dashboard -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MinuteSample:
+    """Up to ``MINUTE_SAMPLE`` of one minute's latest completions."""
+
+    minutes_ago: int
+    sampled: int
+    span: float  # seconds between the oldest and newest sampled completion
+    lags: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    jobs: list[Job]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSeen:
+    worker: str
+    completed: int
+    last_seen: datetime
+    age: float
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerRow:
+    idempotency_key: str
+    job_id: int
+    attempt: int
+    task: str
+    worker: str | None
+    completed_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class OverviewData:
+    snapshot: DbSnapshot
+    #: None: pending counts in ``snapshot`` are exact; else at least this many pending
+    pending_at_least: int | None
+    #: (queue, status) -> count for terminal states when exact; else queue is "*"
+    terminal: dict[tuple[str, str], int]
+    terminal_exact: bool
+    oldest_overdue: Job | None
+    oldest_late: float | None
+    latest_dead: list[Job]
+    minutes: list[MinuteSample]
+    workers: list[WorkerSeen] = field(default_factory=list)
+
+    @property
+    def lag_samples(self) -> list[tuple[int, float]]:
+        return [(m.minutes_ago, lag) for m in self.minutes for lag in m.lags]
+
+
+@dataclass(frozen=True, slots=True)
+class JobDetail:
+    job: Job
+    ledger: LedgerRow | None
+    schedule_name: str | None
+
+
+# -- the demo ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class JobCounts:
+    total: int = 0
+    pending: int = 0
+    dispatched: int = 0
+    succeeded: int = 0
+    dead: int = 0
+    cancelled: int = 0
+    fired: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.succeeded + self.dead + self.cancelled
+
+
+@dataclass(frozen=True, slots=True)
+class Lag:
+    """Seconds from due_at to handler start."""
+
+    p50: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+    @classmethod
+    def from_record(cls, record: Any) -> Lag:
+        return cls(p50=record["p50"], p99=record.get("p99"), max=record["max"])
+
+
+@dataclass(frozen=True, slots=True)
+class JobEffects:
+    effects: int = 0
+    distinct_jobs: int = 0
+    lag: Lag = Lag()
+
+    @property
+    def duplicates(self) -> int:
+        return self.effects - self.distinct_jobs
+
+    @classmethod
+    def from_record(cls, record: Any) -> JobEffects:
+        if record is None:
+            return cls()
+        return cls(record["effects"], record["distinct_jobs"], Lag.from_record(record))
+
+
+@dataclass(frozen=True, slots=True)
+class CronEffects:
+    schedule: str
+    effects: int
+    distinct_fires: int
+    lag: Lag
+
+    @property
+    def duplicates(self) -> int:
+        return self.effects - self.distinct_fires
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One consistent reading of the demo's run (one REPEATABLE READ transaction)."""
+
+    fence: FenceView
+    jobs: JobCounts
+    effects: JobEffects
+    by_worker: dict[str, int]
+    cron: tuple[CronEffects, ...]

@@ -1,0 +1,31 @@
+"""Shortcuts over production objects that only tests need (production code has no use
+for them, so they live here rather than on the classes)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import asyncpg
+
+from scheduler.publisher import Publisher
+
+#: Fire rows of schedule_fires before a cut-off, at most up to each schedule's
+#: next_fire_at (the rule the maintainer's fenced, batched statement follows too,
+#: scheduler/sql/maintenance.sql), all at once.
+PRUNE_FIRES = """
+DELETE FROM duetime.schedule_fires f
+ USING duetime.schedules s
+ WHERE f.schedule_id = s.id
+   AND f.fire_time < least($1::timestamptz, coalesce(s.next_fire_at, $1::timestamptz))
+"""
+
+
+async def prune_fires(pool: asyncpg.Pool, older_than: datetime) -> int:
+    """Forget dedupe rows of fire times before ``older_than``; returns how many."""
+    status = await pool.execute(PRUNE_FIRES, older_than)
+    return int(status.split()[-1])
+
+
+def should_throttle(publisher: Publisher) -> bool:
+    """Whether the publisher asks its caller to wait before the next batch."""
+    return publisher.throttle_delay() > 0
