@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
@@ -33,7 +34,11 @@ DEFAULT_DB_TIMEOUT = 10.0
 
 
 def redact_url(url: str) -> str:
-    """Replace the password of a URL by ``***`` so the URL can be logged."""
+    """Replace the password of a URL by ``***`` so the URL can be logged (of every URL in
+    a comma-separated list of them, like ``amqp_url`` for a cluster)."""
+    urls = _URL_LIST_SEPARATOR.split(url)
+    if len(urls) > 1:
+        return ",".join(redact_url(one) for one in urls)
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -45,6 +50,11 @@ def redact_url(url: str) -> str:
         return url
     user = userinfo.split(":", 1)[0]
     return urlunsplit((parts.scheme, f"{user}:***@{hostport}", parts.path, parts.query, ""))
+
+
+# A comma that starts another URL ("...,amqps://..."): the commas of a libpq multi-host
+# netloc ("postgresql://h1:5432,h2:5432/db") are not followed by a scheme.
+_URL_LIST_SEPARATOR = re.compile(r",\s*(?=[a-z][a-z0-9+.-]*://)", re.IGNORECASE)
 
 
 # -- parsers: each takes the raw value (str from env/flags, typed from TOML) -----------
@@ -66,6 +76,32 @@ def _url(schemes: tuple[str, ...]) -> Callable[[Any], str]:
         except ValueError as exc:
             raise ValueError(f"has an invalid port ({exc})") from None
         return value
+
+    return parse
+
+
+def _url_list(schemes: tuple[str, ...]) -> Callable[[Any], str]:
+    """One URL or several, comma-separated (TOML: also a list); each checked like a single
+    one. The value stays one string, the URLs joined by "," in the order given
+    (``scheduler.broker.amqp_urls`` splits it)."""
+    one = _url(schemes)
+
+    def parse(value: Any) -> str:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not items:
+            raise ValueError("must be a URL or a comma-separated list of URLs")
+        urls: list[str] = []
+        for number, raw in enumerate(items, start=1):
+            item = raw.strip() if isinstance(raw, str) else raw
+            try:
+                url = one(item)
+            except ValueError as exc:
+                where = f"URL {number} of {len(items)}" if len(items) > 1 else "URL"
+                raise ValueError(f"{where} {exc}") from None
+            if url in urls:
+                raise ValueError(f"lists {redact_url(url)} twice")
+            urls.append(url)
+        return ",".join(urls)
 
     return parse
 
@@ -267,7 +303,11 @@ FIELDS: dict[str, Field] = {
     f.name: f
     for f in [
         Field("database_url", _url(("postgresql", "postgres")), "PostgreSQL URL (libpq form)"),
-        Field("amqp_url", _url(("amqp", "amqps")), "RabbitMQ URL; its vhost isolates clusters"),
+        Field(
+            "amqp_url",
+            _url_list(("amqp", "amqps")),
+            "RabbitMQ URL, or the nodes of a cluster comma-separated; its vhost isolates clusters",
+        ),
         Field("etcd_endpoints", _endpoints, "etcd endpoints, comma-separated host:port"),
         Field("etcd_prefix", _prefix, "key prefix isolating clusters sharing an etcd"),
         Field("etcd_username", _optional_text, "etcd user (auth enabled clusters)"),
