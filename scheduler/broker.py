@@ -180,9 +180,17 @@ async def connect(
             )
         raise ServiceUnavailable(
             f"cannot connect to RabbitMQ at {detail}",
-            transient=not all(is_permanent_cause(error) for _, error in failures),
+            transient=not all(_permanent(error) for _, error in failures),
         ) from None
     return connection
+
+
+def _permanent(exc: BaseException) -> bool:
+    """A refusal waiting will not fix; aiormq wraps TLS failures (a certificate that does
+    not verify) in ``AMQPConnectionError``, raised from the ``ssl`` error."""
+    return is_permanent_cause(exc) or (
+        exc.__cause__ is not None and is_permanent_cause(exc.__cause__)
+    )
 
 
 async def _abandon(connection: ClusterConnection) -> None:
