@@ -36,9 +36,26 @@ from tests.support.etcd import free_port
 from tests.support.procs import ChildProcess
 from tests.support.tls import Pki
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "rabbitmq" / "rabbitmq-1.conf"
 SBIN = Path(os.environ.get("DUETIME_TEST_RABBITMQ_SBIN", "/usr/lib/rabbitmq/bin"))
 CTL_TIMEOUT = 60.0  # one rabbitmqctl call (an Erlang VM boot) on a busy 2-core box
 BOOT_TIMEOUT = 90.0
+
+
+def example_cluster_settings() -> dict[str, str]:
+    """The "cluster" section of deploy/rabbitmq's node files, which every private node
+    runs with (so a key RabbitMQ rejects fails the test), less what cannot apply on
+    loopback: peer discovery (the test joins with rabbitmqctl) and the free-disk limit
+    sized for a production disk."""
+    lines = EXAMPLE.read_text().split("## -- the cluster", 1)[1].splitlines()[1:]
+    out: dict[str, str] = {}
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, _, value = (part.strip() for part in line.partition("="))
+        if not key.startswith(("cluster_formation.", "disk_free_limit.")):
+            out[key] = value
+    return out
 
 
 def missing() -> str | None:
@@ -158,11 +175,11 @@ class RabbitCluster:
     def _config(self, node: RabbitNode) -> str:
         lines = [
             f"listeners.tcp.1 = 127.0.0.1:{node.port}",
-            "log.file.level = info",
             "log.console = false",
             # a full disk on a shared CI box must not block publishers mid-test
             "disk_free_limit.absolute = 10MB",
         ]
+        lines += [f"{key} = {value}" for key, value in example_cluster_settings().items()]
         if self.pki is not None:
             lines += [
                 f"listeners.ssl.1 = 127.0.0.1:{node.tls_port}",
