@@ -151,6 +151,6 @@ async def test_queue_leader_killed_mid_storm(
     total = time.monotonic() - began
     print(
         f"[rabbit] timings: boot {cluster.timings['boot_s']}s, join "
-        f"{cluster.timings['join_s']}s, duetime up {ready - began:.1f}s, storm+kill+drain "
+        f"{cluster.timings['join_s']}s, duetime ready at {ready - began:.1f}s, storm+kill+drain "
         f"{drained - storm:.1f}s, total {total:.1f}s"
     )

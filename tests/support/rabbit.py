@@ -13,8 +13,13 @@ the system node) is not read either.
 The server is started from ``/usr/lib/rabbitmq/bin`` (Debian's ``/usr/sbin`` wrappers
 ``su`` to the ``rabbitmq`` user and drop the environment), as a process group of its
 own: ``kill9`` is a node crash. ``close`` kills every node and removes the directory,
-whatever happened. Joining is the operator's procedure (``stop_app``,
-``join_cluster``, ``start_app``); ``deploy/rabbitmq/README.md`` describes it.
+whatever happened (and the ``atexit`` hook of ``tests/support/procs.py`` kills nodes a
+crashed test left). The nodes register with the machine's epmd (port 4369) under
+their own names; where none runs, the first node starts one, which outlives the test
+as epmd always does. Joining is the operator's procedure (``stop_app``,
+``join_cluster``, ``start_app``); ``deploy/rabbitmq/README.md`` describes it, and its
+node files' "cluster" section is part of every private node's configuration
+(``example_cluster_settings``).
 """
 
 from __future__ import annotations
