@@ -11,24 +11,64 @@ Topology (declared idempotently by whoever connects first):
 Publishing goes through the default exchange with ``mandatory=True`` on a channel with
 publisher confirms and ``on_return_raises=True``: a message no queue accepts is an
 error the dispatcher sees, not a silent return.
+
+**A cluster** (``amqp_url`` listing several nodes, comma-separated): every connection
+is a ``ClusterConnection``, aio-pika's robust connection over a list of URLs. It opens
+on the first node that answers, in the order given; when the connection is lost it
+reconnects starting with the *next* node (the lost one is probably down), trying each
+node once per round with no pause between them, then aio-pika's
+``reconnect_interval`` before the next round. Channels, queues and consumers are
+restored on the new node as aio-pika restores them after any reconnect, so the
+publisher and the consumer carry on without knowing. Quorum queues keep their
+messages on a majority of nodes, so the node a client talks to does not matter.
+aio-pika itself reconnects only to the URL a connection was made with, and has no
+hook for choosing another: ``ClusterConnection`` overrides the robust connection's
+private connect step (checked at import, so an aio-pika that renames it fails loudly
+instead of silently losing failover).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractQueue, AbstractRobustConnection
+from aio_pika.exceptions import CONNECTION_EXCEPTIONS
+from aio_pika.robust_connection import RobustConnection
+from yarl import URL
 
 from scheduler.config import redact_url
 from scheduler.errors import InvalidInput, ServiceUnavailable
 from scheduler.jobspec import validate_queue
+from scheduler.log import get_logger
 from scheduler.startup import is_permanent_cause
+
+log = get_logger(__name__)
 
 QUEUE_PREFIX = "duetime."
 DEAD_LETTER_EXCHANGE = "duetime.dlx"
 DEAD_LETTER_QUEUE = "duetime.dead-letter"
+
+# RobustConnection's one connect step (name-mangled private method): its reconnect
+# loop calls it for every attempt; ClusterConnection overrides it to pick the node.
+_CONNECT_STEP = "_RobustConnection__connect_transport"
+if not callable(getattr(RobustConnection, _CONNECT_STEP, None)):
+    raise ImportError(
+        f"aio-pika {aio_pika.__version__} has no RobustConnection.{_CONNECT_STEP}: "
+        "scheduler.broker.ClusterConnection needs it to move to another broker node"
+    )
+_robust_connect_step = getattr(RobustConnection, _CONNECT_STEP)
+
+
+def amqp_urls(amqp_url: str) -> tuple[str, ...]:
+    """The broker URLs of an ``amqp_url`` setting: one, or a cluster's nodes
+    comma-separated (validated by ``scheduler.config`` when it comes from settings)."""
+    urls = tuple(part.strip() for part in amqp_url.split(","))
+    if not all(urls):
+        raise InvalidInput(f"empty URL in the RabbitMQ URL list {redact_url(amqp_url)!r}")
+    return urls
 
 
 def queue_name(queue: str) -> str:
@@ -44,6 +84,68 @@ def job_queue_arguments(delivery_limit: int) -> dict[str, Any]:
     }
 
 
+class ClusterConnection(RobustConnection):
+    """A robust connection to whichever node of ``urls`` answers (module docstring).
+
+    ``url`` is the node in use (the last one tried while reconnecting); ``failures``
+    holds ``(url, exception)`` of every node that failed in the last round that found
+    none.
+    """
+
+    def __init__(self, urls: Sequence[str], **kwargs: Any) -> None:
+        if not urls:
+            raise ValueError("ClusterConnection needs at least one URL")
+        nodes = [URL(url) for url in urls]
+        super().__init__(nodes[0], **kwargs)
+        # Per node, the options aio-pika derives from a URL's query (TLS files, heartbeat)
+        # and the keyword arguments, as RobustConnection.__init__ derived them for the first.
+        shared: dict[str, Any] = {
+            k: self.kwargs[k] for k in ("context", "client_properties") if k in self.kwargs
+        }
+        own = {
+            k: v
+            for k, v in kwargs.items()
+            if v is not None and k not in ("loop", "ssl_context", "client_properties")
+        }
+        self.nodes: list[tuple[URL, dict[str, Any]]] = [(nodes[0], self.kwargs)]
+        for node in nodes[1:]:
+            options = self._parse_parameters({**dict(node.query), **own})
+            options.pop("reconnect_interval", None)
+            options.pop("fail_fast", None)
+            self.nodes.append((node, {**options, **shared}))
+        self.failures: list[tuple[str, BaseException]] = []
+        self._current: int | None = None  # index of the node of the last connection
+
+    async def _RobustConnection__connect_transport(self) -> None:
+        """One reconnect round: every node once, starting after the last one used."""
+        start = 0 if self._current is None else self._current + 1
+        failures: list[tuple[str, BaseException]] = []
+        for step in range(len(self.nodes)):
+            index = (start + step) % len(self.nodes)
+            self.url, self.kwargs = self.nodes[index]
+            try:
+                await _robust_connect_step(self)
+            except CONNECTION_EXCEPTIONS as exc:
+                failures.append((redact_url(str(self.url)), exc))
+                if len(self.nodes) > 1:
+                    log.warning(
+                        "amqp_node_unreachable",
+                        url=redact_url(str(self.url)),
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
+                continue
+            if len(self.nodes) > 1:
+                log.info(
+                    "amqp_node_connected",
+                    url=redact_url(str(self.url)),
+                    moved=self._current is not None and index != self._current,
+                )
+            self._current, self.failures = index, []
+            return
+        self.failures = failures
+        raise failures[-1][1]
+
+
 async def connect(
     url: str,
     *,
@@ -51,27 +153,52 @@ async def connect(
     name: str = "duetime",
     reconnect_interval: float | None = None,
 ) -> AbstractRobustConnection:
-    """A robust (auto-reconnecting) connection; fails fast with a clear error if the
-    broker cannot be reached at all on the first attempt.
+    """A robust (auto-reconnecting) connection to ``url``, one broker URL or a cluster's
+    comma-separated (``ClusterConnection``); fails fast with a clear error if no node
+    can be reached at all on the first attempt (``timeout`` applies per node).
 
     ``reconnect_interval`` (seconds) overrides aio-pika's default of 5 s between
-    reconnection attempts (a ``?reconnect_interval=`` in the URL also works).
+    reconnection rounds (a ``?reconnect_interval=`` in the first URL also works).
     """
     extra: dict[str, Any] = {}
     if reconnect_interval is not None:
         extra["reconnect_interval"] = reconnect_interval
+    connection = ClusterConnection(
+        amqp_urls(url), client_properties={"connection_name": name}, **extra
+    )
     try:
-        return await aio_pika.connect_robust(
-            url,
-            timeout=timeout,
-            client_properties={"connection_name": name},
-            **extra,
-        )
+        await connection.connect(timeout=timeout)
     except (OSError, TimeoutError, aiormq.exceptions.AMQPError) as exc:
+        failures = connection.failures or [(redact_url(url), exc)]
+        await _abandon(connection)
+        if len(failures) == 1:
+            where, error = failures[0]
+            detail = f"{where}: {type(error).__name__}: {error}"
+        else:
+            detail = "any node: " + "; ".join(
+                f"{where}: {type(error).__name__}: {error}" for where, error in failures
+            )
         raise ServiceUnavailable(
-            f"cannot connect to RabbitMQ at {redact_url(url)}: {type(exc).__name__}: {exc}",
-            transient=not is_permanent_cause(exc),
+            f"cannot connect to RabbitMQ at {detail}",
+            transient=not all(_permanent(error) for _, error in failures),
         ) from None
+    return connection
+
+
+def _permanent(exc: BaseException) -> bool:
+    """A refusal waiting will not fix; aiormq wraps TLS failures (a certificate that does
+    not verify) in ``AMQPConnectionError``, raised from the ``ssl`` error."""
+    return is_permanent_cause(exc) or (
+        exc.__cause__ is not None and is_permanent_cause(exc.__cause__)
+    )
+
+
+async def _abandon(connection: ClusterConnection) -> None:
+    """Stop the reconnect task of a connection that never opened."""
+    try:
+        await connection.close()
+    except Exception as exc:  # nothing was open: only its task to stop
+        log.debug("amqp_abandon_failed", error=repr(exc))
 
 
 async def declare_dead_letter(channel: AbstractChannel) -> AbstractQueue:

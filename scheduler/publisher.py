@@ -335,9 +335,38 @@ class Publisher:
             )
         for queue in returned:
             self.forget_queue(queue)
+        if not result.confirmed and any(f.reason == "nack" for f in result.failed):
+            await self._renew_channel()
         result.seconds = time.monotonic() - started
         self._record(result.seconds, any(f.reason == "timeout" for f in result.failed))
         return result
+
+    async def _renew_channel(self) -> None:
+        """Replace a channel whose every publish the broker refused (nack) by a new one.
+
+        A channel of RabbitMQ 3.10 that first publishes to a quorum queue while the
+        queue's record still names a dead leader keeps nacking that queue for good
+        (RabbitMQ 3.11.x/3.12.x ask Ra for the leader instead, rabbitmq-server#9241):
+        after the node leading a queue dies, the jobs of every batch would stay pending
+        forever. A fresh channel looks the leader up again.
+        """
+        connection, old = self._connection, self._channel
+        if connection is None:
+            return
+        try:
+            channel = connection.channel(publisher_confirms=True, on_return_raises=True)
+            await asyncio.wait_for(channel.initialize(), self.connect_timeout)
+        except (aiormq.exceptions.AMQPError, TimeoutError, ConnectionError, RuntimeError) as exc:
+            log.warning("publisher_channel_renew_failed", error=repr(exc))
+            return
+        self._channel = channel
+        self._declared.clear()
+        log.info("publisher_channel_renewed", reason="every publish of a batch was nacked")
+        if old is not None:
+            try:
+                await asyncio.wait_for(old.close(), self.connect_timeout)
+            except Exception as exc:  # the refused channel is being dropped anyway
+                log.debug("publisher_old_channel_close_failed", error=repr(exc))
 
     async def _publish_one(
         self, channel: Any, job: ClaimedJob, epoch: int, deadline: float

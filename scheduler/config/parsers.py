@@ -7,6 +7,7 @@ environment or a flag, a typed value from TOML) and returns it typed, or raises
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -15,9 +16,17 @@ from urllib.parse import urlsplit, urlunsplit
 from scheduler.errors import ConfigError
 from scheduler.shards.config import Shard, parse_shards_env, parse_shards_table
 
+# A comma that starts another URL ("...,amqps://..."): the commas of a libpq multi-host
+# netloc ("postgresql://h1:5432,h2:5432/db") are not followed by a scheme.
+_URL_LIST_SEPARATOR = re.compile(r",\s*(?=[a-z][a-z0-9+.-]*://)", re.IGNORECASE)
+
 
 def redact_url(url: str) -> str:
-    """Replace the password of a URL by ``***`` so the URL can be logged."""
+    """Replace the password of a URL by ``***`` so the URL can be logged (of every URL in
+    a comma-separated list of them, like ``amqp_url`` for a cluster)."""
+    urls = _URL_LIST_SEPARATOR.split(url)
+    if len(urls) > 1:
+        return ",".join(redact_url(one) for one in urls)
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -50,6 +59,32 @@ def url(schemes: tuple[str, ...]) -> Callable[[Any], str]:
         except ValueError as exc:
             raise ValueError(f"has an invalid port ({exc})") from None
         return value
+
+    return parse
+
+
+def url_list(schemes: tuple[str, ...]) -> Callable[[Any], str]:
+    """One URL or several, comma-separated (TOML: also a list); each checked like a single
+    one. The value stays one string, the URLs joined by "," in the order given
+    (``scheduler.broker.amqp_urls`` splits it)."""
+    one = url(schemes)
+
+    def parse(value: Any) -> str:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not items:
+            raise ValueError("must be a URL or a comma-separated list of URLs")
+        urls: list[str] = []
+        for number, raw in enumerate(items, start=1):
+            item = raw.strip() if isinstance(raw, str) else raw
+            try:
+                checked = one(item)
+            except ValueError as exc:
+                where = f"URL {number} of {len(items)}" if len(items) > 1 else "URL"
+                raise ValueError(f"{where} {exc}") from None
+            if checked in urls:
+                raise ValueError(f"lists {redact_url(checked)} twice")
+            urls.append(checked)
+        return ",".join(urls)
 
     return parse
 

@@ -129,7 +129,11 @@ FIELDS: dict[str, Field] = {
     f.name: f
     for f in [
         Field("database_url", p.url(("postgresql", "postgres")), "PostgreSQL URL (libpq form)"),
-        Field("amqp_url", p.url(("amqp", "amqps")), "RabbitMQ URL; its vhost isolates clusters"),
+        Field(
+            "amqp_url",
+            p.url_list(("amqp", "amqps")),
+            "RabbitMQ URL, or the nodes of a cluster comma-separated; its vhost isolates clusters",
+        ),
         Field("etcd_endpoints", p.endpoints, "etcd endpoints, comma-separated host:port"),
         Field("etcd_prefix", p.key_prefix, "key prefix isolating clusters sharing an etcd"),
         Field("etcd_username", p.optional_text, "etcd user (auth enabled clusters)"),

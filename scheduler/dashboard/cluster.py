@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import aio_pika
 
-from scheduler.broker import queue_name
+from scheduler.broker import amqp_urls, queue_name
 from scheduler.config import Settings
 from scheduler.log import scrub
 
@@ -43,11 +43,7 @@ async def read_broker(
 ) -> BrokerView:
     try:
         async with asyncio.timeout(timeout):
-            connection = await aio_pika.connect(
-                settings.amqp_url,
-                timeout=timeout,
-                client_properties={"connection_name": "duetime-dashboard"},
-            )
+            connection = await _connect_any(amqp_urls(settings.amqp_url), timeout)
             try:
                 depths = [await _depth(connection, q) for q in sorted(set(queues))]
             finally:
@@ -57,6 +53,18 @@ async def read_broker(
         detail = str(exc) or f"no answer within {timeout:g}s"
         return BrokerView(False, error=scrub(f"{type(exc).__name__}: {detail}")[:300])
     return BrokerView(True, tuple(depths))
+
+
+async def _connect_any(urls: tuple[str, ...], timeout: float) -> aio_pika.abc.AbstractConnection:
+    """The first node of the cluster that answers (the last node's error if none)."""
+    for url in urls[:-1]:
+        with contextlib.suppress(OSError, aio_pika.exceptions.AMQPError):
+            return await aio_pika.connect(
+                url, timeout=timeout, client_properties={"connection_name": "duetime-dashboard"}
+            )
+    return await aio_pika.connect(
+        urls[-1], timeout=timeout, client_properties={"connection_name": "duetime-dashboard"}
+    )
 
 
 async def _depth(connection: aio_pika.abc.AbstractConnection, queue: str) -> QueueDepth:
