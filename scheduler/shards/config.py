@@ -1,0 +1,141 @@
+"""Which shards exist: ``DUETIME_SHARDS`` or a TOML ``[shards]`` table.
+
+A shard is one PostgreSQL database holding the whole duetime schema, named so that the
+name can sit in an etcd key (``<prefix>/shards/<name>/leader``), a metric label and a
+message body without quoting: ``[a-z0-9_-]{1,32}``. Without either setting there is one
+shard, ``main``, at the database URL, and nothing about a single-database cluster
+changes.
+
+The environment form is ``name=url,name=url``. A PostgreSQL URL may itself contain
+commas only in its query string (``?options=...``), so pairs are split on a comma that
+is followed by ``name=`` and a URL scheme, never on a comma inside a URL. Errors list
+every bad pair at once (passwords redacted), like ``load_settings`` does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from scheduler.config import redact_url
+from scheduler.errors import ConfigError
+
+__all__ = ["DEFAULT_SHARD", "SHARD_NAME", "Shard", "parse_shards", "parse_shards_env",
+           "parse_shards_table", "shards_from"]  # fmt: skip
+
+DEFAULT_SHARD = "main"
+SHARD_NAME = re.compile(r"[a-z0-9_-]{1,32}")
+_SCHEMES = ("postgresql", "postgres")
+# A pair starts at the beginning or after a comma, with "name=" and a URL scheme.
+_PAIR_START = re.compile(r"(?:^|,)\s*([^=,\s]*)\s*=\s*(?=[a-z][a-z0-9+.-]*://)", re.IGNORECASE)
+
+
+@dataclass(frozen=True, repr=False)
+class Shard:
+    """One shard. ``repr`` redacts the password so a traceback cannot leak it."""
+
+    name: str
+    url: str
+
+    def __repr__(self) -> str:
+        return f"Shard({self.name!r}, {redact_url(self.url)!r})"
+
+
+def _check_url(url: Any) -> str | None:
+    """Why ``url`` is not a usable PostgreSQL URL, or None when it is."""
+    if not isinstance(url, str) or not url.strip():
+        return "must be a non-empty postgresql:// URL"
+    try:
+        parts = urlsplit(url.strip())
+        _ = parts.port
+    except ValueError as exc:
+        return f"is not a valid URL ({exc})"
+    if parts.scheme not in _SCHEMES:
+        return f"scheme must be postgresql or postgres (got {parts.scheme or 'none'!r})"
+    if not parts.hostname and "host=" not in parts.query:
+        return "has no host"
+    if "," in parts.netloc + parts.path:
+        return "has a comma outside its query string (pairs are separated by commas)"
+    return None
+
+
+def _check_name(name: Any) -> str | None:
+    if not isinstance(name, str) or SHARD_NAME.fullmatch(name) is None:
+        return f"shard name {name!r} must match [a-z0-9_-]{{1,32}}"
+    return None
+
+
+def parse_shards(pairs: list[tuple[Any, Any]], source: str) -> tuple[Shard, ...]:
+    """Validate ``(name, url)`` pairs from ``source``; ``ConfigError`` lists every fault."""
+    errors: list[str] = []
+    seen: set[str] = set()
+    shards: list[Shard] = []
+    if not pairs:
+        errors.append(f"{source}: names no shard (leave it unset for the single shard "
+                      f"{DEFAULT_SHARD!r})")  # fmt: skip
+    for name, url in pairs:
+        problem = _check_name(name)
+        if problem is None and name in seen:
+            problem = f"shard name {name!r} appears twice"
+        url_problem = _check_url(url)
+        if url_problem is not None:
+            shown = redact_url(url) if isinstance(url, str) else repr(url)
+            problem = (problem + "; " if problem else "") + f"url {shown} {url_problem}"
+        if problem is not None:
+            errors.append(f"{source}: {problem}")
+            continue
+        seen.add(name)
+        shards.append(Shard(name, url.strip()))
+    if errors:
+        if len(errors) == 1:
+            raise ConfigError(f"invalid shards: {errors[0]}")
+        raise ConfigError("invalid shards:\n  " + "\n  ".join(errors))
+    return tuple(shards)
+
+
+def parse_shards_env(value: str, source: str = "DUETIME_SHARDS") -> tuple[Shard, ...]:
+    """``name=url,name=url`` to shards (see the module docstring for the comma rule)."""
+    text = value.strip()
+    starts = list(_PAIR_START.finditer(text))
+    pairs: list[tuple[Any, Any]] = []
+    if not starts or starts[0].start() != 0:
+        head = text if not starts else text[: starts[0].start()]
+        if head.strip(", "):
+            # Something before the first recognisable pair: report it as it is.
+            bad_name, sep, bad_url = head.partition("=")
+            if not sep:
+                raise ConfigError(
+                    f"invalid shards: {source}: {redact_url(head.strip())!r} is not "
+                    "name=postgresql-url"
+                )
+            pairs.append((bad_name.strip(), bad_url.strip()))
+    for i, match in enumerate(starts):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+        pairs.append((match.group(1), text[match.end() : end].strip()))
+    return parse_shards(pairs, source)
+
+
+def parse_shards_table(table: Any, source: str = "[shards]") -> tuple[Shard, ...]:
+    """A TOML ``[shards]`` table (``name = "url"``) to shards."""
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"invalid shards: {source} must be a table of name = \"url\"")
+    return parse_shards(list(table.items()), source)
+
+
+def shards_from(
+    database_url: str,
+    env_value: str | None = None,
+    toml_table: Any = None,
+    *,
+    toml_source: str = "[shards]",
+) -> tuple[Shard, ...]:
+    """The configured shards: the environment wins over the TOML table; neither set
+    gives the single shard ``main`` at ``database_url``."""
+    if env_value is not None and env_value.strip():
+        return parse_shards_env(env_value)
+    if toml_table is not None:
+        return parse_shards_table(toml_table, toml_source)
+    return (Shard(DEFAULT_SHARD, database_url),)
