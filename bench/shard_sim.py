@@ -6,7 +6,8 @@ full set, with ``time.time()``) and repeats it every 100 ms. The observer (this
 process) samples every shard key and member key every ~100 ms, and runs the phases:
 
 1. start ``replicas - join`` processes; wait until every shard is led, nobody leads
-   more than ⌈K/R⌉ and nothing moved for ``quiet`` seconds (``converge_s``);
+   more than ⌈K/R⌉ and nothing moved for ``quiet`` seconds (``converge_s`` from the
+   spawn, ``converge_after_registered_s`` from the sample showing every member key);
 2. start ``join`` more; time until balanced and quiet again, from the moment all the
    newcomers' member keys are visible (``rebalance_s``), and count the moves;
 3. ``kill -9`` ``kill`` processes; for each shard they led, the time until a live
@@ -216,11 +217,18 @@ class Observer:
         raise TimeoutError(f"not balanced and quiet within {self.p.phase_timeout}s: {counts}")
 
     def moves(self, since: float, until: float) -> int:
-        window = [s for s in self.samples if since <= s.t <= until]
-        return sum(
-            1 for a, b in itertools.pairwise(window) for shard in self.shards
-            if a.holders.get(shard) != b.holders.get(shard) and b.holders.get(shard)
-        )  # fmt: skip
+        """Times a shard got a holder other than its previous one (a first leader of a
+        never-led shard is not a move)."""
+        last: dict[str, str] = {}
+        count = 0
+        for sample in self.samples:
+            if sample.t > until:
+                break
+            for shard, holder in sample.holders.items():
+                if sample.t >= since and shard in last and last[shard] != holder:
+                    count += 1
+                last[shard] = holder
+        return count
 
     def spread(self, sample: Sample) -> dict[str, Any]:
         values = list(sample.holders.values())
@@ -280,7 +288,10 @@ class Observer:
             names = [f"r{i:02d}" for i in range(p.replicas)]
             await asyncio.gather(*(self.spawn(n) for n in names[:first]))
             stable_at, sample = await self.wait_stable(t0, set(names[:first]))
+            registered = next(s.t for s in self.samples if s.members == set(names[:first]))
             result["converge_s"] = round(stable_at - t0, 3)
+            result["converge_after_registered_s"] = round(stable_at - registered, 3)
+            result["converge_moves"] = self.moves(t0, stable_at)
             result["after_start"] = self.spread(sample)
 
             t_join = time.time()
@@ -319,6 +330,7 @@ class Observer:
             result["relead_within_bound"] = all(r <= p.ttl + 1.0 for r in relead)
             result["after_kill"] = self.spread(sample)
             result["after_kill_stable_s"] = round(stable_at - t_kill, 3)
+            result["after_kill_moves"] = self.moves(t_kill, stable_at)
         finally:
             await self.shutdown()
         result.update(self.belief_check())
