@@ -49,33 +49,23 @@ import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import aetcd
-import grpc
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.election import LeaseDeadline, default_safety_margin, parse_endpoint
 from scheduler.errors import ConfigError, ServiceUnavailable
-from scheduler.etcd_client import EtcdTLS, make_client, refused_credentials
+from scheduler.etcd_client import EtcdTLS, refused_credentials
 from scheduler.log import get_logger
 from scheduler.shards.assignment import DEFAULT_GRACE, Assigner, View
 from scheduler.shards.config import SHARD_NAME
+from scheduler.shards.etcd_conn import ETCD_ERRORS, EtcdConn, describe
 
 __all__ = ["ShardEvent", "ShardLeadership", "ShardTerm", "member_key", "shard_key"]
 
 log = get_logger(__name__)
-T = TypeVar("T")
-
-_ETCD_ERRORS: tuple[type[BaseException], ...] = (
-    aetcd.ClientError, grpc.RpcError, grpc.aio.BaseError, TimeoutError, OSError,
-)  # fmt: skip
-_ANSWERS: tuple[type[BaseException], ...] = (
-    aetcd.InvalidArgumentError, aetcd.PreconditionFailedError, aetcd.RevisionCompactedError,
-)  # fmt: skip
-_CLOSE_TIMEOUT = 1.0
-
 
 def member_key(prefix: str, node_id: str) -> str:
     return f"{prefix.rstrip('/')}/members/{node_id}"
@@ -113,53 +103,6 @@ class ShardEvent:
 
 
 Handler = Callable[[ShardEvent], Awaitable[None]]
-
-
-class _Conn:
-    """One lazily built aetcd client; every call bounded; dropped after an error."""
-
-    def __init__(self, endpoints: list[tuple[str, int]], timeout: float,
-                 auth: tuple[str | None, str | None], tls: EtcdTLS | None) -> None:  # fmt: skip
-        self._endpoints = endpoints
-        self._index = 0
-        self._timeout = timeout
-        self._auth = auth
-        self._tls = tls
-        self._client: aetcd.Client | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return "{}:{}".format(*self._endpoints[self._index])
-
-    def client(self) -> aetcd.Client:
-        if self._client is None:
-            host, port = self._endpoints[self._index]
-            self._client = make_client(
-                host, port, username=self._auth[0], password=self._auth[1],
-                timeout=self._timeout, tls=self._tls,
-            )  # fmt: skip
-        return self._client
-
-    async def call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        client = self.client()
-        try:
-            return await asyncio.wait_for(op(client), self._timeout)
-        except _ETCD_ERRORS as exc:
-            await self.discard(client, exc)
-            raise
-
-    async def discard(self, client: aetcd.Client, error: BaseException) -> None:
-        if isinstance(error, _ANSWERS) or refused_credentials(error) or "not found" in str(error):
-            return
-        if client is self._client:
-            self._client = None
-            self._index = (self._index + 1) % len(self._endpoints)
-        await _close_client(client)
-
-    async def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await _close_client(client)
 
 
 class ShardLeadership:
@@ -221,8 +164,8 @@ class ShardLeadership:
             grace=grace,
         )  # fmt: skip
         parsed = [parse_endpoint(e) for e in endpoints]
-        self._kv = _Conn(parsed, call_timeout, (username, password), tls)
-        self._watch_conn = _Conn(parsed, call_timeout, (username, password), tls)
+        self._kv = EtcdConn(parsed, call_timeout, (username, password), tls)
+        self._watch_conn = EtcdConn(parsed, call_timeout, (username, password), tls)
         self._member_key = member_key(self.prefix, node_id).encode()
         self._shard_keys = {s: shard_key(self.prefix, s).encode() for s in self.shards}
         self._by_key = {k: s for s, k in self._shard_keys.items()}
@@ -313,18 +256,18 @@ class ShardLeadership:
                 await self._round()
                 failures = 0
                 delay = self.poll_interval
-            except _ETCD_ERRORS as exc:
+            except ETCD_ERRORS as exc:
                 if refused_credentials(exc):
                     self.fatal = ServiceUnavailable(
                         f"etcd at {self._kv.endpoint} refused this node's credentials on "
                         f"{self.prefix}/: {exc}", transient=False,
                     )  # fmt: skip
-                    self._log.error("shards_etcd_refused", error=_describe(exc))
+                    self._log.error("shards_etcd_refused", error=describe(exc))
                     self._events.put_nowait(None)
                     return
                 failures += 1
                 delay = bounded_jitter(failures, base=0.1, cap=self.poll_interval, rng=self._rng)
-                self._log.warning("shards_etcd_error", attempt=failures, error=_describe(exc))
+                self._log.warning("shards_etcd_error", attempt=failures, error=describe(exc))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._wake.wait()
@@ -451,8 +394,8 @@ class ShardLeadership:
                     failure=[],
                 )
             )
-        except _ETCD_ERRORS as exc:  # the key then goes with the lease
-            self._log.warning("shard_key_delete_failed", shard=shard, error=_describe(exc))
+        except ETCD_ERRORS as exc:  # the key then goes with the lease
+            self._log.warning("shard_key_delete_failed", shard=shard, error=describe(exc))
 
     async def _lose(self, shard: str, reason: str) -> None:
         term = self._terms.pop(shard, None)
@@ -473,7 +416,7 @@ class ShardLeadership:
             await asyncio.wait_for(self._handler(event), self.handler_timeout)
         except Exception as exc:
             self._log.error("shard_handler_failed", shard=event.shard, kind=event.kind,
-                            error=_describe(exc))  # fmt: skip
+                            error=describe(exc))  # fmt: skip
 
     # -- the lease ----------------------------------------------------------------------
 
@@ -498,11 +441,11 @@ class ShardLeadership:
                 reply = await self._refresh(lease_id)
                 if reply is None:
                     raise aetcd.ClientError("lease keepalive stream closed without a reply")
-            except _ETCD_ERRORS as exc:
+            except ETCD_ERRORS as exc:
                 failures += 1
                 remaining = deadline.remaining(self._clock.monotonic())
                 self._log.warning(
-                    "shards_lease_renew_failed", attempt=failures, error=_describe(exc),
+                    "shards_lease_renew_failed", attempt=failures, error=describe(exc),
                     trust_remaining=round(remaining, 3),
                 )  # fmt: skip
                 await self._clock.sleep(min(
@@ -530,8 +473,8 @@ class ShardLeadership:
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:
             await self._kv.call(lambda c: c.revoke_lease(lease_id))
-        except _ETCD_ERRORS as exc:  # "not found" included: gone either way
-            self._log.info("shards_lease_revoke_failed", lease_id=lease_id, error=_describe(exc))
+        except ETCD_ERRORS as exc:  # "not found" included: gone either way
+            self._log.info("shards_lease_revoke_failed", lease_id=lease_id, error=describe(exc))
 
     # -- the watch: wake the loop on any change -----------------------------------------
 
@@ -551,7 +494,7 @@ class ShardLeadership:
                 if watch is None:
                     await self._watch_conn.discard(client, exc)
                     failures += 1
-            except _ETCD_ERRORS as exc:
+            except ETCD_ERRORS as exc:
                 await self._watch_conn.discard(client, exc)
                 failures += 1
             finally:
@@ -562,17 +505,3 @@ class ShardLeadership:
                 await self._clock.sleep(
                     bounded_jitter(failures, base=0.1, cap=self.poll_interval, rng=self._rng)
                 )
-
-
-async def _close_client(client: aetcd.Client) -> None:
-    channel = client.channel
-    try:
-        await asyncio.wait_for(client.close(), _CLOSE_TIMEOUT)
-    except Exception:
-        if channel is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(channel.close(), _CLOSE_TIMEOUT)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
