@@ -286,3 +286,65 @@ def test_every_shard_has_at_most_one_campaign_winner_and_stays_put(seed: int, k:
     for _ in range(20):  # once stable, nothing moves
         assert not cluster.round()
     assert cluster.leaders == before
+
+
+class LaggingCluster(Cluster):
+    """Each node decides on a view up to ``lag`` rounds old (its own read of etcd) but
+    knows its own terms exactly, as ``ShardLeadership`` does; resignations and
+    campaigns apply to the real state."""
+
+    def __init__(self, k: int, seed: int, lag: int) -> None:
+        super().__init__(k, seed)
+        self.lag = lag
+        self.history: list[View] = []
+
+    def round(self) -> bool:
+        self.clock.now += STEP
+        self.history.append(self.view())
+        decisions = {}
+        for n, a in self.nodes.items():
+            back = self.rng.randint(0, min(self.lag, len(self.history) - 1))
+            seen = self.history[-1 - back]
+            own = {s for s, holder in self.leaders.items() if holder == n}  # always current
+            decisions[n] = a.decide(seen, leading=own)
+        changed = False
+        for node, decision in decisions.items():
+            for s in decision.resign:
+                if self.leaders.get(s) == node:  # a stale view may name a shard already gone
+                    self.leaders[s] = None
+                    self.moves += 1
+                    changed = True
+        wins = dict.fromkeys(decisions, 0)
+        for s in self.shards:
+            if self.leaders.get(s) is None:
+                candidates = sorted(
+                    n for n, d in decisions.items() if s in d.campaign and wins[n] < d.room
+                )
+                if candidates:
+                    winner = self.rng.choice(candidates)
+                    self.leaders[s] = winner
+                    wins[winner] += 1
+                    changed = True
+        return changed
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    k=st.integers(min_value=1, max_value=40),
+    r=st.integers(min_value=1, max_value=10),
+    joins=st.integers(min_value=0, max_value=3),
+    seed=st.integers(min_value=0, max_value=2**32 - 1),
+    lag=st.integers(min_value=1, max_value=3),
+)
+def test_converges_even_when_nodes_read_stale_views(
+    k: int, r: int, joins: int, seed: int, lag: int
+) -> None:
+    cluster = LaggingCluster(k, seed, lag)
+    for i in range(r):
+        cluster.join(f"n{i:02d}")
+    cluster.run_until_stable(60 + 4 * k, quiet=2 * lag + 4)
+    for j in range(joins):
+        cluster.join(f"j{j}")
+    cluster.run_until_stable(60 + 4 * k, quiet=2 * lag + 4)
+    counts = cluster.counts()
+    assert max(counts.values()) <= target(k, len(cluster.nodes))
