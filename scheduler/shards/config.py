@@ -10,6 +10,9 @@ The environment form is ``name=url,name=url``. A PostgreSQL URL may itself conta
 commas only in its query string (``?options=...``), so pairs are split on a comma that
 is followed by ``name=`` and a URL scheme, never on a comma inside a URL. Errors list
 every bad pair at once (passwords redacted), like ``load_settings`` does.
+
+It imports nothing from ``scheduler.config``, so ``scheduler.config`` can call
+``shards_from`` when it reads ``DUETIME_SHARDS`` and the ``[shards]`` table.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from scheduler.config import redact_url
 from scheduler.errors import ConfigError
+from scheduler.log import scrub
 
 __all__ = ["DEFAULT_SHARD", "SHARD_NAME", "Shard", "parse_shards", "parse_shards_env",
            "parse_shards_table", "shards_from"]  # fmt: skip
@@ -41,7 +44,7 @@ class Shard:
     url: str
 
     def __repr__(self) -> str:
-        return f"Shard({self.name!r}, {redact_url(self.url)!r})"
+        return f"Shard({self.name!r}, {scrub(self.url)!r})"
 
 
 def _check_url(url: Any) -> str | None:
@@ -82,7 +85,7 @@ def parse_shards(pairs: list[tuple[Any, Any]], source: str) -> tuple[Shard, ...]
             problem = f"shard name {name!r} appears twice"
         url_problem = _check_url(url)
         if url_problem is not None:
-            shown = redact_url(url) if isinstance(url, str) else repr(url)
+            shown = scrub(url) if isinstance(url, str) else repr(url)
             problem = (problem + "; " if problem else "") + f"url {shown} {url_problem}"
         if problem is not None:
             errors.append(f"{source}: {problem}")
@@ -108,7 +111,7 @@ def parse_shards_env(value: str, source: str = "DUETIME_SHARDS") -> tuple[Shard,
             bad_name, sep, bad_url = head.partition("=")
             if not sep:
                 raise ConfigError(
-                    f"invalid shards: {source}: {redact_url(head.strip())!r} is not "
+                    f"invalid shards: {source}: {scrub(head.strip())!r} is not "
                     "name=postgresql-url"
                 )
             pairs.append((bad_name.strip(), bad_url.strip()))
