@@ -38,7 +38,9 @@ deleted, never adopted, and campaigned for again.
 (bounded by ``handler_timeout``; an exception is logged), and ``events()`` yields the
 same events to one consumer. Every background task is owned and cancelled by
 ``stop()``, which reports each led shard lost and revokes the lease (every key at once,
-so standbys take over immediately). Every etcd call has a deadline.
+so standbys take over immediately). Every etcd call has a deadline. The loops also
+check a stop flag: grpc can turn the cancellation of a call into an RPC error, which a
+retry loop would otherwise take for an etcd failure and carry on.
 """
 
 from __future__ import annotations
@@ -228,10 +230,12 @@ class ShardLeadership:
         if self._stopping:
             return
         self._stopping = True
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self._wake.set()
+        pending, self._tasks = set(self._tasks), []
+        while pending:
+            for task in pending:
+                task.cancel()  # again on later passes: a library may turn one into an error
+            _, pending = await asyncio.wait(pending, timeout=self.call_timeout)
         await self._lose_all("stopped")
         lease_id, self._lease_id, self._deadline = self._lease_id, None, None
         if lease_id is not None:
@@ -251,7 +255,7 @@ class ShardLeadership:
 
     async def _run(self) -> None:
         failures = 0
-        while True:
+        while not self._stopping:
             try:
                 await self._round()
                 failures = 0
@@ -277,6 +281,12 @@ class ShardLeadership:
         if self._lease_id is None or not self._trusted():
             await self._register()
         view, revision = await self._read()
+        if self.node_id not in view.members and self._lease_id is not None:
+            lease_id = self._lease_id  # our member key was deleted: others must see us
+            await self._kv.call(
+                lambda c: c.put(self._member_key, self.node_id.encode(), lease=lease_id)
+            )
+            self._log.warning("shards_member_key_restored", lease_id=lease_id)
         self.view = view
         await self._check_terms(view, revision)
         decision = self._assigner.decide(view, leading=set(self._terms))
@@ -284,7 +294,7 @@ class ShardLeadership:
             await self._resign(shard, "rebalance")
         room = decision.room
         for shard in decision.campaign:
-            if room <= 0:
+            if room <= 0 or self._stopping:
                 break
             if view.holder(shard) is None and shard not in self._terms:
                 if await self._acquire(shard):
@@ -423,7 +433,7 @@ class ShardLeadership:
     async def _keepalive(self) -> None:
         """Renew every renew_interval; drop every shard the moment the window closes."""
         failures = 0
-        while True:
+        while not self._stopping:
             lease_id, deadline = self._lease_id, self._deadline
             now = self._clock.monotonic()
             if lease_id is None or deadline is None:
@@ -481,7 +491,7 @@ class ShardLeadership:
     async def _watch(self) -> None:
         failures = 0
         prefix = f"{self.prefix}/".encode()
-        while True:
+        while not self._stopping:
             client = self._watch_conn.client()
             watch = None
             try:
@@ -490,6 +500,8 @@ class ShardLeadership:
                 async with asyncio.timeout(self.ttl):  # renew even if the stream died silently
                     async for _event in watch:
                         self._wake.set()
+                        if self._stopping:
+                            return
             except TimeoutError as exc:
                 if watch is None:
                     await self._watch_conn.discard(client, exc)

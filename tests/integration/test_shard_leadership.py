@@ -112,8 +112,13 @@ async def test_a_join_takes_its_share_by_handover_and_the_owner_is_told_first(
         await wait_for(lambda: one.led() == set(SHARDS), 10, message="n1 leads all")
         epochs = {s: t.epoch for s, t in one.leadership.leading().items()}
         await two.leadership.start()
-        await wait_for(lambda: len(two.led()) == 2 and len(one.led()) == 2, 10,
-                       message="handover to the newcomer")  # fmt: skip
+        try:
+            await wait_for(lambda: len(two.led()) == 2 and len(one.led()) == 2, 10,
+                           message="handover to the newcomer")  # fmt: skip
+        except AssertionError as exc:
+            views = (one.leadership.view, two.leadership.view)
+            events = (one.events, two.events)
+            raise AssertionError(f"{exc}; views {views}; events {events}") from None
         handed = [shard for kind, shard, reason in one.events if reason == "rebalance"]
         assert sorted(handed) == sorted(two.led())
         assert all(one.key_at_loss[s] for s in handed), "owner told before the key went"
@@ -124,7 +129,7 @@ async def test_a_join_takes_its_share_by_handover_and_the_owner_is_told_first(
         await one.leadership.stop()
 
 
-async def test_a_key_deleted_behind_the_leaders_back_is_reported_lost(
+async def test_keys_deleted_behind_the_nodes_back_are_noticed(
     etcd_endpoints: str, prefix: str, etcd: aetcd.Client
 ) -> None:
     one = Node(etcd_endpoints, prefix, "n1", etcd)
@@ -135,6 +140,12 @@ async def test_a_key_deleted_behind_the_leaders_back_is_reported_lost(
         await wait_for(lambda: ("lost", "a", "key_deleted") in one.events, 5,
                        message="loss reported")  # fmt: skip
         await wait_for(lambda: "a" in one.led(), 5, message="campaigned for again")
+        await etcd.delete(member_key(prefix, "n1").encode())
+
+        async def member_back() -> bool:
+            return await etcd.get(member_key(prefix, "n1").encode()) is not None
+
+        await wait_for(member_back, 5, message="member key restored")
     finally:
         await one.leadership.stop()
 
