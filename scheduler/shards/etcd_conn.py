@@ -56,10 +56,13 @@ class EtcdConn:
             )  # fmt: skip
         return self._client
 
-    async def call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+    async def call(
+        self, op: Callable[[aetcd.Client], Awaitable[T]], timeout: float | None = None
+    ) -> T:
+        """Run ``op`` within ``timeout`` (default: the call timeout)."""
         client = self.client()
         try:
-            return await asyncio.wait_for(op(client), self._timeout)
+            return await asyncio.wait_for(op(client), self._timeout if timeout is None else timeout)
         except ETCD_ERRORS as exc:
             await self.discard(client, exc)
             raise

@@ -415,8 +415,15 @@ class ShardLeadership:
         await self._emit(ShardEvent("lost", term, reason))
 
     async def _lose_all(self, reason: str) -> None:
-        for shard in sorted(self._terms):
-            await self._lose(shard, reason)
+        """Every term ends at once; the owner is told of all of them concurrently, so one
+        slow handler does not delay stopping the other shards' duties."""
+        terms, self._terms = self._terms, {}
+        for shard, term in sorted(terms.items()):
+            self._log.warning("shard_leadership_lost", shard=shard, epoch=term.epoch,
+                              reason=reason)  # fmt: skip
+        await asyncio.gather(
+            *(self._emit(ShardEvent("lost", term, reason)) for _, term in sorted(terms.items()))
+        )
 
     async def _emit(self, event: ShardEvent) -> None:
         self._events.put_nowait(event)
@@ -448,7 +455,8 @@ class ShardLeadership:
                 continue
             sent_at = now
             try:
-                reply = await self._refresh(lease_id)
+                budget = min(self.call_timeout, deadline.remaining(now))
+                reply = await self._refresh(lease_id, budget)
                 if reply is None:
                     raise aetcd.ClientError("lease keepalive stream closed without a reply")
             except ETCD_ERRORS as exc:
@@ -477,8 +485,10 @@ class ShardLeadership:
             next_renew = sent_at + self.renew_interval
             await self._clock.sleep(max(0.0, min(next_renew, deadline.valid_until or now) - now))
 
-    async def _refresh(self, lease_id: int) -> Any:
-        return await self._kv.call(lambda c: c.refresh_lease(lease_id))
+    async def _refresh(self, lease_id: int, budget: float) -> Any:
+        """One refresh, given no longer than the trust window has left: the window's
+        end must be noticed when it comes, not a call timeout later."""
+        return await self._kv.call(lambda c: c.refresh_lease(lease_id), budget)
 
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:

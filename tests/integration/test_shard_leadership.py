@@ -2,7 +2,8 @@
 
 What the owner relies on: the keys and values (contract), epochs as create revisions,
 a resignation telling the owner before the key goes, ``stop()`` freeing every key at
-once, a key deleted behind a leader's back reported lost, and keys we must not adopt.
+once, a key deleted behind a leader's back reported lost, keys we must not adopt, and
+a frozen etcd (a private server) ending every term inside the trust window.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import pytest_asyncio
 
 from scheduler.shards.leadership import ShardEvent, ShardLeadership, member_key, shard_key
+from tests.support.etcd import PrivateEtcd
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -189,3 +191,35 @@ async def test_events_iterator_ends_on_stop(
         await leadership.stop()  # twice is safe
     await asyncio.wait_for(consumer, 2)
     assert seen == [("gained", "a"), ("lost", "a")]
+
+
+async def test_a_frozen_etcd_ends_every_term_inside_the_window_then_it_recovers() -> None:
+    async with PrivateEtcd() as server:
+        endpoint = server.endpoint
+        host, _, port = endpoint.rpartition(":")
+        etcd = aetcd.Client(host=host, port=int(port), timeout=2.0)
+        prefix = f"duetime-test/shardfreeze-{uuid.uuid4().hex[:10]}"
+        one = Node(endpoint, prefix, "n1", etcd)
+        await one.leadership.start()
+        try:
+            await wait_for(lambda: one.led() == set(SHARDS), 10, message="n1 leads all")
+            epochs = {s: t.epoch for s, t in one.leadership.leading().items()}
+            server.pause()
+            frozen_at = asyncio.get_running_loop().time()
+            await wait_for(lambda: not one.led(), TTL + 1, message="every term ended")
+            took = asyncio.get_running_loop().time() - frozen_at
+            print(f"MEASURE shards_lost_after_freeze={took:.3f}")
+            assert took <= TTL, "trust ends before etcd could expire the lease"
+            await wait_for(
+                lambda: {shard for kind, shard, reason in one.events
+                         if kind == "lost" and reason == "lease_unconfirmed"} == set(SHARDS),
+                0.5, message="the owner told of every loss at once",
+            )  # fmt: skip
+            server.resume()
+            await wait_for(lambda: one.led() == set(SHARDS), 15, message="led again")
+            for shard, term in one.leadership.leading().items():
+                assert term.epoch > epochs[shard]
+        finally:
+            server.resume()
+            await one.leadership.stop()
+            await etcd.close()
