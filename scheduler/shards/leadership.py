@@ -29,6 +29,14 @@ the shard's key (only that incarnation: compare on create_revision == epoch), af
 the owner was told and had ``handler_timeout`` to stop that shard's duties; the
 standby the plan chose campaigns on the DELETE it sees.
 
+**Bounds.** A dead node's shards are unled when etcd expires its lease (at most TTL
+after its last refresh, plus etcd's expiry sweep of up to 0.5 s); the watch wakes the
+nodes the plan names and one transaction each re-leads them: within TTL + 1 s. A node
+that joins gets its share once the others have seen the same membership for
+``settle`` (default ``min(1 s, TTL/2)``): one read, one delete per surplus shard and
+one transaction by the newcomer, so about ``settle`` + ``poll_interval`` in the worst
+case; a start of many nodes at once converges the same way, once arrivals stop.
+
 **Keys we do not adopt.** A key holding our node id on another lease (a previous
 process with this node id) is left to expire, as in the single-leader election. A key
 on our *own* lease that we hold no term for (a transaction whose reply was lost) is
