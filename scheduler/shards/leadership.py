@@ -1,0 +1,537 @@
+"""Leading several shards from one node: per-shard election keys on one node lease.
+
+**Keys.** The node grants one etcd lease and puts ``<prefix>/members/<node>`` on it
+(value: the node id). Each shard has its election key ``<prefix>/shards/<name>/leader``
+(value: the node id, a contract operators and tests read), created on that same lease
+with the transaction the single-leader election uses: *create it if its
+create_revision is 0, else read it*. The shard's **epoch** is the key's
+create_revision, its fencing token. One lease per node, not per shard: the etcd lease
+load grows with replicas, not shards, and a dead node's member key and every shard key
+it held vanish in one revision when its lease expires, so no observer ever sees a dead
+node's shards unled while the node still looks alive.
+
+**Trust window.** The lease is renewed every TTL/3 and trusted until ``sent_at + TTL -
+safety_margin`` of the last successful refresh (``LeaseDeadline``, the same arithmetic
+and margin as the single-leader election). Every shard this node leads shares that
+window: ``is_leader(shard)`` is false once it closes, and all shards are reported lost
+at that moment, before etcd could let another node create any of the keys. A lease
+etcd says is gone (TTL <= 0) loses everything at once too; the node then grants a new
+lease, registers again and campaigns afresh (every new key incarnation has a new
+epoch). A shard key that is deleted or replaced behind this node's back is reported
+lost when the next read shows it.
+
+**What to lead.** ``scheduler.shards.assignment`` decides from each read which shards
+to campaign for and which to hand over. The read is one range request (members and
+shard keys at one revision), repeated every ``poll_interval`` and at once when a watch
+on the prefix reports any change, so a resignation or an expiry is acted on in
+milliseconds and a broken watch costs at most one poll interval. Handing over deletes
+the shard's key (only that incarnation: compare on create_revision == epoch), after
+the owner was told and had ``handler_timeout`` to stop that shard's duties; the
+standby the plan chose campaigns on the DELETE it sees.
+
+**Bounds.** A dead node's shards are unled when etcd expires its lease (at most TTL
+after its last refresh, plus etcd's expiry sweep of up to 0.5 s); the watch wakes the
+nodes the plan names and one transaction each re-leads them: within TTL + 1 s. A node
+that joins gets its share once the others have seen the same membership for
+``settle`` (default ``min(1 s, TTL/2)``): one read, one delete per surplus shard and
+one transaction by the newcomer, so about ``settle`` + ``poll_interval`` in the worst
+case; a start of many nodes at once converges the same way, once arrivals stop.
+
+**Keys we do not adopt.** A key holding our node id on another lease (a previous
+process with this node id) is left to expire, as in the single-leader election. A key
+on our *own* lease that we hold no term for (a transaction whose reply was lost) is
+deleted, never adopted, and campaigned for again.
+
+**The owner.** ``handler(event)`` is awaited for every ``gained`` and ``lost`` event
+(bounded by ``handler_timeout``; an exception is logged), and ``events()`` yields the
+same events to one consumer. Every background task is owned and cancelled by
+``stop()``, which reports each led shard lost and revokes the lease (every key at once,
+so standbys take over immediately). Every etcd call has a deadline. The loops also
+check a stop flag: grpc can turn the cancellation of a call into an RPC error, which a
+retry loop would otherwise take for an etcd failure and carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aetcd
+
+from scheduler.backoff import bounded_jitter
+from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.election import LeaseDeadline, default_safety_margin, parse_endpoint
+from scheduler.errors import ConfigError, ServiceUnavailable
+from scheduler.etcd_client import EtcdTLS, refused_credentials
+from scheduler.log import get_logger
+from scheduler.shards.assignment import DEFAULT_GRACE, Assigner, View
+from scheduler.shards.config import SHARD_NAME
+from scheduler.shards.etcd_conn import ETCD_ERRORS, EtcdConn, describe
+
+__all__ = ["ShardEvent", "ShardLeadership", "ShardTerm", "member_key", "shard_key"]
+
+log = get_logger(__name__)
+
+def member_key(prefix: str, node_id: str) -> str:
+    return f"{prefix.rstrip('/')}/members/{node_id}"
+
+
+def shard_key(prefix: str, shard: str) -> str:
+    return f"{prefix.rstrip('/')}/shards/{shard}/leader"
+
+
+def _range_end(key: bytes) -> bytes:
+    """The end of the range of keys starting with ``key``."""
+    return key[:-1] + bytes([key[-1] + 1])
+
+
+@dataclass(frozen=True)
+class ShardTerm:
+    """This node's leadership of one shard. ``epoch`` is the shard's fencing token."""
+
+    shard: str
+    epoch: int
+    lease_id: int
+    node_id: str
+    elected_at: float  # clock.monotonic() when the key was created
+
+
+@dataclass(frozen=True)
+class ShardEvent:
+    kind: Literal["gained", "lost"]
+    term: ShardTerm
+    reason: str  # gained: "campaign"; lost: rebalance, lease_*, key_*, stopped
+
+    @property
+    def shard(self) -> str:
+        return self.term.shard
+
+
+Handler = Callable[[ShardEvent], Awaitable[None]]
+
+
+class ShardLeadership:
+    """Campaign for, hold and hand over this node's share of ``shards``."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        prefix: str,
+        node_id: str,
+        shards: Sequence[str],
+        *,
+        ttl: float = 10.0,
+        safety_margin: float | None = None,
+        call_timeout: float = 2.0,
+        poll_interval: float = 0.5,
+        settle: float | None = None,
+        grace: float = DEFAULT_GRACE,
+        handler: Handler | None = None,
+        handler_timeout: float | None = None,
+        clock: Clock | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        tls: EtcdTLS | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ConfigError("at least one etcd endpoint is required")
+        if not node_id or "/" in node_id:
+            raise ConfigError(f"node_id must be non-empty and without '/' (got {node_id!r})")
+        names = list(shards)
+        bad = [s for s in names if SHARD_NAME.fullmatch(s) is None]
+        if not names or bad or len(set(names)) != len(names):
+            raise ConfigError(f"shards must be unique names [a-z0-9_-]{{1,32}} (got {names})")
+        margin = default_safety_margin(ttl) if safety_margin is None else safety_margin
+        if ttl <= 0 or not 0 <= margin < ttl:
+            raise ConfigError(
+                f"need lease ttl > 0 and 0 <= safety margin < ttl (got {ttl}, {margin})"
+            )
+        if call_timeout <= 0 or not 0 < poll_interval <= ttl:
+            raise ConfigError(
+                f"need call_timeout > 0 and 0 < poll_interval <= ttl "
+                f"(got {call_timeout}, {poll_interval})"
+            )
+        self.prefix = prefix.rstrip("/")
+        self.node_id = node_id
+        self.shards = tuple(names)
+        self.ttl = ttl
+        self.safety_margin = margin
+        self.etcd_ttl = max(1, math.ceil(ttl))
+        self.renew_interval = min(ttl / 3, (ttl - margin) / 2)
+        self.call_timeout = call_timeout
+        self.poll_interval = poll_interval
+        self.handler_timeout = call_timeout if handler_timeout is None else handler_timeout
+        self._clock: Clock = clock or SYSTEM_CLOCK
+        self._rng = rng or random.Random()
+        self._assigner = Assigner(
+            node_id, self._clock, settle=min(1.0, ttl / 2) if settle is None else settle,
+            grace=grace,
+        )  # fmt: skip
+        parsed = [parse_endpoint(e) for e in endpoints]
+        self._kv = EtcdConn(parsed, call_timeout, (username, password), tls)
+        self._watch_conn = EtcdConn(parsed, call_timeout, (username, password), tls)
+        self._member_key = member_key(self.prefix, node_id).encode()
+        self._shard_keys = {s: shard_key(self.prefix, s).encode() for s in self.shards}
+        self._by_key = {k: s for s, k in self._shard_keys.items()}
+        self._handler = handler
+        self._events: asyncio.Queue[ShardEvent | None] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lease_id: int | None = None
+        self._deadline: LeaseDeadline | None = None
+        self._terms: dict[str, ShardTerm] = {}
+        self._seen: dict[str, Any] = {}  # shard -> its key as the last read showed it
+        self._stopping = False
+        self.fatal: BaseException | None = None
+        """Set when etcd refused our credentials: the node stopped campaigning for good."""
+        self.view: View | None = None
+        """The last read of the cluster (None before the first)."""
+        self._log = log.bind(node_id=node_id, etcd_prefix=self.prefix)
+
+    # -- what the owner asks ----------------------------------------------------------
+
+    def is_leader(self, shard: str) -> bool:
+        """True only while this node holds ``shard``'s key inside the lease's window."""
+        return shard in self._terms and self._trusted()
+
+    def term(self, shard: str) -> ShardTerm | None:
+        return self._terms.get(shard) if self._trusted() else None
+
+    def leading(self) -> dict[str, ShardTerm]:
+        """The shards this node may act for right now, with their terms."""
+        return dict(self._terms) if self._trusted() else {}
+
+    def _trusted(self) -> bool:
+        return self._deadline is not None and not self._deadline.expired(self._clock.monotonic())
+
+    async def events(self) -> AsyncIterator[ShardEvent]:
+        """Gained/lost events until ``stop()``; raises ``fatal`` if that ended it."""
+        while True:
+            event = await self._events.get()
+            if event is None:
+                if self.fatal is not None:
+                    raise self.fatal
+                return
+            yield event
+
+    # -- start / stop -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the background tasks (returns at once; campaigning happens in them)."""
+        if self._tasks:
+            raise RuntimeError("ShardLeadership already started")
+        self._tasks = [
+            asyncio.create_task(self._run(), name=f"shards-run-{self.node_id}"),
+            asyncio.create_task(self._keepalive(), name=f"shards-keepalive-{self.node_id}"),
+            asyncio.create_task(self._watch(), name=f"shards-watch-{self.node_id}"),
+        ]
+
+    async def stop(self) -> None:
+        """Report every led shard lost, revoke the lease, cancel the tasks. Safe to call
+        before ``start`` and twice."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wake.set()
+        pending, self._tasks = set(self._tasks), []
+        while pending:
+            for task in pending:
+                task.cancel()  # again on later passes: a library may turn one into an error
+            _, pending = await asyncio.wait(pending, timeout=self.call_timeout)
+        await self._lose_all("stopped")
+        lease_id, self._lease_id, self._deadline = self._lease_id, None, None
+        if lease_id is not None:
+            await self._revoke_quietly(lease_id)
+        await self._kv.close()
+        await self._watch_conn.close()
+        self._events.put_nowait(None)
+
+    async def __aenter__(self) -> ShardLeadership:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- the loop: read, decide, act ----------------------------------------------------
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._stopping:
+            try:
+                await self._round()
+                failures = 0
+                delay = self.poll_interval
+            except ETCD_ERRORS as exc:
+                if refused_credentials(exc):
+                    self.fatal = ServiceUnavailable(
+                        f"etcd at {self._kv.endpoint} refused this node's credentials on "
+                        f"{self.prefix}/: {exc}", transient=False,
+                    )  # fmt: skip
+                    self._log.error("shards_etcd_refused", error=describe(exc))
+                    self._events.put_nowait(None)
+                    return
+                failures += 1
+                delay = bounded_jitter(failures, base=0.1, cap=self.poll_interval, rng=self._rng)
+                self._log.warning("shards_etcd_error", attempt=failures, error=describe(exc))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
+            self._wake.clear()
+
+    async def _round(self) -> None:
+        if self._lease_id is None or not self._trusted():
+            await self._register()
+        view, revision = await self._read()
+        if self.node_id not in view.members and self._lease_id is not None:
+            lease_id = self._lease_id  # our member key was deleted: others must see us
+            await self._kv.call(
+                lambda c: c.put(self._member_key, self.node_id.encode(), lease=lease_id)
+            )
+            self._log.warning("shards_member_key_restored", lease_id=lease_id)
+        self.view = view
+        await self._check_terms(view, revision)
+        decision = self._assigner.decide(view, leading=set(self._terms))
+        for shard in sorted(decision.resign):
+            await self._resign(shard, "rebalance")
+        room = decision.room
+        for shard in decision.campaign:
+            if room <= 0 or self._stopping:
+                break
+            if view.holder(shard) is None and shard not in self._terms:
+                if await self._acquire(shard):
+                    room -= 1
+
+    async def _register(self) -> None:
+        """A fresh lease with the member key on it (the old one, if any, is revoked)."""
+        old, self._lease_id, self._deadline = self._lease_id, None, None
+        await self._lose_all("lease_unconfirmed")
+        if old is not None:
+            await self._revoke_quietly(old)
+        sent_at = self._clock.monotonic()
+        lease = await self._kv.call(lambda c: c.lease(self.etcd_ttl))
+        try:
+            await self._kv.call(
+                lambda c: c.put(self._member_key, self.node_id.encode(), lease=lease.id)
+            )
+        except BaseException:
+            await self._revoke_quietly(lease.id)
+            raise
+        deadline = LeaseDeadline(self.ttl, self.safety_margin)
+        deadline.renewed(sent_at, lease.ttl)
+        self._lease_id, self._deadline = lease.id, deadline
+        self._log.info("shards_member_registered", lease_id=lease.id, granted_ttl=lease.ttl)
+
+    async def _read(self) -> tuple[View, int]:
+        start = f"{self.prefix}/members/".encode()
+        end = _range_end(f"{self.prefix}/shards/".encode())
+        result = await self._kv.call(lambda c: c.get_range(start, end))
+        members: set[str] = set()
+        leaders: dict[str, str | None] = {}
+        self._seen = {}
+        member_prefix = start
+        for kv in result:
+            key = bytes(kv.key)
+            if key.startswith(member_prefix):
+                members.add(key[len(member_prefix):].decode(errors="replace"))
+            elif key in self._by_key:
+                shard = self._by_key[key]
+                holder = bytes(kv.value).decode(errors="replace")
+                if holder == self.node_id and kv.lease != self._lease_id:
+                    holder = f"{holder}@old-lease-{kv.lease:x}"  # not ours: let it expire
+                leaders[shard] = holder
+                self._seen[shard] = kv
+        return View(frozenset(members), self.shards, leaders), result.header.revision
+
+    async def _check_terms(self, view: View, revision: int) -> None:
+        """Drop terms whose key the read shows gone or replaced; delete orphans of ours."""
+        for shard, term in list(self._terms.items()):
+            if revision < term.epoch:
+                continue  # a read older than the key: says nothing about it
+            kv = self._seen.get(shard)
+            if kv is None:
+                await self._lose(shard, "key_deleted")
+            elif kv.create_revision != term.epoch or kv.lease != term.lease_id:
+                await self._lose(shard, "key_replaced")
+        for shard, kv in self._seen.items():
+            if kv.lease == self._lease_id and shard not in self._terms:
+                self._log.warning("shard_key_orphan_deleted", shard=shard,
+                                  epoch=kv.create_revision)  # fmt: skip
+                await self._delete_incarnation(shard, kv.create_revision)
+                self._wake.set()
+
+    async def _acquire(self, shard: str) -> bool:
+        lease_id, key = self._lease_id, self._shard_keys[shard]
+        if lease_id is None or not self._trusted():
+            return False
+        won, responses = await self._kv.call(
+            lambda c: c.transaction(
+                compare=[c.transactions.create(key) == 0],
+                success=[
+                    c.transactions.put(key, self.node_id.encode(), lease=lease_id),
+                    c.transactions.get(key),
+                ],
+                failure=[],
+            )
+        )
+        if not won:
+            return False
+        _, kv = responses[1][0]
+        if lease_id != self._lease_id or not self._trusted():
+            # The lease changed while the transaction was in flight: not ours to trust.
+            await self._delete_incarnation(shard, kv.create_revision)
+            return False
+        term = ShardTerm(shard, kv.create_revision, lease_id, self.node_id,
+                         self._clock.monotonic())  # fmt: skip
+        self._terms[shard] = term
+        self._log.info("shard_leadership_acquired", shard=shard, epoch=term.epoch)
+        await self._emit(ShardEvent("gained", term, "campaign"))
+        return True
+
+    async def _resign(self, shard: str, reason: str) -> None:
+        term = self._terms.get(shard)
+        if term is None:
+            return
+        await self._lose(shard, reason)  # the owner stops the shard's duties first
+        await self._delete_incarnation(shard, term.epoch)
+        self._log.info("shard_leadership_resigned", shard=shard, epoch=term.epoch)
+
+    async def _delete_incarnation(self, shard: str, epoch: int) -> None:
+        key = self._shard_keys[shard]
+        try:
+            await self._kv.call(
+                lambda c: c.transaction(
+                    compare=[c.transactions.create(key) == epoch],
+                    success=[c.transactions.delete(key)],
+                    failure=[],
+                )
+            )
+        except ETCD_ERRORS as exc:  # the key then goes with the lease
+            self._log.warning("shard_key_delete_failed", shard=shard, error=describe(exc))
+
+    async def _lose(self, shard: str, reason: str) -> None:
+        term = self._terms.pop(shard, None)
+        if term is None:
+            return
+        self._log.warning("shard_leadership_lost", shard=shard, epoch=term.epoch, reason=reason)
+        await self._emit(ShardEvent("lost", term, reason))
+
+    async def _lose_all(self, reason: str) -> None:
+        """Every term ends at once; the owner is told of all of them concurrently, so one
+        slow handler does not delay stopping the other shards' duties."""
+        terms, self._terms = self._terms, {}
+        for shard, term in sorted(terms.items()):
+            self._log.warning("shard_leadership_lost", shard=shard, epoch=term.epoch,
+                              reason=reason)  # fmt: skip
+        await asyncio.gather(
+            *(self._emit(ShardEvent("lost", term, reason)) for _, term in sorted(terms.items()))
+        )
+
+    async def _emit(self, event: ShardEvent) -> None:
+        self._events.put_nowait(event)
+        if self._handler is None:
+            return
+        try:
+            await asyncio.wait_for(self._handler(event), self.handler_timeout)
+        except Exception as exc:
+            self._log.error("shard_handler_failed", shard=event.shard, kind=event.kind,
+                            error=describe(exc))  # fmt: skip
+
+    # -- the lease ----------------------------------------------------------------------
+
+    async def _keepalive(self) -> None:
+        """Renew every renew_interval; drop every shard the moment the window closes."""
+        failures = 0
+        while not self._stopping:
+            lease_id, deadline = self._lease_id, self._deadline
+            now = self._clock.monotonic()
+            if lease_id is None or deadline is None:
+                await self._clock.sleep(min(self.poll_interval, self.renew_interval))
+                continue
+            if deadline.expired(now):
+                if self._terms:
+                    self._log.warning("shards_lease_unconfirmed", failed_renewals=failures)
+                await self._lose_all("lease_unconfirmed")
+                self._wake.set()
+                await self._clock.sleep(min(self.poll_interval, self.renew_interval))
+                continue
+            sent_at = now
+            try:
+                budget = min(self.call_timeout, deadline.remaining(now))
+                reply = await self._refresh(lease_id, budget)
+                if reply is None:
+                    raise aetcd.ClientError("lease keepalive stream closed without a reply")
+            except ETCD_ERRORS as exc:
+                failures += 1
+                remaining = deadline.remaining(self._clock.monotonic())
+                self._log.warning(
+                    "shards_lease_renew_failed", attempt=failures, error=describe(exc),
+                    trust_remaining=round(remaining, 3),
+                )  # fmt: skip
+                await self._clock.sleep(min(
+                    bounded_jitter(failures, base=0.05, cap=self.renew_interval, rng=self._rng),
+                    remaining,
+                ))  # fmt: skip
+                continue
+            if lease_id != self._lease_id:
+                continue
+            if reply.TTL <= 0:
+                self._log.warning("shards_lease_expired", lease_id=lease_id)
+                self._lease_id, self._deadline = None, None
+                await self._lose_all("lease_expired")
+                self._wake.set()
+                continue
+            deadline.renewed(sent_at, int(reply.TTL))
+            failures = 0
+            now = self._clock.monotonic()
+            next_renew = sent_at + self.renew_interval
+            await self._clock.sleep(max(0.0, min(next_renew, deadline.valid_until or now) - now))
+
+    async def _refresh(self, lease_id: int, budget: float) -> Any:
+        """One refresh, given no longer than the trust window has left: the window's
+        end must be noticed when it comes, not a call timeout later."""
+        return await self._kv.call(lambda c: c.refresh_lease(lease_id), budget)
+
+    async def _revoke_quietly(self, lease_id: int) -> None:
+        try:
+            await self._kv.call(lambda c: c.revoke_lease(lease_id))
+        except ETCD_ERRORS as exc:  # "not found" included: gone either way
+            self._log.info("shards_lease_revoke_failed", lease_id=lease_id, error=describe(exc))
+
+    # -- the watch: wake the loop on any change -----------------------------------------
+
+    async def _watch(self) -> None:
+        failures = 0
+        prefix = f"{self.prefix}/".encode()
+        while not self._stopping:
+            client = self._watch_conn.client()
+            watch = None
+            try:
+                watch = await asyncio.wait_for(client.watch_prefix(prefix), self.call_timeout)
+                failures = 0
+                async with asyncio.timeout(self.ttl):  # renew even if the stream died silently
+                    async for _event in watch:
+                        self._wake.set()
+                        if self._stopping:
+                            return
+            except TimeoutError as exc:
+                if watch is None:
+                    await self._watch_conn.discard(client, exc)
+                    failures += 1
+            except ETCD_ERRORS as exc:
+                await self._watch_conn.discard(client, exc)
+                failures += 1
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), self.call_timeout)
+            if failures:
+                await self._clock.sleep(
+                    bounded_jitter(failures, base=0.1, cap=self.poll_interval, rng=self._rng)
+                )
