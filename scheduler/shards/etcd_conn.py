@@ -16,7 +16,7 @@ from typing import TypeVar
 import aetcd
 import grpc
 
-from scheduler.etcd_client import EtcdTLS, make_client, refused_credentials
+from scheduler.leadership.etcd_client import EtcdTLS, make_client, refused_credentials
 
 __all__ = ["ETCD_ERRORS", "EtcdConn", "describe"]
 

@@ -65,9 +65,9 @@ import aetcd
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
-from scheduler.election import LeaseDeadline, default_safety_margin, parse_endpoint
 from scheduler.errors import ConfigError, ServiceUnavailable
-from scheduler.etcd_client import EtcdTLS, refused_credentials
+from scheduler.leadership.etcd_client import EtcdTLS, parse_endpoint, refused_credentials
+from scheduler.leadership.lease import LeaseDeadline, default_safety_margin
 from scheduler.log import get_logger
 from scheduler.shards.assignment import DEFAULT_GRACE, Assigner, View
 from scheduler.shards.config import SHARD_NAME

@@ -21,12 +21,12 @@ from typing import Any
 
 import asyncpg
 import pytest
-from scheduler.store.rows import ClaimedJob
 
 from scheduler.broker import connect
 from scheduler.config import Settings, load_settings
 from scheduler.errors import ServiceUnavailable
 from scheduler.publisher import Publisher
+from scheduler.store.rows import ClaimedJob
 from tests.fixtures_tasks.basic import EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, dispatched_job, effects, job_row
 from tests.support import rabbit
