@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from collections.abc import Awaitable, Callable
 
 import aiormq.exceptions
-import asyncpg
 
 from scheduler.backoff import bounded_jitter
+from scheduler.db import DB_REFUSED, DB_UNAVAILABLE
 from scheduler.errors import DuetimeError, ServiceUnavailable
 from scheduler.log import get_logger
 
@@ -44,16 +43,12 @@ _PERMANENT_AMQP = (
     aiormq.exceptions.ConnectionNotAllowed,  # vhost missing or not permitted
     aiormq.exceptions.IncompatibleProtocolError,
 )
-_PERMANENT_PG = (
-    asyncpg.exceptions.InvalidAuthorizationSpecificationError,  # incl. bad password
-    asyncpg.exceptions.InvalidCatalogNameError,  # database does not exist
-)
 
 
 def is_permanent_cause(exc: BaseException) -> bool:
     """True for a connection failure that waiting will not fix (credentials, missing
     database or vhost, TLS verification)."""
-    return isinstance(exc, (*_PERMANENT_AMQP, *_PERMANENT_PG, ssl.SSLCertVerificationError))
+    return isinstance(exc, (*_PERMANENT_AMQP, *DB_REFUSED))  # DB_REFUSED has TLS verification
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -62,18 +57,8 @@ def is_transient(exc: BaseException) -> bool:
         return exc.transient
     if isinstance(exc, DuetimeError) or is_permanent_cause(exc):
         return False
-    return isinstance(
-        exc,
-        (
-            TimeoutError,
-            OSError,  # connection refused/reset; aiormq connection errors are OSErrors too
-            aiormq.exceptions.ChannelInvalidStateError,  # channel closed under our feet
-            asyncpg.exceptions.PostgresConnectionError,
-            asyncpg.exceptions.CannotConnectNowError,
-            asyncpg.exceptions.TooManyConnectionsError,
-            asyncpg.exceptions.ConnectionDoesNotExistError,
-        ),
-    )
+    # aiormq connection errors are OSErrors; a channel closed under our feet is not
+    return isinstance(exc, (*DB_UNAVAILABLE, aiormq.exceptions.ChannelInvalidStateError))
 
 
 def describe(exc: BaseException) -> str:
