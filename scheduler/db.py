@@ -42,6 +42,8 @@ DB_REFUSED: tuple[type[BaseException], ...] = (
     asyncpg.InvalidCatalogNameError,  # database does not exist
     ssl.SSLCertVerificationError,
 )
+# What connecting may raise: the above, or any other answer of the server.
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (*DB_UNAVAILABLE, asyncpg.PostgresError)
 
 
 def _big_int(text: str) -> int | float:
@@ -103,7 +105,7 @@ async def connect(
             command_timeout=timeout * 3,
             server_settings=_server_settings(application_name, server_settings),
         )
-    except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
+    except _CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None
     await init_connection(conn)
     return conn
@@ -139,7 +141,7 @@ async def create_pool(
             server_settings=_server_settings(application_name, server_settings),
             **kwargs,
         )
-    except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
+    except _CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None
     assert pool is not None
     return pool

@@ -107,7 +107,7 @@ class UnknownTask(Exception):
 #: of being requeued forever.
 _REFUSED_VALUE = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 #: Errors that say the database could not be used at all: retried, never blamed on a row.
-_UNAVAILABLE = (
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncio.CancelledError,
     *DB_UNAVAILABLE,
     asyncpg.InterfaceError,

@@ -23,8 +23,7 @@ import asyncpg
 import pytest
 
 from scheduler import db
-from scheduler.cli.jobs import _store as jobs_cli_store
-from scheduler.cli.schedules import _with_store as schedules_cli_store
+from scheduler.cli._util import opened
 from scheduler.config import Settings
 from scheduler.duties.base import DutyContext
 from scheduler.duties.dispatcher import Dispatcher
@@ -134,14 +133,13 @@ async def test_replica_fence_waits_at_most_db_timeout(tight: Settings) -> None:
 
 
 async def test_cli_stores_wait_at_most_db_timeout(tight: Settings) -> None:
-    for make, calls in ((jobs_cli_store, job_calls), (schedules_cli_store, schedule_calls)):
-        pool, store = await make(tight)
-        try:
+    cases: list[tuple[Any, Any]] = [(JobStore, job_calls), (ScheduleStore, schedule_calls)]
+    for make, calls in cases:
+        async with opened(tight, make) as store:
+            pool = store._db.pool
             async with pool.acquire():  # the CLI's pools have two connections: hold one
                 for call in calls(store):
                     await assert_bounded(call, pool)
-        finally:
-            pool.terminate()
 
 
 async def test_status_store_waits_at_most_its_bound(one_conn_pool: asyncpg.Pool) -> None:
