@@ -28,7 +28,7 @@ import aiormq.exceptions
 
 from scheduler.backoff import bounded_jitter
 from scheduler.db import DB_REFUSED, DB_UNAVAILABLE
-from scheduler.errors import DuetimeError, ServiceUnavailable
+from scheduler.errors import DuetimeError, ServiceUnavailable, describe
 from scheduler.log import get_logger
 
 log = get_logger(__name__)
@@ -59,11 +59,6 @@ def is_transient(exc: BaseException) -> bool:
         return False
     # aiormq connection errors are OSErrors; a channel closed under our feet is not
     return isinstance(exc, (*DB_UNAVAILABLE, aiormq.exceptions.ChannelInvalidStateError))
-
-
-def describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 async def start_with_retry(
