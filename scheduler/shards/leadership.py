@@ -49,6 +49,9 @@ same events to one consumer. Every background task is owned and cancelled by
 so standbys take over immediately). Every etcd call has a deadline. The loops also
 check a stop flag: grpc can turn the cancellation of a call into an RPC error, which a
 retry loop would otherwise take for an etcd failure and carry on.
+
+The module is over 400 lines because the keys, the trust window and the hand-over are
+one state machine over one lease: its loops share the terms and the window they guard.
 """
 
 from __future__ import annotations
