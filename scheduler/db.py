@@ -4,11 +4,16 @@ jsonb is decoded to dicts (and encoded from them) on every connection, so the re
 the code never calls ``json.loads`` on a column. Timeouts: asyncpg's ``timeout`` bounds
 connecting; ``command_timeout`` bounds each statement on the client side. What a store
 holds of a connection (the ``Conn`` type, its pool) is ``scheduler.store.conn``.
+
+``DB_UNAVAILABLE`` is the one list of errors that mean "the database cannot be used
+right now" rather than "this statement or row is wrong"; the start-up retry, the worker's
+executor and its transaction groups all classify with it.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,7 +21,29 @@ import asyncpg
 
 from scheduler.config import Settings, redact_url
 from scheduler.errors import ServiceUnavailable
-from scheduler.startup import is_permanent_cause
+
+#: The database cannot be used right now, whatever the statement: nothing reached it,
+#: the connection broke, the server refuses connections for the moment, or no host of a
+#: multi-host DSN with ``target_session_attrs=read-write`` is writable (a Patroni
+#: switchover: asyncpg raises ``TargetServerAttributeNotMatched`` until one is promoted).
+#: Waiting fixes these; a row never causes them.
+DB_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.TargetServerAttributeNotMatched,
+)
+#: Refusals that waiting will not fix: the server said "no" to these credentials, or
+#: the database does not exist, or its certificate does not verify.
+DB_REFUSED: tuple[type[BaseException], ...] = (
+    asyncpg.InvalidAuthorizationSpecificationError,  # incl. bad password
+    asyncpg.InvalidCatalogNameError,  # database does not exist
+    ssl.SSLCertVerificationError,
+)
+# What connecting may raise: the above, or any other answer of the server.
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (*DB_UNAVAILABLE, asyncpg.PostgresError)
 
 
 def _big_int(text: str) -> int | float:
@@ -60,7 +87,7 @@ def _server_settings(application_name: str, extra: dict[str, str] | None) -> dic
 def _unavailable(dsn: str, exc: BaseException) -> ServiceUnavailable:
     return ServiceUnavailable(
         f"cannot connect to PostgreSQL at {redact_url(dsn)}: {type(exc).__name__}: {exc}",
-        transient=not is_permanent_cause(exc),
+        transient=not isinstance(exc, DB_REFUSED),
     )
 
 
@@ -78,7 +105,7 @@ async def connect(
             command_timeout=timeout * 3,
             server_settings=_server_settings(application_name, server_settings),
         )
-    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+    except _CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None
     await init_connection(conn)
     return conn
@@ -114,7 +141,7 @@ async def create_pool(
             server_settings=_server_settings(application_name, server_settings),
             **kwargs,
         )
-    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+    except _CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None
     assert pool is not None
     return pool

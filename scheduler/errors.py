@@ -10,7 +10,8 @@
     └── ServiceUnavailable       PostgreSQL / RabbitMQ / etcd cannot be reached
 
 CLI commands map ``DuetimeError`` to one line on stderr and exit code 2 (bad input)
-or 1 (service trouble); anything else is a bug and keeps its traceback.
+or 1 (service trouble); anything else is a bug and keeps its traceback. ``describe``
+is how a log line names any exception.
 """
 
 from __future__ import annotations
@@ -72,3 +73,9 @@ class ServiceUnavailable(DuetimeError):
     def __init__(self, message: str, *, transient: bool = True) -> None:
         super().__init__(message)
         self.transient = transient
+
+
+def describe(exc: BaseException) -> str:
+    """``"ExcType: message"``, or just the type when the message is empty."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from collections.abc import Awaitable, Callable
 
 import aiormq.exceptions
-import asyncpg
 
 from scheduler.backoff import bounded_jitter
-from scheduler.errors import DuetimeError, ServiceUnavailable
+from scheduler.db import DB_REFUSED, DB_UNAVAILABLE
+from scheduler.errors import DuetimeError, ServiceUnavailable, describe
 from scheduler.log import get_logger
 
 log = get_logger(__name__)
@@ -44,16 +43,12 @@ _PERMANENT_AMQP = (
     aiormq.exceptions.ConnectionNotAllowed,  # vhost missing or not permitted
     aiormq.exceptions.IncompatibleProtocolError,
 )
-_PERMANENT_PG = (
-    asyncpg.exceptions.InvalidAuthorizationSpecificationError,  # incl. bad password
-    asyncpg.exceptions.InvalidCatalogNameError,  # database does not exist
-)
 
 
 def is_permanent_cause(exc: BaseException) -> bool:
     """True for a connection failure that waiting will not fix (credentials, missing
     database or vhost, TLS verification)."""
-    return isinstance(exc, (*_PERMANENT_AMQP, *_PERMANENT_PG, ssl.SSLCertVerificationError))
+    return isinstance(exc, (*_PERMANENT_AMQP, *DB_REFUSED))  # DB_REFUSED has TLS verification
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -62,23 +57,8 @@ def is_transient(exc: BaseException) -> bool:
         return exc.transient
     if isinstance(exc, DuetimeError) or is_permanent_cause(exc):
         return False
-    return isinstance(
-        exc,
-        (
-            TimeoutError,
-            OSError,  # connection refused/reset; aiormq connection errors are OSErrors too
-            aiormq.exceptions.ChannelInvalidStateError,  # channel closed under our feet
-            asyncpg.exceptions.PostgresConnectionError,
-            asyncpg.exceptions.CannotConnectNowError,
-            asyncpg.exceptions.TooManyConnectionsError,
-            asyncpg.exceptions.ConnectionDoesNotExistError,
-        ),
-    )
-
-
-def describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    # aiormq connection errors are OSErrors; a channel closed under our feet is not
+    return isinstance(exc, (*DB_UNAVAILABLE, aiormq.exceptions.ChannelInvalidStateError))
 
 
 async def start_with_retry(

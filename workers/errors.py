@@ -3,11 +3,21 @@
 Its own module because the executor, the transaction groups and the consumer all need
 it, and the groups sit below the executor: defined in either, it would make them import
 each other.
+
+``CONNECTION_ERRORS`` is what turns into ``DatabaseUnavailable`` when a statement on a
+connection the worker holds fails: ``scheduler.db.DB_UNAVAILABLE`` plus asyncpg's
+``InterfaceError`` (the connection was closed under the statement).
 """
 
 from __future__ import annotations
 
-__all__ = ["DatabaseUnavailable"]
+import asyncpg
+
+from scheduler.db import DB_UNAVAILABLE
+
+__all__ = ["CONNECTION_ERRORS", "DatabaseUnavailable"]
+
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (*DB_UNAVAILABLE, asyncpg.InterfaceError)
 
 
 class DatabaseUnavailable(Exception):

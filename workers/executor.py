@@ -59,6 +59,7 @@ from typing import Any
 
 import asyncpg
 
+from scheduler.db import DB_UNAVAILABLE
 from scheduler.log import get_logger
 from scheduler.messages import JobMessage
 from scheduler.metrics import FIRE_LAG, JOB_DURATION, JOBS_FINISHED, MESSAGE_ROW_MISMATCH
@@ -66,7 +67,7 @@ from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import Completion, JobRef, LockedJob
 from workers.batching import Coalescer
 from workers.context import JobContext
-from workers.errors import DatabaseUnavailable
+from workers.errors import CONNECTION_ERRORS, DatabaseUnavailable
 from workers.groups import Groups, Verdict
 from workers.heartbeat import Heartbeat
 from workers.lazydb import LazyTransaction
@@ -106,18 +107,14 @@ class UnknownTask(Exception):
 #: of being requeued forever.
 _REFUSED_VALUE = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 #: Errors that say the database could not be used at all: retried, never blamed on a row.
-_UNAVAILABLE = (
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncio.CancelledError,
-    asyncpg.PostgresConnectionError,
+    *DB_UNAVAILABLE,
     asyncpg.InterfaceError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.TooManyConnectionsError,
     asyncpg.QueryCanceledError,
     asyncpg.OperatorInterventionError,
     asyncpg.InsufficientResourcesError,
     asyncpg.InsufficientPrivilegeError,
-    OSError,
-    TimeoutError,
 )
 
 
@@ -375,7 +372,7 @@ class Executor:
             await db.commit()
         except asyncio.CancelledError:
             raise
-        except (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError) as exc:
+        except CONNECTION_ERRORS as exc:
             raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
         except asyncpg.PostgresError as exc:  # the server refused: the handler's fault
             return exc

@@ -49,15 +49,12 @@ from scheduler.log import get_logger
 from scheduler.store.conn import Conn
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import Completion
-from workers.errors import DatabaseUnavailable
+from workers.errors import CONNECTION_ERRORS, DatabaseUnavailable
 
 log = get_logger("duetime.worker")
 
 #: Most attempts in one group.
 MAX_MEMBERS = 32
-
-_CONNECTION_ERRORS = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError)
-
 
 class GroupAborted(BaseException):
     """Another member's statement failed: this attempt is re-run on its own."""
@@ -220,7 +217,7 @@ class Group:
             verdicts = await self._decide()
         except BaseException as exc:
             error = exc
-            if isinstance(exc, _CONNECTION_ERRORS):
+            if isinstance(exc, CONNECTION_ERRORS):
                 error = DatabaseUnavailable(f"{type(exc).__name__}: {exc}")
             for member in self.members:
                 if not member.verdict.done():

@@ -10,13 +10,8 @@ the fence in every term, even an idle one, so the step-down path never waits for
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from scheduler.duties.base import DutyContext, DutyLoop
 from scheduler.store.fence import FenceStore
-
-if TYPE_CHECKING:
-    pass
 
 
 class FenceHeartbeat:

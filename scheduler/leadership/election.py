@@ -80,7 +80,13 @@ import aetcd
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK
-from scheduler.errors import ConfigError, DuetimeError, LeadershipLost, ServiceUnavailable
+from scheduler.errors import (
+    ConfigError,
+    DuetimeError,
+    LeadershipLost,
+    ServiceUnavailable,
+    describe,
+)
 from scheduler.leadership.etcd_client import (
     ETCD_ERRORS,
     EtcdConnection,
@@ -202,7 +208,7 @@ class Election:
                 delay = bounded_jitter(failures, base=0.1, cap=cap, rng=self._rng)
                 self._log.warning(
                     "election_etcd_error", op="campaign", attempt=failures,
-                    error=_describe(exc), retry_in=round(delay, 3),
+                    error=describe(exc), retry_in=round(delay, 3),
                 )  # fmt: skip
                 await asyncio.sleep(delay)
                 continue
@@ -318,7 +324,7 @@ class Election:
                 remaining = deadline.remaining(self._clock.monotonic())
                 self._log.warning(
                     "lease_renew_failed", epoch=term.epoch, attempt=failures,
-                    error=_describe(exc), trust_remaining=round(remaining, 3),
+                    error=describe(exc), trust_remaining=round(remaining, 3),
                 )  # fmt: skip
                 await asyncio.sleep(
                     min(bounded_jitter(failures, base=0.05, cap=interval, rng=self._rng), remaining)
@@ -391,7 +397,7 @@ class Election:
                 )
             )
         except ETCD_ERRORS as exc:
-            self._log.warning("resign_delete_failed", epoch=term.epoch, error=_describe(exc))
+            self._log.warning("resign_delete_failed", epoch=term.epoch, error=describe(exc))
         await self._revoke_quietly(term.lease_id)
         self._log.info("leadership_resigned", epoch=term.epoch, key_deleted=deleted)
 
@@ -399,7 +405,7 @@ class Election:
         try:
             await self._etcd.call(lambda c: c.revoke_lease(lease_id))
         except ETCD_ERRORS as exc:  # "not found" included: the lease is gone either way
-            self._log.info("lease_revoke_failed", lease_id=lease_id, error=_describe(exc))
+            self._log.info("lease_revoke_failed", lease_id=lease_id, error=describe(exc))
 
     # -- queries ----------------------------------------------------------------------
 
@@ -412,7 +418,7 @@ class Election:
         except ETCD_ERRORS as exc:
             if refused_credentials(exc):
                 raise self._refused(exc) from None
-            raise ServiceUnavailable(f"etcd did not answer: {_describe(exc)}") from exc
+            raise ServiceUnavailable(f"etcd did not answer: {describe(exc)}") from exc
         if kv is None:
             return None
         return LeaderInfo(bytes(kv.value).decode(errors="replace"), kv.create_revision)
@@ -438,6 +444,3 @@ class Election:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

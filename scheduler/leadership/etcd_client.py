@@ -21,10 +21,11 @@ answer: waiting fixes the second, never the first, so a replica exits on it at o
 ``GRPC_OPTIONS`` are the keepalive settings every duetime etcd channel uses (why each
 one is there is said beside it); plain and TLS channels get the same.
 
-``EtcdConnection`` is the election's way to etcd: every call has a deadline (gRPC and
-``asyncio.wait_for``); endpoints are tried in turn, and after any error but an answer
-("no", "not found", refused credentials) the client is discarded (aetcd's watcher does
-not survive a failed stream) and the next endpoint gets a fresh channel.
+``EtcdConnection`` is how the election and the shard leadership reach etcd: every call
+has a deadline (gRPC and ``asyncio.wait_for``, per call if asked); endpoints are tried
+in turn, and after any error but an answer ("no", "not found", refused credentials)
+the client is discarded (aetcd's watcher does not survive a failed stream) and the next
+endpoint gets a fresh channel.
 """
 
 from __future__ import annotations
@@ -325,11 +326,16 @@ class EtcdConnection:
             )  # fmt: skip
         return self._client
 
-    async def call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """Run one bounded etcd call; on failure drop the client and move endpoints."""
+    async def call(
+        self, op: Callable[[aetcd.Client], Awaitable[T]], timeout: float | None = None
+    ) -> T:
+        """Run one etcd call bounded by ``timeout`` (default: ``call_timeout``); on
+        failure drop the client and move endpoints."""
         client = self.client()
         try:
-            return await asyncio.wait_for(op(client), self.call_timeout)
+            return await asyncio.wait_for(
+                op(client), self.call_timeout if timeout is None else timeout
+            )
         except ETCD_ERRORS as exc:
             await self.discard(client, exc)
             raise

@@ -14,12 +14,11 @@ from typing import Any
 
 from scheduler.backoff import bounded_jitter
 from scheduler.config import Settings
-from scheduler.errors import Fenced, LeadershipLost
+from scheduler.errors import Fenced, LeadershipLost, describe
 
 __all__ = [
     "STEP_DOWN_REASONS",
     "Transition",
-    "describe",
     "recampaign_delay",
     "session_settings",
     "term_end_reason",
@@ -37,10 +36,6 @@ class Transition:
     epoch: int
     reason: str | None
     at: float  # clock.monotonic()
-
-
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def term_end_reason(

@@ -53,13 +53,12 @@ from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.duties.base import Duty, DutyContext, LeaderTerm
-from scheduler.errors import ServiceUnavailable
+from scheduler.errors import ServiceUnavailable, describe
 from scheduler.leadership.duty_set import DutiesFactory, DutySet
 from scheduler.leadership.election import Election, Term
 from scheduler.leadership.etcd_client import etcd_tls
 from scheduler.leadership.policy import (
     Transition,
-    describe,
     recampaign_delay,
     session_settings,
     term_end_reason,

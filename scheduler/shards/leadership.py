@@ -49,6 +49,9 @@ same events to one consumer. Every background task is owned and cancelled by
 so standbys take over immediately). Every etcd call has a deadline. The loops also
 check a stop flag: grpc can turn the cancellation of a call into an RPC error, which a
 retry loop would otherwise take for an etcd failure and carry on.
+
+The module is over 400 lines because the keys, the trust window and the hand-over are
+one state machine over one lease: its loops share the terms and the window they guard.
 """
 
 from __future__ import annotations
@@ -65,13 +68,17 @@ import aetcd
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
-from scheduler.errors import ConfigError, ServiceUnavailable
-from scheduler.leadership.etcd_client import EtcdTLS, parse_endpoint, refused_credentials
+from scheduler.errors import ConfigError, ServiceUnavailable, describe
+from scheduler.leadership.etcd_client import (
+    ETCD_ERRORS,
+    EtcdConnection,
+    EtcdTLS,
+    refused_credentials,
+)
 from scheduler.leadership.lease import LeaseDeadline, default_safety_margin
 from scheduler.log import get_logger
 from scheduler.shards.assignment import DEFAULT_GRACE, Assigner, View
 from scheduler.shards.config import SHARD_NAME
-from scheduler.shards.etcd_conn import ETCD_ERRORS, EtcdConn, describe
 
 __all__ = ["ShardEvent", "ShardLeadership", "ShardTerm", "member_key", "shard_key"]
 
@@ -173,9 +180,13 @@ class ShardLeadership:
             node_id, self._clock, settle=min(1.0, ttl / 2) if settle is None else settle,
             grace=grace,
         )  # fmt: skip
-        parsed = [parse_endpoint(e) for e in endpoints]
-        self._kv = EtcdConn(parsed, call_timeout, (username, password), tls)
-        self._watch_conn = EtcdConn(parsed, call_timeout, (username, password), tls)
+        def connection() -> EtcdConnection:  # one for requests, one for the watch
+            return EtcdConnection(
+                endpoints, call_timeout=call_timeout, username=username, password=password,
+                tls=tls,
+            )  # fmt: skip
+
+        self._kv, self._watch_conn = connection(), connection()
         self._member_key = member_key(self.prefix, node_id).encode()
         self._shard_keys = {s: shard_key(self.prefix, s).encode() for s in self.shards}
         self._by_key = {k: s for s, k in self._shard_keys.items()}

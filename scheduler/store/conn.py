@@ -4,8 +4,9 @@
 ``Pooled`` is a store's pool with the longest wait for one of its connections (a full
 pool raises ``TimeoutError`` instead of queueing forever; callers pass
 ``Settings.db_timeout``), and ``conn()``, which lets a method join the caller's
-transaction when it is given a connection and borrow one otherwise. Stores hold a
-``Pooled`` rather than inherit from a base class: it is the only thing they share.
+transaction when it is given a connection and borrow one otherwise. ``PooledStore`` is
+the constructor of the stores that borrow from a pool (it builds their ``Pooled`` as
+``self._db``): the only thing they share, so the only thing they inherit.
 Connections themselves (codecs, timeouts, session settings) are made by ``scheduler.db``.
 """
 
@@ -54,3 +55,11 @@ class Pooled:
         else:
             async with self.acquire() as acquired:
                 yield acquired
+
+
+class PooledStore:
+    """A store over ``pool``, holding its ``Pooled`` as ``_db`` (module docstring)."""
+
+    def __init__(self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT) -> None:
+        """``acquire_timeout``: see ``Pooled``."""
+        self._db = Pooled(pool, acquire_timeout=acquire_timeout)

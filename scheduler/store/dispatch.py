@@ -21,10 +21,9 @@ from typing import TypeVar
 
 import asyncpg
 
-from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.log import get_logger
 from scheduler.sql import compose, fragment, load
-from scheduler.store.conn import Conn, Pooled
+from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.rows import UNREADABLE, ClaimedJob, StalledJob, UnreadableRow
 
 Q = load("dispatch")
@@ -84,13 +83,7 @@ def _key_arrays(jobs: Sequence[ClaimedJob]) -> tuple[list[int], datetime, dateti
     return [job.id for job in jobs], min(dues), max(dues)
 
 
-class DispatchStore:
-    def __init__(
-        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
-    ) -> None:
-        """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
-        self._db = Pooled(pool, acquire_timeout=acquire_timeout)
-
+class DispatchStore(PooledStore):
     # -- dispatcher (inside its fenced transaction) ----------------------------------
 
     async def claim(self, conn: Conn, limit: int) -> list[ClaimedJob]:

@@ -12,11 +12,10 @@ from typing import Any
 
 import asyncpg
 
-from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.errors import Fenced
 from scheduler.log import get_logger
 from scheduler.sql import load
-from scheduler.store.conn import Conn, Pooled
+from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.rows import FenceState, from_record
 
 Q = load("fence")
@@ -38,13 +37,7 @@ async def fence_epoch(conn: Conn) -> int | None:
     return value
 
 
-class FenceStore:
-    def __init__(
-        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
-    ) -> None:
-        """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
-        self._db = Pooled(pool, acquire_timeout=acquire_timeout)
-
+class FenceStore(PooledStore):
     async def advance(
         self,
         epoch: int,

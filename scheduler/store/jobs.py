@@ -14,13 +14,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import asyncpg
-
-from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound
 from scheduler.jobspec import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec, resolve_due
 from scheduler.sql import compose, fragment, load
-from scheduler.store.conn import Conn, Pooled
+from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.rows import JOB_STATUSES, BulkPreview, Job
 
 Q = load("jobs")
@@ -66,13 +63,7 @@ class JobFilter:
         return (self.queue, self.task, self.due_from, self.due_to, self.error)
 
 
-class JobStore:
-    def __init__(
-        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
-    ) -> None:
-        """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
-        self._db = Pooled(pool, acquire_timeout=acquire_timeout)
-
+class JobStore(PooledStore):
     async def enqueue(
         self,
         task: str,

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from datetime import date
 
-import asyncpg
-
-from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.sql import load
-from scheduler.store.conn import Conn, Pooled
+from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.rows import ExpiredBucket
 
 Q = load("maintenance")
@@ -30,13 +27,7 @@ def _rows(status: str) -> int:
     return int(status.rsplit(" ", 1)[-1])
 
 
-class MaintenanceStore:
-    def __init__(
-        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
-    ) -> None:
-        """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
-        self._db = Pooled(pool, acquire_timeout=acquire_timeout)
-
+class MaintenanceStore(PooledStore):
     # -- reads (pool) ----------------------------------------------------------------
 
     async def missing_days(self, days_ahead: int) -> list[date]:

@@ -15,12 +15,11 @@ from datetime import datetime
 
 import asyncpg
 
-from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
 from scheduler.planning import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
 from scheduler.sql import compose, fragment, load
-from scheduler.store.conn import Conn, Pooled
+from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.jobs import NOTIFY_HORIZON
 from scheduler.store.rows import UNREADABLE, ClaimedSchedule, Job
 
@@ -39,13 +38,7 @@ MAX_PAGE = 10_000
 _BIGINT_MAX = 2**63 - 1
 
 
-class ScheduleStore:
-    def __init__(
-        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
-    ) -> None:
-        """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
-        self._db = Pooled(pool, acquire_timeout=acquire_timeout)
-
+class ScheduleStore(PooledStore):
     # -- users -------------------------------------------------------------------------
 
     async def add(self, spec: ScheduleSpec, *, conn: Conn | None = None) -> Schedule:

@@ -133,8 +133,9 @@ async def test_replica_fence_waits_at_most_db_timeout(tight: Settings) -> None:
 
 
 async def test_cli_stores_wait_at_most_db_timeout(tight: Settings) -> None:
-    for kind, calls in ((JobStore, job_calls), (ScheduleStore, schedule_calls)):
-        async with opened(tight, kind) as store:  # the commands' own way to open a store
+    cases: list[tuple[Any, Any]] = [(JobStore, job_calls), (ScheduleStore, schedule_calls)]
+    for make, calls in cases:
+        async with opened(tight, make) as store:
             pool = store._db.pool
             async with pool.acquire():  # the CLI's pools have two connections: hold one
                 for call in calls(store):
