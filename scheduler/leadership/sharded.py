@@ -425,7 +425,7 @@ class ShardedReplica:
             return "duty_exited", f"{missing}: not running"
         await asyncio.wait({lost_waiter, *tasks.values()}, return_when=asyncio.FIRST_COMPLETED)
         if lost_waiter.done():
-            return self._lost_reason(shard), "shard lost"
+            return self._lost_reason(shard), "stop requested" if self._stopping else "shard lost"
         return term_end_reason(hold=None, duties=tasks, stopped=False)
 
     def _lost_reason(self, shard: _Shard) -> str:

@@ -90,3 +90,20 @@ async def test_two_shards_two_replicas_one_worker(shard_cluster: ShardCluster, u
         assert not node.events("shard_stepping_down"), cluster.describe()
         mine = {s for s, (n, _) in leaders.items() if n == node.name}
         assert set(node.leading()) == mine
+
+    # SIGTERM: duties stop, the lease is revoked, the other replica takes both at once.
+    stopped_at = time.monotonic()
+    r1.proc.sigterm()
+
+    async def r2_leads_both() -> bool:
+        agreed = await cluster.agreed()
+        return agreed is not None and {n for n, _ in agreed.values()} == {r2.name}
+
+    try:
+        await wait_for(r2_leads_both, timeout=3.0, interval=0.01, message="r2 leads both")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{cluster.describe()}") from None
+    took = time.monotonic() - stopped_at
+    assert await r1.proc.wait(10) == 0
+    print(f"[sharded] SIGTERM of {r1.name}: {r2.name} leads both shards after {took:.3f} s")
+    assert took < 1.0 + cluster.ttl / 2, took
