@@ -32,6 +32,17 @@ LEADER_EPOCH = Gauge("duetime_leader_epoch", "epoch (fencing token) of the curre
 LEADER_TRANSITIONS = Counter(
     "duetime_leader_transitions_total", "leadership gained or lost, by reason", ["reason"]
 )
+SHARD_IS_LEADER = Gauge(
+    "duetime_shard_is_leader", "1 while this replica leads the shard (duties running)", ["shard"]
+)
+SHARD_EPOCH = Gauge(
+    "duetime_shard_epoch", "epoch (fencing token) of this replica's term of the shard", ["shard"]
+)
+SHARD_TRANSITIONS = Counter(
+    "duetime_shard_transitions_total",
+    "shard leadership gained (elected) or given up, by reason",
+    ["shard", "reason"],
+)
 JOBS_CLAIMED = Counter("duetime_jobs_claimed_total", "jobs claimed for dispatch", ["queue"])
 JOBS_PUBLISHED = Counter(
     "duetime_jobs_published_total", "jobs published and confirmed by RabbitMQ", ["queue"]

@@ -2,8 +2,11 @@
 
 The replica campaigns for leadership in etcd, runs the leader's duties
 (``scheduler.duties.default_duties``) while it holds the lease, and resigns on the way
-out so a standby takes over at once. Exit status 0 after a graceful stop, 130 after a
-second signal, 1 when PostgreSQL cannot be reached at start.
+out so a standby takes over at once. With shards configured (``DUETIME_SHARDS``) it is
+a ``ShardedReplica``: it leads its share of the shards, each with its own election key,
+fence and duties; otherwise the single ``Replica`` on ``<prefix>/leader``. Exit status
+0 after a graceful stop, 130 after a second signal, 1 when PostgreSQL cannot be reached
+at start.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from scheduler.cli._util import add_command
 from scheduler.config import Settings
 from scheduler.duties import default_duties
 from scheduler.leadership.replica import Replica
+from scheduler.leadership.sharded import ShardedReplica
 from scheduler.log import get_logger
 from scheduler.observability import database_check
 from scheduler.service import Service
@@ -31,11 +35,18 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     log = get_logger("duetime.scheduler", node_id=settings.node_id, epoch=None)
     log.info("scheduler_starting", config=settings.redacted())
     async with Service("scheduler", metrics_port=settings.metrics_port) as service:
-        replica = Replica(settings, default_duties)
+        replica: Replica | ShardedReplica
+        if settings.shards is not None:
+            replica = ShardedReplica(settings, default_duties)
+        else:
+            replica = Replica(settings, default_duties)
 
         def ready() -> None:
             # /readyz: a standby is ready when it can reach PostgreSQL and etcd
-            if replica.pool is not None:
+            if isinstance(replica, ShardedReplica):
+                for shard, pool in replica.pools.items():
+                    service.observability.add_check(f"db_{shard}", database_check(pool))
+            elif replica.pool is not None:
                 service.observability.add_check("db", database_check(replica.pool))
             service.observability.add_check("etcd", replica.etcd_check)
             service.ready()

@@ -56,6 +56,7 @@ from scheduler.leadership.fence import fenced_transaction
 from scheduler.log import get_logger
 from scheduler.metrics import DUTY_FAILURES, JOBS_PARKED
 from scheduler.publisher import Publisher
+from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.dispatch import DispatchStore
 from scheduler.store.listener import KeptListener
 
@@ -93,6 +94,8 @@ class DutyContext:
     node_id: str
     is_leader: Callable[[], bool]
     """True only inside the lease's trust window; check right before acting (fail closed)."""
+    shard: str = DEFAULT_SHARD
+    """The shard whose database ``pool`` is: the messages a duty publishes name it."""
 
 
 class Work(Protocol):
@@ -120,12 +123,15 @@ class FencedDutyClass(Protocol[D_co]):
         *,
         clock: Clock = ...,
         is_leader: Callable[[], bool] | None = ...,
+        shard: str = ...,
     ) -> D_co: ...
 
 
 def from_context(duty: FencedDutyClass[D_co], ctx: DutyContext) -> D_co:
-    """The fenced duty a replica runs: its settings, pool, clock and lease check."""
-    return duty(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader)
+    """The fenced duty a replica runs: its settings, pool, clock, lease check and shard."""
+    return duty(
+        ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader, shard=ctx.shard
+    )
 
 
 class DutyLoop:
@@ -304,11 +310,12 @@ class DutyPublisher:
         publisher: Publisher | None,
         gate: GateConfig,
         log: Callable[[], Any],
+        shard: str = DEFAULT_SHARD,
     ) -> None:
         self.store = DispatchStore(pool, acquire_timeout=settings.db_timeout)
         self.owned = publisher is None
         self.publisher = publisher or Publisher.from_settings(
-            settings, name=f"duetime-{name}", publish_timeout=publish_timeout
+            settings, name=f"duetime-{name}", publish_timeout=publish_timeout, shard=shard
         )
         self.gate = BrokerGate(self.publisher, log, gate)
 

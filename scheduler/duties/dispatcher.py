@@ -83,6 +83,7 @@ from scheduler.publisher import (
     PublishResult,
     publish_timeout_for,
 )
+from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
 from scheduler.store.rows import UNREADABLE, ClaimedJob
@@ -131,6 +132,7 @@ class Dispatcher:
         publisher: Publisher | None = None,
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
+        shard: str = DEFAULT_SHARD,
     ) -> None:
         self.config = config = config or config_from_settings(DispatcherConfig, settings)
         self.clock = clock
@@ -144,6 +146,7 @@ class Dispatcher:
             publisher=publisher,
             gate=GateConfig(config.ready_timeout, base=0.1, cap=5.0),
             log=lambda: self.loop.log,
+            shard=shard,
         )
         self.store, self.publisher = self.out.store, self.out.publisher
         self.pacing = DispatchPacing(

@@ -67,6 +67,7 @@ from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.duties.base import DutyLoop, FencedWrites
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
+from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.maintenance import MaintenanceStore
 
@@ -162,8 +163,10 @@ class Maintainer:
         config: MaintainerConfig | None = None,
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
+        shard: str = DEFAULT_SHARD,
     ) -> None:
         self.config = config or config_from_settings(MaintainerConfig, settings)
+        self.shard = shard  # the database ``pool`` is: its partitions are kept here
         self.clock = clock
         self.loop = DutyLoop(self)
         self.writes = FencedWrites(

@@ -60,6 +60,7 @@ from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.duties.plan_report import PlanReport, account_batch
 from scheduler.leadership.fence import fenced_transaction
 from scheduler.planning import PlanConfig, PlanDecision, invalid_decision, plan_schedule
+from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.rows import UNREADABLE, ClaimedSchedule
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
@@ -131,10 +132,12 @@ class Planner:
         config: PlannerConfig | None = None,
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
+        shard: str = DEFAULT_SHARD,
     ) -> None:
         self.config = config = config or config_from_settings(PlannerConfig, settings)
         self.settings = settings
         self.pool = pool
+        self.shard = shard  # the database ``pool`` is: its schedules are planned here
         self.clock = clock
         self.loop = DutyLoop(self)
         self.writes = FencedWrites(

@@ -61,6 +61,7 @@ from scheduler.duties.base import (
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.metrics import JOBS_PARKED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
+from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.rows import UNREADABLE, StalledJob
 
@@ -111,6 +112,7 @@ class Reconciler:
         publisher: Publisher | None = None,
         clock: Clock = SYSTEM_CLOCK,
         is_leader: Callable[[], bool] | None = None,
+        shard: str = DEFAULT_SHARD,
     ) -> None:
         self.config = config = config or config_from_settings(ReconcilerConfig, settings)
         self.clock = clock
@@ -124,6 +126,7 @@ class Reconciler:
             publisher=publisher,
             gate=GateConfig(config.ready_timeout, base=0.5, cap=config.interval),
             log=lambda: self.loop.log,
+            shard=shard,
         )
         self.store, self.publisher = self.out.store, self.out.publisher
         self._deferred_until: dict[str, float] = {}

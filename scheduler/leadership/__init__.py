@@ -13,6 +13,9 @@ Two guarantees of docs/architecture.md live here:
    at once on SIGTERM, so a crashed leader is replaced within lease TTL + 1 s.
 
 ``etcd_client`` builds the gRPC client (keepalives, TLS) the election talks through.
+``sharded`` is the replica of a sharded cluster: per shard it does what ``replica``
+does, on the per-shard keys of ``scheduler.shards.leadership``; both raise the fence
+through ``takeover``.
 The duties (``scheduler.duties``) never import this package's replica: the replica
 imports them and hands each a ``scheduler.duties.base.DutyContext``.
 """

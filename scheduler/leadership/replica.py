@@ -63,6 +63,7 @@ from scheduler.leadership.policy import (
     session_settings,
     term_end_reason,
 )
+from scheduler.leadership.takeover import advance_fence
 from scheduler.log import get_logger
 from scheduler.metrics import IS_LEADER, LEADER_EPOCH, LEADER_TRANSITIONS
 from scheduler.startup import start_with_retry
@@ -327,42 +328,17 @@ class Replica:
     ) -> tuple[str, str]:
         """Raise the fence to our epoch while ``hold`` keeps the lease; ("", "") on success."""
         assert self._fence is not None
-        fence = self._fence
-        # Long enough to outwait a paused predecessor's transaction (killed after ~TTL).
-        lock_timeout = self.settings.lease_ttl * 1.5 + 1.0
-        advance = asyncio.create_task(
-            fence.advance(
-                term.epoch,
-                self.node_id,
-                lock_timeout=lock_timeout,
-                takeover_grace=self.settings.fence_takeover_grace,
-            ),
-            name=f"fence:advance:{term.epoch}",
+        outcome = await advance_fence(
+            self._fence,
+            term.epoch,
+            self.node_id,
+            self.settings,
+            abort={hold, stop_waiter},
+            log=tlog,
         )
-        await asyncio.wait({advance, hold, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if not advance.done():
-            advance.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await advance
+        if outcome is None:
             return term_end_reason(hold=hold, duties={}, stopped=stop_waiter.done())
-        if advance.cancelled() or advance.exception() is not None:
-            exc = advance.exception() if not advance.cancelled() else None
-            error = describe(exc) if exc else "cancelled"
-            tlog.error("fence_advance_failed", error=error)
-            return "fence_error", error
-        if not advance.result():
-            fence_epoch: int | None = None
-            with contextlib.suppress(Exception):
-                fence_epoch = (await asyncio.wait_for(fence.read(), CLOSE_TIMEOUT)).epoch
-            tlog.error(
-                "fence_ahead",
-                fence_epoch=fence_epoch,
-                hint="a newer leader exists; if the etcd cluster was rebuilt (revisions "
-                "restarted), reset duetime.leader_fence.epoch to 0 with no scheduler running",
-            )
-            return "fenced", f"fence holds epoch {fence_epoch}"
-        tlog.info("fence_advanced")
-        return "", ""
+        return outcome
 
     async def _watch(
         self, hold: asyncio.Task[Any], stop_waiter: asyncio.Task[Any]

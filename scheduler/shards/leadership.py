@@ -198,6 +198,7 @@ class ShardLeadership:
         self._deadline: LeaseDeadline | None = None
         self._terms: dict[str, ShardTerm] = {}
         self._seen: dict[str, Any] = {}  # shard -> its key as the last read showed it
+        self._hold_off: dict[str, float] = {}  # shard -> monotonic time to campaign again
         self._stopping = False
         self.fatal: BaseException | None = None
         """Set when etcd refused our credentials: the node stopped campaigning for good."""
@@ -217,6 +218,32 @@ class ShardLeadership:
     def leading(self) -> dict[str, ShardTerm]:
         """The shards this node may act for right now, with their terms."""
         return dict(self._terms) if self._trusted() else {}
+
+    async def hand_over(self, shard: str, reason: str, *, hold_off: float = 0.0) -> None:
+        """Give ``shard`` up now if this node leads it: the owner is told (a ``lost``
+        event with ``reason``), then the key's incarnation is deleted, so the node the
+        plan names next campaigns on the DELETE it sees. For ``hold_off`` seconds this
+        node does not campaign for the shard again (an owner that failed to lead it, e.g.
+        a fence that is ahead, should not take it straight back). A shard not led is
+        left alone, apart from the hold-off."""
+        if hold_off > 0:
+            self._hold_off[shard] = self._clock.monotonic() + hold_off
+        await self._resign(shard, reason)
+        self._wake.set()
+
+    async def check(self) -> None:
+        """One bounded read of this node's member key (readiness); raises when etcd
+        does not answer."""
+        await self._kv.call(lambda c: c.get(self._member_key))
+
+    def _held_off(self, shard: str) -> bool:
+        until = self._hold_off.get(shard)
+        if until is None:
+            return False
+        if self._clock.monotonic() < until:
+            return True
+        del self._hold_off[shard]
+        return False
 
     def _trusted(self) -> bool:
         return self._deadline is not None and not self._deadline.expired(self._clock.monotonic())
@@ -316,6 +343,8 @@ class ShardLeadership:
             if room <= 0 or self._stopping:
                 break
             if view.holder(shard) is None and shard not in self._terms:
+                if self._held_off(shard):
+                    continue
                 if await self._acquire(shard):
                     room -= 1
 
