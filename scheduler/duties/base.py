@@ -327,6 +327,35 @@ class DutyPublisher:
             await self.publisher.close()
 
 
+def publishing_parts(
+    duty: Work,
+    settings: Settings,
+    pool: asyncpg.Pool,
+    *,
+    publish_timeout: float,
+    publisher: Publisher | None,
+    gate: GateConfig,
+    is_leader: Callable[[], bool] | None,
+    shard: str,
+) -> tuple[DutyLoop, FencedWrites, DutyPublisher]:
+    """The collaborators of a duty that claims rows and publishes them (the dispatcher,
+    the reconciler): its loop, its fenced claim transactions and its publisher, wired the
+    same way for both."""
+    loop = DutyLoop(duty)
+    writes = FencedWrites(settings, pool, write="fenced claim", is_leader=is_leader)
+    out = DutyPublisher(
+        settings,
+        pool,
+        name=duty.name,
+        publish_timeout=publish_timeout,
+        publisher=publisher,
+        gate=gate,
+        log=lambda: loop.log,
+        shard=shard,
+    )
+    return loop, writes, out
+
+
 @dataclass(frozen=True, slots=True)
 class GateConfig:
     """How long a pass waits for a reconnecting broker, and the back-off after it."""

@@ -51,11 +51,9 @@ from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.duties.base import (
     MAX_IDS_LOGGED,
-    DutyLoop,
-    DutyPublisher,
-    FencedWrites,
     GateConfig,
     park_unreadable,
+    publishing_parts,
     some_ids,
 )
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
@@ -116,16 +114,14 @@ class Reconciler:
     ) -> None:
         self.config = config = config or config_from_settings(ReconcilerConfig, settings)
         self.clock = clock
-        self.loop = DutyLoop(self)
-        self.writes = FencedWrites(settings, pool, write="fenced claim", is_leader=is_leader)
-        self.out = DutyPublisher(
+        self.loop, self.writes, self.out = publishing_parts(
+            self,
             settings,
             pool,
-            name=self.name,
             publish_timeout=config.publish_timeout,
             publisher=publisher,
             gate=GateConfig(config.ready_timeout, base=0.5, cap=config.interval),
-            log=lambda: self.loop.log,
+            is_leader=is_leader,
             shard=shard,
         )
         self.store, self.publisher = self.out.store, self.out.publisher

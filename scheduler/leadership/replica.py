@@ -57,6 +57,7 @@ from scheduler.errors import ServiceUnavailable, describe
 from scheduler.leadership.duty_set import DutiesFactory, DutySet
 from scheduler.leadership.election import Election, Term
 from scheduler.leadership.etcd_client import etcd_tls
+from scheduler.leadership.lifecycle import run_replica
 from scheduler.leadership.policy import (
     Transition,
     recampaign_delay,
@@ -66,7 +67,6 @@ from scheduler.leadership.policy import (
 from scheduler.leadership.takeover import advance_fence
 from scheduler.log import get_logger
 from scheduler.metrics import IS_LEADER, LEADER_EPOCH, LEADER_TRANSITIONS
-from scheduler.startup import start_with_retry
 from scheduler.store.fence import FenceStore
 
 __all__ = ["Replica"]
@@ -143,19 +143,14 @@ class Replica:
         back-off until ``stop`` (``scheduler.startup``); a permanent refusal (bad
         password, no such database) raises ``ServiceUnavailable`` at once.
         """
-        with structlog.contextvars.bound_contextvars(node_id=self.node_id):
-            if not await start_with_retry(self._open, stop, service="scheduler"):
-                return
-            stop_waiter = asyncio.create_task(stop.wait(), name="replica:stop")
-            try:
-                if on_ready is not None:
-                    on_ready()
-                await self._run(stop, stop_waiter)
-            finally:
-                stop_waiter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await stop_waiter
-                await self._close()
+        await run_replica(
+            node_id=self.node_id,
+            stop=stop,
+            open_=self._open,
+            body=lambda stop_waiter: self._run(stop, stop_waiter),
+            close=self._close,
+            on_ready=on_ready,
+        )
 
     # -- setup and teardown -----------------------------------------------------------
 

@@ -64,6 +64,7 @@ from scheduler.duties.base import DutyContext, LeaderTerm
 from scheduler.errors import ConfigError
 from scheduler.leadership.duty_set import DUTY_STOP_TIMEOUT, DutiesFactory, DutySet
 from scheduler.leadership.etcd_client import etcd_tls
+from scheduler.leadership.lifecycle import run_replica
 from scheduler.leadership.policy import (
     Transition,
     describe,
@@ -80,7 +81,6 @@ from scheduler.metrics import (
     SHARD_TRANSITIONS,
 )
 from scheduler.shards.leadership import ShardEvent, ShardLeadership
-from scheduler.startup import start_with_retry
 from scheduler.store.fence import FenceStore
 
 __all__ = ["SHARD_POOL_SIZE", "ShardTransition", "ShardedReplica"]
@@ -194,30 +194,32 @@ class ShardedReplica:
         PostgreSQL being unreachable at start is retried as ``Replica`` does; etcd
         refusing this node's credentials raises ``ServiceUnavailable``.
         """
-        with structlog.contextvars.bound_contextvars(node_id=self.node_id):
-            if not await start_with_retry(self._open, stop, service="scheduler"):
-                return
-            assert self._leadership is not None
-            leadership = self._leadership
-            events = asyncio.create_task(self._drain(leadership), name="shards:events")
-            stop_waiter = asyncio.create_task(stop.wait(), name="sharded:stop")
-            try:
-                if on_ready is not None:
-                    on_ready()
-                await leadership.start()
-                await asyncio.wait({events, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
-                failure = events.exception() if events.done() and not events.cancelled() else None
-                if failure is not None:
-                    raise failure
-            finally:
-                stop_waiter.cancel()
-                await self._shutdown()
-                events.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await events
-                with contextlib.suppress(asyncio.CancelledError):
-                    await stop_waiter
-                await self._close()
+        await run_replica(
+            node_id=self.node_id,
+            stop=stop,
+            open_=self._open,
+            body=self._lead_shards,
+            close=self._close,
+            on_ready=on_ready,
+        )
+
+    async def _lead_shards(self, stop_waiter: asyncio.Task[Any]) -> None:
+        """Start the leadership and act on its events until stop; then stop every
+        shard's duties (``_shutdown``) before the lease goes."""
+        assert self._leadership is not None
+        leadership = self._leadership
+        events = asyncio.create_task(self._drain(leadership), name="shards:events")
+        try:
+            await leadership.start()
+            await asyncio.wait({events, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+            failure = events.exception() if events.done() and not events.cancelled() else None
+            if failure is not None:
+                raise failure
+        finally:
+            await self._shutdown()
+            events.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await events
 
     # -- setup and teardown -----------------------------------------------------------
 
