@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -192,6 +193,7 @@ def add_actions(
     for name, helptext, func in actions:
         parser = sub.add_parser(name, parents=[common], help=helptext)
         parser.add_argument(target, **target_options)
+        add_shard_option(parser)
         parser.add_argument("--json", action="store_true")
         parser.set_defaults(func=func)
 
@@ -205,10 +207,37 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> int:
     return 0
 
 
+def add_shard_option(parser: argparse.ArgumentParser) -> None:
+    """``--shard NAME``: which shard's database a command reads or changes (job ids and
+    schedule names are per shard)."""
+    parser.add_argument(
+        "--shard", metavar="NAME", help="the shard to act on (required when shards are set)"
+    )
+
+
+def shard_settings(settings: Settings, shard: str | None) -> Settings:
+    """``settings`` pointed at one shard's database. Without shards ``--shard`` may only
+    name the one shard ``main``; with several, a command must say which one it means
+    (an id alone is ambiguous: every shard numbers its jobs from 1)."""
+    urls = settings.shard_urls
+    if shard is None:
+        if len(urls) > 1:
+            raise InvalidInput(
+                f"this cluster has shards {', '.join(urls)}: name one with --shard"
+            )
+        return settings
+    if shard not in urls:
+        raise InvalidInput(f"unknown shard {shard!r} (shards: {', '.join(urls)})")
+    return dataclasses.replace(settings, database_url=urls[shard])
+
+
 @asynccontextmanager
-async def opened(settings: Settings, store: Callable[..., S]) -> AsyncIterator[S]:
-    """``store`` (``JobStore``, ``ScheduleStore``) on a pool of its own, closed after:
-    one command, a couple of statements."""
+async def opened(
+    settings: Settings, store: Callable[..., S], *, shard: str | None = None
+) -> AsyncIterator[S]:
+    """``store`` (``JobStore``, ``ScheduleStore``) on a pool of its own to ``shard``'s
+    database (``shard_settings``), closed after: one command, a couple of statements."""
+    settings = shard_settings(settings, shard)
     pool: asyncpg.Pool = await db.pool_from_settings(settings, max_size=2)
     try:
         yield store(pool, acquire_timeout=settings.db_timeout)

@@ -8,6 +8,7 @@ from typing import Any
 
 from scheduler.cli._util import (
     add_actions,
+    add_shard_option,
     after_id,
     emit,
     job_id,
@@ -58,6 +59,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     lst.add_argument("--after", type=after_id, help="show jobs with id greater than this")
     lst.add_argument("--limit", type=positive_int, default=50)
     lst.add_argument("--json", action="store_true")
+    add_shard_option(lst)
     lst.set_defaults(func=run_list)
 
     actions = (
@@ -107,7 +109,7 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
     due_to = parse_when(args.due_to) if args.due_to else None
     if due_from and due_to and due_from >= due_to:
         raise InvalidInput("--due-from must be earlier than --due-to")
-    async with opened(settings, JobStore) as store:
+    async with opened(settings, JobStore, shard=args.shard) as store:
         jobs = await store.list(
             status=args.status,
             queue=args.queue,
@@ -134,7 +136,7 @@ def _row(job: Job) -> dict[str, Any]:
 
 
 async def _single(args: argparse.Namespace, settings: Settings, action: str) -> int:
-    async with opened(settings, JobStore) as store:
+    async with opened(settings, JobStore, shard=args.shard) as store:
         job = await getattr(store, action)(args.job_id)
     if action != "get" and not args.json:
         print(f"job {job.id} is now {job.status}")

@@ -15,6 +15,7 @@ from zoneinfo import ZoneInfo
 
 from scheduler.cli._util import (
     add_actions,
+    add_shard_option,
     emit,
     opened,
     parse_duration,
@@ -83,6 +84,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     add.add_argument("--end-at", help="last possible fire time, ISO 8601 (no offset = UTC)")
     add.add_argument("--paused", action="store_true", help="create it paused")
     add.add_argument("--json", action="store_true")
+    add_shard_option(add)
     add.set_defaults(func=run_add)
 
     lst = ssub.add_parser("list", parents=[common], help="list schedules")
@@ -92,6 +94,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     lst.add_argument("--after", default=None, metavar="ID", help="schedules with a larger id")
     lst.add_argument("--limit", default="100", metavar="N")
     lst.add_argument("--json", action="store_true")
+    add_shard_option(lst)
     lst.set_defaults(func=run_list)
 
     show = ssub.add_parser(
@@ -100,6 +103,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     show.add_argument("schedule", help="name or id")
     show.add_argument("--runs", default="10", metavar="N", help="recent runs shown (default 10)")
     show.add_argument("--json", action="store_true")
+    add_shard_option(show)
     show.set_defaults(func=run_show)
 
     actions = (
@@ -163,7 +167,7 @@ def spec_from_args(args: argparse.Namespace) -> ScheduleSpec:
 
 async def run_add(args: argparse.Namespace, settings: Settings) -> int:
     spec = spec_from_args(args)
-    async with opened(settings, ScheduleStore) as store:
+    async with opened(settings, ScheduleStore, shard=args.shard) as store:
         schedule = await store.add(spec)
     if args.json:
         print_json(schedule.to_dict())
@@ -178,7 +182,7 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
 async def run_list(args: argparse.Namespace, settings: Settings) -> int:
     after = _int(args.after, "--after", minimum=0) if args.after is not None else None
     limit = _int(args.limit, "--limit")
-    async with opened(settings, ScheduleStore) as store:
+    async with opened(settings, ScheduleStore, shard=args.shard) as store:
         schedules = await store.list(paused=args.paused, after_id=after, limit=limit)
     if args.json:
         print_json([s.to_dict() for s in schedules])
@@ -191,7 +195,7 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
 
 async def run_show(args: argparse.Namespace, settings: Settings) -> int:
     runs_limit = _int(args.runs, "--runs", minimum=0)
-    async with opened(settings, ScheduleStore) as store:
+    async with opened(settings, ScheduleStore, shard=args.shard) as store:
         schedule = await store.get(args.schedule)
         runs = await store.recent_runs(schedule.id, runs_limit) if runs_limit else []
     now = datetime.now(UTC)
@@ -242,7 +246,7 @@ async def run_pause(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def run_resume(args: argparse.Namespace, settings: Settings) -> int:
-    async with opened(settings, ScheduleStore) as store:
+    async with opened(settings, ScheduleStore, shard=args.shard) as store:
         schedule = await store.resume(args.schedule)
     text = f"resumed schedule {schedule.id} {schedule.name!r}; it fires again from now"
     return emit(args, schedule.to_dict(), text)
@@ -259,7 +263,7 @@ async def _cancelling_planned(
 ) -> int:
     """``pause`` or ``remove``: the store cancels the jobs planned ahead, and says how
     many; ``text`` is formatted with the schedule's id, its name and that count."""
-    async with opened(settings, ScheduleStore) as store:
+    async with opened(settings, ScheduleStore, shard=args.shard) as store:
         schedule, cancelled = await getattr(store, action)(args.schedule)
     return emit(
         args,
@@ -269,7 +273,7 @@ async def _cancelling_planned(
 
 
 async def run_trigger(args: argparse.Namespace, settings: Settings) -> int:
-    async with opened(settings, ScheduleStore) as store:
+    async with opened(settings, ScheduleStore, shard=args.shard) as store:
         job = await store.trigger(args.schedule)
     text = f"triggered: job {job.id} ({job.task}) due now, key {job.idempotency_key}"
     return emit(args, job.to_dict(), text)

@@ -130,6 +130,45 @@ async def test_cli_jobs_add_with_shard(
     assert run.error_line() == "unknown shard 'nope' (shards: a, b)"
 
 
+async def test_cli_reads_and_changes_name_their_shard(
+    test_env: dict[str, str], shard_urls: dict[str, str], pools: dict[str, asyncpg.Pool]
+) -> None:
+    """Job ids are per shard: with shards, list/show/cancel and the schedule commands
+    act on the shard ``--shard`` names, and refuse to guess without it."""
+    tag = uuid.uuid4().hex[:8]
+    env = shards_env(test_env, shard_urls)
+    run = await duetime(env, "jobs", "add", f"ops-{tag}", "--in", "1h", "--shard", "a", "--json")
+    assert run.code == 0, run
+    job_id = str(run.json()["id"])
+
+    ambiguous = await duetime(env, "jobs", "show", job_id)
+    assert ambiguous.code == 2
+    assert ambiguous.error_line() == "this cluster has shards a, b: name one with --shard"
+    unknown = await duetime(env, "jobs", "list", "--shard", "nope")
+    assert unknown.code == 2 and unknown.error_line() == "unknown shard 'nope' (shards: a, b)"
+
+    listed = await duetime(env, "jobs", "list", "--shard", "a", "--task", f"ops-{tag}", "--json")
+    assert listed.code == 0, listed
+    assert [j["id"] for j in listed.json()] == [int(job_id)]
+    elsewhere = await duetime(env, "jobs", "list", "--shard", "b", "--task", f"ops-{tag}", "--json")
+    assert elsewhere.code == 0 and elsewhere.json() == []
+
+    cancelled = await duetime(env, "jobs", "cancel", job_id, "--shard", "a", "--json")
+    assert cancelled.code == 0, cancelled
+    status = await pools["a"].fetchval("SELECT status FROM duetime.jobs WHERE id = $1", int(job_id))
+    assert status == "cancelled"
+
+    added = await duetime(
+        env, "schedules", "add", f"s-{tag}", "t", "--every", "1h", "--shard", "b"
+    )
+    assert added.code == 0, added
+    names = await pools["b"].fetch("SELECT name FROM duetime.schedules WHERE name = $1", f"s-{tag}")
+    assert len(names) == 1
+    assert await pools["a"].fetchval(
+        "SELECT count(*) FROM duetime.schedules WHERE name = $1", f"s-{tag}"
+    ) == 0
+
+
 @contextlib.asynccontextmanager
 async def empty_databases(server: str, names: list[str]) -> AsyncIterator[dict[str, str]]:
     """Unmigrated databases, one per shard name, dropped after."""
