@@ -18,7 +18,9 @@ Reported per run: jobs/s = N / (last ``dispatched_at`` − T0), the same over th
 80 % of the jobs (``mid_jobs_per_s``: without the wake-up at T0 and the slowest
 shard's tail), per-shard rates, and the CPU of the scheduler processes, of PostgreSQL
 (all its processes), RabbitMQ and etcd, and the machine's busy cores over the window
-(``bench.cpu``). The ratio to K = 1 is taken for the same R in the same run.
+(``bench.cpu``), and the jobs per CPU second of that stack (``jobs_per_stack_core_s``:
+on a shared machine, what other programs take moves it less than the rate). The ratio
+to K = 1 is taken for the same R in the same run.
 
 Baselines, measured first in the same run on the same databases: the raw PostgreSQL
 claim rate (``claim_only``: the dispatcher's fenced claim + mark statements, committed,
@@ -310,6 +312,7 @@ class ShardBench:
             "per_shard": {s: _shard_figures(ts) for s, ts in times.items()},
             "leaders": {s: node for s, (node, _) in held.items()},
             "cpu": cpu,
+            "jobs_per_stack_core_s": _per_stack_core(n / last if last else None, cpu),
             "saturation": saturation(cpu, r),
             "load_avg_start": load_start,
             "load_avg_end": load_average(),
@@ -325,6 +328,13 @@ def _shard_figures(times: list[float]) -> dict[str, float | None]:
         "last_s": round(times[-1], 3),
         "p50_s": round(statistics.median(times), 3),
     }
+
+
+def _per_stack_core(rate: float | None, cpu: dict[str, float]) -> int | None:
+    """Jobs per CPU second of the schedulers, PostgreSQL, RabbitMQ and etcd together: a
+    figure other programs on a shared machine disturb less than the rate itself."""
+    stack = sum(cpu.get(f"{g}_cores", 0.0) for g in ("schedulers", "postgres", "rabbitmq", "etcd"))
+    return round(rate / stack) if rate and stack > 0 else None
 
 
 def saturation(cpu: dict[str, float], r: int) -> str:
