@@ -10,7 +10,7 @@ jobs ran, no duplicate effect), 1 otherwise. Speed targets are reported, never e
 from __future__ import annotations
 
 import argparse
-import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ SCENARIOS = ("baseline", "worker", "io", "storm", "steady", "coldstart", "recurr
 # not part of `all`: dashboard (docs/dashboard.md); shards and shardsim start many
 # processes for minutes (docs/benchmarks.md "Shards")
 ONLY_ALONE = ("dashboard", "shards", "shardsim")
+SELF_BASELINED = ("baseline", "shards", "shardsim")  # no ratio to a recorded baseline
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -89,7 +90,7 @@ async def _shardsim(shard_sim: Any, services: Any, args: argparse.Namespace) -> 
     """The assignment simulation (``bench.shard_sim``) on the first etcd endpoint."""
     params = shard_sim.Params(
         endpoint=services.etcd_endpoints.split(",")[0],
-        log_dir=str(args.results_dir / "shardsim-logs"),
+        log_dir=tempfile.mkdtemp(prefix="duetime-shardsim-"),
     )
     if args.quick:
         params.shards, params.replicas, params.join, params.kill = 8, 4, 1, 1
@@ -99,7 +100,6 @@ async def _shardsim(shard_sim: Any, services: Any, args: argparse.Namespace) -> 
         params.replicas = args.replicas[0]
     params.join = min(params.join, params.replicas - 1)
     params.kill = min(params.kill, params.replicas - 1)
-    os.makedirs(params.log_dir, exist_ok=True)
     load_start = load_average()
     result = await shard_sim.run_simulation(params)
     safe = result["two_believer_samples"] == 0 and result["belief_overlaps"] == 0
@@ -125,7 +125,7 @@ def _decorate(result: dict[str, Any], args: argparse.Namespace, ref: str | None)
         "machine": machine(),
         **{k: v for k, v in result.items() if k != "scenario"},
     }
-    if ref is not None and result["scenario"] != "baseline":
+    if ref is not None and result["scenario"] not in SELF_BASELINED:
         result["baseline_ref"] = ref
     return result
 
