@@ -71,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--shards", type=_counts, help="shards: shard counts K (e.g. 1,2,4); shardsim: first = K"
     )
+    g.add_argument("--rounds", type=int, help="shards: repeat the whole sequence N times")
     g.add_argument(
         "--replicas", type=_counts, help="shards: replica counts R (e.g. 2,4); shardsim: first = R"
     )
@@ -291,7 +292,8 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
                 "jobs": "jobs", "rate": "rate"})))  # fmt: skip
         elif name == "shards":
             record(await shards.run(services, _params(shards.ShardsParams, args, {
-                "shards": "shards", "replicas": "replicas", "jobs": "jobs"})))  # fmt: skip
+                "shards": "shards", "replicas": "replicas", "jobs": "jobs",
+                "rounds": "rounds"})))  # fmt: skip
         elif name == "shardsim":
             record(await _shardsim(shard_sim, services, args))
         elif name == "recurring" and (why := recurring.available()) is not None:

@@ -31,7 +31,9 @@ publish rate (``publish_only``).
 With a tree whose ``duetime scheduler`` cannot lead shards, K = 1 runs unsharded (the
 single replica on the one database) and K > 1 is reported as skipped. With
 ``single_reference`` the unsharded K = 1 run is added beside the sharded one: the cost
-of the sharded path itself.
+of the sharded path itself. ``rounds`` repeats the whole sequence; each ratio is taken
+against K = 1 of its own round, and ``summary`` gives the medians and ranges over the
+rounds (on a shared machine what other programs take changes from minute to minute).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class ShardsParams:
     settle: float = 1.5  # assignment unchanged this long before inserting
     ready_timeout: float = 60.0
     single_reference: bool = True
+    rounds: int = 1  # the whole sequence repeated; ratios taken within a round
 
     @classmethod
     def quick(cls) -> ShardsParams:
@@ -368,7 +371,8 @@ def _ratios(
     """Each run of ``mode`` against K = 1 of the same R, and against the baselines."""
     claim_by_k = {c["shards"]: c["rows_per_s"] for c in claim}
     for row in (x for x in runs if x["mode"] == mode):
-        same_r = [x for x in runs if x["replicas"] == row["replicas"] and x["shards"] == 1]
+        same_r = [x for x in runs if x["replicas"] == row["replicas"] and x["shards"] == 1
+                  and x["round"] == row["round"]]  # fmt: skip
         ref = next((x for x in same_r if x["mode"] == mode), None)
         single = next((x for x in same_r if x["mode"] == "single"), None)
         for key, field in (("ratio_to_k1", "jobs_per_s"), ("mid_ratio_to_k1", "mid_jobs_per_s")):
@@ -378,6 +382,29 @@ def _ratios(
         row["ratio_to_publish_only"] = ratio(row["jobs_per_s"], publish["msgs_per_s"])
         if mode == "sharded" and row["shards"] == 1 and single is not None:
             row["ratio_to_unsharded_k1"] = ratio(row["jobs_per_s"], single["jobs_per_s"])
+
+
+def _summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (mode, R, K) over the rounds: median rate and ratio, and their range."""
+    out = []
+    keys = sorted({(x["mode"], x["replicas"], x["shards"]) for x in runs})
+    for mode, r, k in keys:
+        rows = [x for x in runs if (x["mode"], x["replicas"], x["shards"]) == (mode, r, k)]
+        rates = [x["jobs_per_s"] for x in rows if x["jobs_per_s"]]
+        ratios = [x["ratio_to_k1"] for x in rows if x.get("ratio_to_k1")]
+        per_core = [x["jobs_per_stack_core_s"] for x in rows if x.get("jobs_per_stack_core_s")]
+        others = [x["cpu"].get("others_cores", 0.0) for x in rows]
+        out.append({
+            "mode": mode, "replicas": r, "shards": k, "rounds": len(rows),
+            "jobs_per_s_median": round(statistics.median(rates)) if rates else None,
+            "jobs_per_s_range": [min(rates), max(rates)] if rates else None,
+            "ratio_to_k1_median": round(statistics.median(ratios), 3) if ratios else None,
+            "ratio_to_k1_range": [min(ratios), max(ratios)] if ratios else None,
+            "jobs_per_stack_core_s_median":
+                round(statistics.median(per_core)) if per_core else None,
+            "others_cores_median": round(statistics.median(others), 3) if others else None,
+        })  # fmt: skip
+    return out
 
 
 async def run(services: Services, params: ShardsParams) -> dict[str, Any]:
@@ -394,20 +421,22 @@ async def run(services: Services, params: ShardsParams) -> dict[str, Any]:
     async with ShardBench(services, max(params.shards)) as bench:
         claim = [await bench.claim_only(k, params.jobs, params.batch) for k in params.shards]
         publish = await bench.publish_only(params.jobs, params.batch)
-        for r in params.replicas:
-            if params.single_reference and sharded and 1 in params.shards:
-                runs.append(await bench.run_one(1, r, False, params))
-            for k in params.shards:
-                if k > 1 and not sharded:
-                    why = "this tree's duetime scheduler cannot lead shards"
-                    skipped.append({"shards": k, "replicas": r, "why": why})
-                    continue
-                runs.append(await bench.run_one(k, r, sharded, params))
+        for round_no in range(params.rounds):
+            for r in params.replicas:
+                if params.single_reference and sharded and 1 in params.shards:
+                    runs.append({"round": round_no, **await bench.run_one(1, r, False, params)})
+                for k in params.shards:
+                    if k > 1 and not sharded:
+                        why = "this tree's duetime scheduler cannot lead shards"
+                        skipped.append({"shards": k, "replicas": r, "why": why})
+                        continue
+                    runs.append({"round": round_no, **await bench.run_one(k, r, sharded, params)})
     _ratios(runs, claim, publish, "sharded" if sharded else "single")
     result.update(
         claim_only=claim,
         publish_only=publish,
         runs=runs,
+        summary=_summary(runs),
         skipped=skipped,
         load_avg_start=load_start,
         load_avg_end=load_average(),
