@@ -10,6 +10,7 @@ jobs ran, no duplicate effect), 1 otherwise. Speed targets are reported, never e
 from __future__ import annotations
 
 import argparse
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,22 @@ from typing import Any
 from bench.report import DEFAULT_RESULTS_DIR, emit, latest, load_average, machine, plot_bars
 
 SCENARIOS = ("baseline", "worker", "io", "storm", "steady", "coldstart", "recurring", "scale")
-ONLY_ALONE = ("dashboard",)  # not part of `all`: docs/dashboard.md
+# not part of `all`: dashboard (docs/dashboard.md); shards and shardsim start many
+# processes for minutes (docs/benchmarks.md "Shards")
+ONLY_ALONE = ("dashboard", "shards", "shardsim")
+SELF_BASELINED = ("baseline", "shards", "shardsim")  # no ratio to a recorded baseline
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of counts"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every count must be >= 1")
+    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-load-seconds", type=float, help="scale: skip sizes slower to load")
     g.add_argument("--concurrency", type=int, help="worker concurrency")
     g.add_argument("--workers", type=int, help="storm: worker processes")
+    g.add_argument(
+        "--shards", type=_counts, help="shards: shard counts K (e.g. 1,2,4); shardsim: first = K"
+    )
+    g.add_argument("--rounds", type=int, help="shards: repeat the whole sequence N times")
+    g.add_argument(
+        "--replicas", type=_counts, help="shards: replica counts R (e.g. 2,4); shardsim: first = R"
+    )
 
 
 def _params(cls: Any, args: argparse.Namespace, mapping: dict[str, str]) -> Any:
@@ -64,6 +87,38 @@ def _params(cls: Any, args: argparse.Namespace, mapping: dict[str, str]) -> Any:
     return type(base)(**{**vars(base), **changes})
 
 
+async def _shardsim(shard_sim: Any, services: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The assignment simulation (``bench.shard_sim``) on the first etcd endpoint."""
+    params = shard_sim.Params(
+        endpoint=services.etcd_endpoints.split(",")[0],
+        log_dir=tempfile.mkdtemp(prefix="duetime-shardsim-"),
+    )
+    if args.quick:
+        params.shards, params.replicas, params.join, params.kill = 8, 4, 1, 1
+    if args.shards:
+        params.shards = args.shards[0]
+    if args.replicas:
+        params.replicas = args.replicas[0]
+    params.join = min(params.join, params.replicas - 1)
+    params.kill = min(params.kill, params.replicas - 1)
+    load_start = load_average()
+    result = await shard_sim.run_simulation(params)
+    safe = result["two_believer_samples"] == 0 and result["belief_overlaps"] == 0
+    return {
+        **result,
+        "scenario": "shardsim",
+        "load_avg_start": load_start,
+        "load_avg_end": load_average(),
+        "targets": {
+            "complete": bool(result.get("relead_within_bound")) and safe,
+            "relead_within_bound": result.get("relead_within_bound"),
+            "never_two_leaders": safe,
+            "balanced_after_join": result["after_join"]["max_leaders"]
+            <= result["after_join"]["target"],
+        },
+    }
+
+
 def _decorate(result: dict[str, Any], args: argparse.Namespace, ref: str | None) -> dict[str, Any]:
     result = {
         "scenario": result["scenario"],
@@ -71,14 +126,25 @@ def _decorate(result: dict[str, Any], args: argparse.Namespace, ref: str | None)
         "machine": machine(),
         **{k: v for k, v in result.items() if k != "scenario"},
     }
-    if ref is not None and result["scenario"] != "baseline":
+    if ref is not None and result["scenario"] not in SELF_BASELINED:
         result["baseline_ref"] = ref
     return result
 
 
 async def run(args: argparse.Namespace, settings: Any) -> int:
     # imported here: ``duetime --help`` and every other command build this parser
-    from bench import baseline, coldstart, dashboard, recurring, scale, steady, storm, worker
+    from bench import (
+        baseline,
+        coldstart,
+        dashboard,
+        recurring,
+        scale,
+        shard_sim,
+        shards,
+        steady,
+        storm,
+        worker,
+    )
     from bench.harness import Services
     from scheduler.log import configure_logging
 
@@ -224,6 +290,12 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
         elif name == "dashboard":
             record(await dashboard.run(services, _params(dashboard.DashboardParams, args, {
                 "jobs": "jobs", "rate": "rate"})))  # fmt: skip
+        elif name == "shards":
+            record(await shards.run(services, _params(shards.ShardsParams, args, {
+                "shards": "shards", "replicas": "replicas", "jobs": "jobs",
+                "rounds": "rounds"})))  # fmt: skip
+        elif name == "shardsim":
+            record(await _shardsim(shard_sim, services, args))
         elif name == "recurring" and (why := recurring.available()) is not None:
             emit({"scenario": "recurring", "quick": args.quick, "skipped": why}, out_dir)
         else:

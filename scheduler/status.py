@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 
@@ -34,6 +35,11 @@ from scheduler.errors import ConfigError
 from scheduler.log import scrub
 from scheduler.store.rows import DbSnapshot
 from scheduler.store.status import StatusStore
+
+if TYPE_CHECKING:
+    import aetcd
+
+T = TypeVar("T")
 
 STALE_RENEWALS = 3  # fence renewals a leader may miss before status calls it gone
 
@@ -74,7 +80,7 @@ class StatusReport:
 
     def to_dict(self) -> dict[str, Any]:
         snap = self.snapshot
-        return _jsonable(
+        return jsonable(
             {
                 "healthy": self.healthy,
                 "problems": [asdict(p) for p in self.problems],
@@ -92,11 +98,11 @@ class StatusReport:
         )
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, float):
@@ -109,17 +115,22 @@ def election_key(prefix: str) -> str:
     return f"{prefix.strip('/')}/leader"
 
 
-async def read_election_key(settings: Settings, *, timeout: float | None = None) -> EtcdView:
-    """Read the election key from the first etcd endpoint that answers in time."""
+class EtcdUnanswered(Exception):
+    """No configured etcd endpoint answered in time (the message says why, per endpoint)."""
+
+
+async def ask_etcd(
+    settings: Settings, op: Callable[[aetcd.Client], Awaitable[T]], *, timeout: float
+) -> tuple[str, T]:
+    """``op`` on the first etcd endpoint that answers within ``timeout`` (twice that for
+    connecting and ``op`` together): ``(endpoint, result)``, else ``EtcdUnanswered``."""
     # imported lazily: grpc start-up costs ~100 ms the DB path never needs
     from scheduler.leadership.etcd_client import etcd_tls, make_client
 
-    key = election_key(settings.etcd_prefix)
-    timeout = settings.etcd_timeout if timeout is None else timeout
     try:
         tls = etcd_tls(settings)
     except ConfigError as exc:  # an unusable CA/cert/key file: report it, like etcd down
-        return EtcdView(key, False, error=str(exc))
+        raise EtcdUnanswered(str(exc)) from None
     errors: list[str] = []
     for endpoint in settings.etcd_endpoints:
         host, _, port = endpoint.rpartition(":")
@@ -134,30 +145,49 @@ async def read_election_key(settings: Settings, *, timeout: float | None = None)
         try:
             async with asyncio.timeout(timeout * 2):
                 await client.connect()
-                kv = await client.get(key.encode())
-                remaining = None
-                if kv is not None and kv.lease:
-                    info = await client.get_lease_info(kv.lease, keys=False)
-                    remaining = float(info.TTL) if info.TTL >= 0 else None
+                return endpoint, await op(client)
         except Exception as exc:  # aetcd.ClientError, grpc errors, TimeoutError, OSError
             detail = str(exc) or f"no answer within {timeout:g}s"
             errors.append(scrub(f"{endpoint}: {type(exc).__name__}: {detail}")[:300])
-            continue
         finally:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(timeout):
                     await client.close()
-        if kv is None:
-            return EtcdView(key, True, endpoint)
-        return EtcdView(
-            key,
-            True,
-            endpoint,
-            leader=kv.value.decode("utf-8", "replace"),
-            epoch=kv.create_revision,
-            lease_remaining=remaining,
+    raise EtcdUnanswered("; ".join(errors) or "no endpoints configured")
+
+
+async def lease_remaining(client: aetcd.Client, lease_id: int) -> float | None:
+    """Seconds left on ``lease_id`` (None: no lease, or etcd says it is gone)."""
+    if not lease_id:
+        return None
+    info = await client.get_lease_info(lease_id, keys=False)
+    return float(info.TTL) if info.TTL >= 0 else None
+
+
+async def read_election_key(settings: Settings, *, timeout: float | None = None) -> EtcdView:
+    """Read the election key from the first etcd endpoint that answers in time."""
+    key = election_key(settings.etcd_prefix)
+
+    async def read(client: aetcd.Client) -> tuple[Any, float | None]:
+        kv = await client.get(key.encode())
+        return kv, (await lease_remaining(client, kv.lease) if kv is not None else None)
+
+    try:
+        endpoint, (kv, remaining) = await ask_etcd(
+            settings, read, timeout=settings.etcd_timeout if timeout is None else timeout
         )
-    return EtcdView(key, False, error="; ".join(errors) or "no endpoints configured")
+    except EtcdUnanswered as exc:
+        return EtcdView(key, False, error=str(exc))
+    if kv is None:
+        return EtcdView(key, True, endpoint)
+    return EtcdView(
+        key,
+        True,
+        endpoint,
+        leader=kv.value.decode("utf-8", "replace"),
+        epoch=kv.create_revision,
+        lease_remaining=remaining,
+    )
 
 
 def evaluate(

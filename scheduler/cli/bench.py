@@ -81,7 +81,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(func=_unavailable, bench_error=str(exc))
 
 
-HELP = "run benchmarks: storm, steady, recurring, scale, baseline, all"
+HELP = "run benchmarks: storm, steady, recurring, scale, baseline, shards, shardsim, all"
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:

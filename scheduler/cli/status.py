@@ -1,4 +1,8 @@
-"""``duetime status``: leader, per-queue backlog and schedules, with a monitoring exit code."""
+"""``duetime status``: leader, per-queue backlog and schedules, with a monitoring exit code.
+
+With shards configured (``DUETIME_SHARDS``) it shows one row per shard instead (leader,
+etcd epoch, fence epoch, backlog) and the members (``scheduler.shards.status``).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from scheduler.cli._util import print_json, print_table
 from scheduler.config import Settings
 from scheduler.dashboard.present import age_parts
 from scheduler.errors import ServiceUnavailable
+from scheduler.shards.status import ShardedReport, ShardStatus, collect_shard_status
 from scheduler.status import STALE_RENEWALS, StatusReport, collect_status
 
 DEFAULT_MAX_BACKLOG_AGE = 60.0
@@ -26,9 +31,18 @@ exit codes:
 etcd being unreachable from this host is a warning, not a failure: the fence in
 PostgreSQL still shows whether a leader is alive. --json prints the same report as a
 JSON object (keys: healthy, problems, warnings, leader, etcd, queues, schedules).
+
+With shards (DUETIME_SHARDS or a [shards] table) every shard is judged like the one
+database above, from its own election key <prefix>/shards/<name>/leader and its own
+database; a shard that cannot be reached is shown with its error and makes the exit
+code 1, and the others are still shown. --json then has the keys healthy, problems,
+warnings (each naming its shard), etcd, members, and shards (one object per shard:
+name, reachable, error, healthy, etcd, leader, backlog, queues, schedules).
 """
 
 QUEUE_COLUMNS = ("queue", "pending", "due_now", "oldest_overdue", "dispatched", "dead_1h")
+SHARD_COLUMNS = ("shard", "leader", "epoch", "fence_epoch", "renewed", "pending", "due_now",
+                 "oldest_overdue", "dispatched", "dead_1h", "state")  # fmt: skip
 
 
 def _seconds(text: str) -> float:
@@ -69,6 +83,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 async def run(args: argparse.Namespace, settings: Settings) -> int:
+    if settings.shards is not None:
+        sharded = await collect_shard_status(
+            settings, max_backlog_age=args.max_backlog_age, etcd_timeout=args.etcd_timeout
+        )
+        if args.json:
+            print_json(sharded.to_dict())
+        else:
+            render_shards(sharded)
+        return sharded.exit_code
     try:
         pool = await db.pool_from_settings(
             settings,
@@ -169,6 +192,53 @@ def render(report: StatusReport) -> None:
         print(f"warning: {warning.message}")
     for problem in report.problems:
         print(f"PROBLEM: {problem.message}")
+    print("status: OK" if report.healthy else "status: UNHEALTHY")
+
+
+def _shard_row(shard: ShardStatus) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "shard": shard.name, "leader": shard.etcd.leader, "epoch": shard.etcd.epoch
+    }  # fmt: skip
+    if shard.report is None:
+        return {**row, "state": "UNREACHABLE"}
+    fence, backlog = shard.report.snapshot.fence, shard.backlog() or {}
+    overdue = backlog.get("oldest_overdue")
+    row.update(
+        leader=shard.etcd.leader or fence.leader_node,
+        fence_epoch=fence.epoch,
+        renewed=_age(fence.renewed_age) if fence.epoch else None,
+        pending=backlog.get("pending"),
+        due_now=backlog.get("due_now"),
+        oldest_overdue=_age(overdue) if overdue is not None else None,
+        dispatched=backlog.get("dispatched"),
+        dead_1h=backlog.get("dead_last_hour"),
+        state=",".join(sorted({p.code for p in shard.problems})) or "ok",
+    )
+    return row
+
+
+def render_shards(report: ShardedReport) -> None:
+    print_table([_shard_row(s) for s in report.shards], SHARD_COLUMNS)
+    print()
+    etcd = report.etcd
+    if not etcd.reachable:
+        print(f"etcd       unreachable: {etcd.error}")
+    else:
+        members = ", ".join(
+            m.node + (f" (lease {m.lease_remaining:g}s left)" if m.lease_remaining else "")
+            for m in etcd.members
+        )
+        shown = members or "none registered"
+        print(f"members    {len(etcd.members)}: {shown} (via {etcd.endpoint})")
+    for shard in report.shards:
+        if shard.report is None:
+            print(f"shard {shard.name}: unreachable: {shard.error}")
+    print()
+    for shard_name, warning in report.findings("warnings"):
+        where = "" if shard_name is None else f"shard {shard_name}: "
+        print(f"warning: {where}{warning.message}")
+    for shard_name, problem in report.findings("problems"):
+        print(f"PROBLEM: shard {shard_name}: {problem.message}")
     print("status: OK" if report.healthy else "status: UNHEALTHY")
 
 
