@@ -22,8 +22,8 @@ services:
 	bash scripts/services.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check scheduler workers tests bench
-	$(BIN)/ruff format --check scheduler workers tests bench
+	$(BIN)/ruff check scheduler workers duetime tests bench scripts
+	$(BIN)/ruff format --check scheduler workers duetime tests bench scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -37,9 +37,7 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "scenario", choices=(*SCENARIOS, *ONLY_ALONE, "all"), help="what to run"
-    )
+    parser.add_argument("scenario", choices=(*SCENARIOS, *ONLY_ALONE, "all"), help="what to run")
     parser.add_argument("--quick", action="store_true", help="small sizes (CI: completeness only)")
     parser.add_argument(
         "--results-dir",

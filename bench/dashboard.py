@@ -159,14 +159,10 @@ async def run(services: Services, params: DashboardParams) -> dict[str, Any]:
             plan = await conn.fetch(
                 "EXPLAIN (ANALYZE, BUFFERS, SUMMARY) " + jobs_page[worst][0], *jobs_page[worst][1]
             )
-        pending = await sb.db.fetchval(
-            "SELECT count(*) FROM duetime.jobs WHERE status = 'pending'"
-        )
+        pending = await sb.db.fetchval("SELECT count(*) FROM duetime.jobs WHERE status = 'pending'")
         if pending >= PENDING_EXACT_LIMIT:  # the overview does not run it at this size
             timings["status.pending_by_queue"]["run_by_overview"] = False
-        slowest = max(
-            v["p50_ms"] for v in timings.values() if v.get("run_by_overview", True)
-        )
+        slowest = max(v["p50_ms"] for v in timings.values() if v.get("run_by_overview", True))
         return {
             "scenario": "dashboard",
             "started_at": started,

@@ -164,8 +164,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await pool.execute("ANALYZE duetime.jobs")
             settings = load_settings(env={}, overrides={"database_url": url})
             config = config_from_settings(
-                MaintainerConfig,
-                settings, days_ahead=DAYS_AHEAD, lock_timeout=args.lock_timeout
+                MaintainerConfig, settings, days_ahead=DAYS_AHEAD, lock_timeout=args.lock_timeout
             )
             maintainer = Maintainer(settings, pool, config=config)
             maintainer.loop.bind(LeaderTerm(EPOCH, "bench"))

@@ -308,11 +308,13 @@ async def _sizes(
             "started_at": now_iso(),
             "params": {**vars(params), "sizes": list(params.sizes)},
             "stored_jobs": size,
-            "table_size_mb": round(float(
-                await sb.db.fetchval(
-                    "SELECT sum(pg_total_relation_size(inhrelid)) / 1048576.0 "
-                    "FROM pg_inherits WHERE inhparent = 'duetime.jobs'::regclass"
-                )),
+            "table_size_mb": round(
+                float(
+                    await sb.db.fetchval(
+                        "SELECT sum(pg_total_relation_size(inhrelid)) / 1048576.0 "
+                        "FROM pg_inherits WHERE inhparent = 'duetime.jobs'::regclass"
+                    )
+                ),
                 1,
             ),
             "load": grow,

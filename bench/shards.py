@@ -202,9 +202,9 @@ class ShardBench:
         return {n: int(await self.pools[n].fetchval(
             "SELECT epoch FROM duetime.leader_fence WHERE shard = 0")) for n in names}  # fmt: skip
 
-    async def holders(self, prefix: str, names: list[str], sharded: bool) -> tuple[
-        dict[str, tuple[str, int]], set[str]
-    ]:
+    async def holders(
+        self, prefix: str, names: list[str], sharded: bool
+    ) -> tuple[dict[str, tuple[str, int]], set[str]]:
         """shard -> (node, epoch) of the keys held, and the member nodes."""
         if not sharded:
             kv = await self.etcd.get(election_key(prefix).encode())

@@ -240,9 +240,7 @@ async def measure(
     queue = f"bench-{label}-{uuid.uuid4().hex[:6]}"
     await _prepare(dsn, amqp_url, queue, task_name, jobs)
     try:
-        return await _drain(
-            dsn, amqp_url, queue, task_name, jobs, concurrency, trace_to=trace_to
-        )
+        return await _drain(dsn, amqp_url, queue, task_name, jobs, concurrency, trace_to=trace_to)
     finally:
         await _delete_queue(amqp_url, queue)
 

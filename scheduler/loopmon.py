@@ -79,9 +79,7 @@ class LoopMonitor:
         self.max_lag = max(self.max_lag, lag)
         if lag > self.threshold:
             self.blocked_count += 1
-            self.log.warning(
-                "event_loop_blocked", lag=round(lag, 3), threshold=self.threshold
-            )
+            self.log.warning("event_loop_blocked", lag=round(lag, 3), threshold=self.threshold)
 
     async def _run(self) -> None:
         while True:

@@ -88,7 +88,6 @@ class JobMessage:
                 body[name] = value
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
-
     def properties(self) -> spec.Basic.Properties:
         """The AMQP properties of this message: persistent, ``message_id``, JSON, and
         ``type`` = the task name cut to 255 bytes (workers read the task from the row,

@@ -88,6 +88,5 @@ DELIVERIES_REQUEUED = Counter(
 )
 MESSAGE_ROW_MISMATCH = Counter(
     "duetime_message_row_mismatch_total",
-    "deliveries whose message named another task than the job row (security event; the row "
-    "is run)",
+    "deliveries whose message named another task than the job row (security event; the row is run)",
 )

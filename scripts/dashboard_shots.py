@@ -117,15 +117,36 @@ async def seed(url: str, queue_prefix: str) -> list[int]:
             dead.append(job.id)
         for _ in range(3):
             await jobs.cancel((await jobs.enqueue("email.send", queue="emails", delay=7200)).id)
-        await schedules.add(ScheduleSpec(name="nightly-report", task="report.build",
-                                         cron="0 3 * * *", timezone="Europe/Berlin",
-                                         queue="reports", misfire_policy="fire_once"))
-        await schedules.add(ScheduleSpec(name="dst-sundays", task="report.build",
-                                         cron="30 1,2 * 3,11 0", timezone="America/New_York",
-                                         queue="reports"))
-        await schedules.add(ScheduleSpec(name="heartbeat", task=JOB_TASK,
-                                         interval=timedelta(seconds=30), queue=queue_prefix,
-                                         payload={"n": 0}, overlap_policy="skip", jitter=2))
+        await schedules.add(
+            ScheduleSpec(
+                name="nightly-report",
+                task="report.build",
+                cron="0 3 * * *",
+                timezone="Europe/Berlin",
+                queue="reports",
+                misfire_policy="fire_once",
+            )
+        )
+        await schedules.add(
+            ScheduleSpec(
+                name="dst-sundays",
+                task="report.build",
+                cron="30 1,2 * 3,11 0",
+                timezone="America/New_York",
+                queue="reports",
+            )
+        )
+        await schedules.add(
+            ScheduleSpec(
+                name="heartbeat",
+                task=JOB_TASK,
+                interval=timedelta(seconds=30),
+                queue=queue_prefix,
+                payload={"n": 0},
+                overlap_policy="skip",
+                jitter=2,
+            )
+        )
         paused = await schedules.add(ScheduleSpec(name="weekly-digest", task="email.send",
                                                   cron="0 8 * * 1", timezone="UTC",
                                                   queue="emails"))  # fmt: skip
@@ -201,12 +222,27 @@ async def main() -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="duetime-shots-"))
     children = Children(log_dir)
     try:
-        children.spawn("replica-1", "scheduler", [duetime, "scheduler"],
-                       {**env, "DUETIME_NODE_ID": "replica-1"})
-        children.spawn("worker-1", "worker",
-                       [duetime, "worker", "--import", "scheduler.demo.tasks", "--queue",
-                        f"{queue},default,emails,reports", "--concurrency", "8"],
-                       {**env, "DUETIME_NODE_ID": "worker-1"})
+        children.spawn(
+            "replica-1",
+            "scheduler",
+            [duetime, "scheduler"],
+            {**env, "DUETIME_NODE_ID": "replica-1"},
+        )
+        children.spawn(
+            "worker-1",
+            "worker",
+            [
+                duetime,
+                "worker",
+                "--import",
+                "scheduler.demo.tasks",
+                "--queue",
+                f"{queue},default,emails,reports",
+                "--concurrency",
+                "8",
+            ],
+            {**env, "DUETIME_NODE_ID": "worker-1"},
+        )
         children.spawn("dashboard", "dashboard",
                        [duetime, "dashboard", "--listen", f"127.0.0.1:{port}"], env)  # fmt: skip
         base = f"http://127.0.0.1:{port}"

@@ -56,6 +56,7 @@ log = get_logger("duetime.worker")
 #: Most attempts in one group.
 MAX_MEMBERS = 32
 
+
 class GroupAborted(BaseException):
     """Another member's statement failed: this attempt is re-run on its own."""
 

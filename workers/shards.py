@@ -70,9 +70,7 @@ class UnknownShard(DuetimeError):
     """A delivery names a shard this worker is not configured with."""
 
     def __init__(self, shard: str, known: tuple[str, ...]) -> None:
-        super().__init__(
-            f"shard {shard!r} is not one of this worker's shards ({', '.join(known)})"
-        )
+        super().__init__(f"shard {shard!r} is not one of this worker's shards ({', '.join(known)})")
         self.shard = shard
         self.known = known
 

@@ -222,9 +222,7 @@ def shard_settings(settings: Settings, shard: str | None) -> Settings:
     urls = settings.shard_urls
     if shard is None:
         if len(urls) > 1:
-            raise InvalidInput(
-                f"this cluster has shards {', '.join(urls)}: name one with --shard"
-            )
+            raise InvalidInput(f"this cluster has shards {', '.join(urls)}: name one with --shard")
         return settings
     if shard not in urls:
         raise InvalidInput(f"unknown shard {shard!r} (shards: {', '.join(urls)})")

@@ -230,4 +230,3 @@ FIELDS: dict[str, Field] = {
 }
 
 assert set(FIELDS) == {f.name for f in dataclasses.fields(Settings)}, "FIELDS out of sync"
-

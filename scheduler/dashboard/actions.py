@@ -191,7 +191,5 @@ async def schedule_action(dash: Dashboard, request: Request, form: FormData) -> 
     else:
         job = await store.trigger(name)
         message = f"triggered {name}: job {job.id} due now"
-    log.info(
-        "dashboard_schedule_action", action=action, schedule=name, client=_client(request)
-    )
+    log.info("dashboard_schedule_action", action=action, schedule=name, client=_client(request))
     return redirect(f"/schedules/{quote(name, safe='')}", message)

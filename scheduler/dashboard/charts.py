@@ -75,9 +75,7 @@ def _y(value: float, y_max: float) -> float:
     return PAD_TOP + plot_h * (1 - min(value, y_max) / y_max)
 
 
-def bar_chart(
-    values: Mapping[int, float], *, minutes: int, title: str, unit: str = ""
-) -> Markup:
+def bar_chart(values: Mapping[int, float], *, minutes: int, title: str, unit: str = "") -> Markup:
     """Bars for ``{minutes_ago: value}`` over the last ``minutes`` minutes."""
     y_max = _nice_max(max(values.values(), default=0.0))
     parts = _frame(title, y_max, unit, minutes)

@@ -56,8 +56,7 @@ def queue_counts(
         for row in rows.values():
             row["pending"] = row["due_now"] = None
     totals: dict[str, Any] = {
-        k: sum(r[k] for r in rows.values()) if pending_counted or k in KEPT else None
-        for k in LIVE
+        k: sum(r[k] for r in rows.values()) if pending_counted or k in KEPT else None for k in LIVE
     }
     for state in TERMINAL:
         totals[state] = sum(n for (_, s), n in terminal.items() if s == state)
@@ -228,6 +227,4 @@ def dst_mark(instant: datetime, zone: ZoneInfo) -> str | None:
 
 
 def fire_times(instants: Iterable[datetime], zone: ZoneInfo) -> list[FireTime]:
-    return [
-        FireTime(t.astimezone(UTC), t.astimezone(zone), dst_mark(t, zone)) for t in instants
-    ]
+    return [FireTime(t.astimezone(UTC), t.astimezone(zone), dst_mark(t, zone)) for t in instants]

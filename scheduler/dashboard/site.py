@@ -111,5 +111,3 @@ class Dashboard:
         if flash:
             response.delete_cookie(FLASH_COOKIE, path="/")
         return response
-
-

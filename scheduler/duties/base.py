@@ -129,9 +129,7 @@ class FencedDutyClass(Protocol[D_co]):
 
 def from_context(duty: FencedDutyClass[D_co], ctx: DutyContext) -> D_co:
     """The fenced duty a replica runs: its settings, pool, clock, lease check and shard."""
-    return duty(
-        ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader, shard=ctx.shard
-    )
+    return duty(ctx.settings, ctx.pool, clock=ctx.clock, is_leader=ctx.is_leader, shard=ctx.shard)
 
 
 class DutyLoop:

@@ -281,9 +281,7 @@ class Planner:
                 error=f"{type(exc).__name__}: {exc}",
                 next_step="read the batch row by row and pause the unreadable schedules",
             )
-        claimed, unreadable = await self.store.claim_due_isolated(
-            conn, now, self.config.batch_size
-        )
+        claimed, unreadable = await self.store.claim_due_isolated(conn, now, self.config.batch_size)
         for schedule_id, error in unreadable:
             reason = f"the planner cannot read this schedule ({error}); paused"
             try:
@@ -356,4 +354,3 @@ class Planner:
     async def _ensure_listener(self) -> None:
         """Keep the LISTEN connection; while it is down the loop runs on probes."""
         await self._wakeups.ensure()
-

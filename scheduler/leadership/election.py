@@ -100,6 +100,7 @@ __all__ = ["Election", "ElectionError", "LeaderInfo", "LeadershipLost", "Term"]
 
 log = get_logger(__name__)
 
+
 class ElectionError(DuetimeError):
     """The election API was used out of order (e.g. ``hold`` on a term that ended)."""
 
@@ -443,4 +444,3 @@ class Election:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-

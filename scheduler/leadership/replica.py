@@ -113,9 +113,7 @@ class Replica:
     @property
     def is_leader(self) -> bool:
         """Leading and still inside the lease's trust window."""
-        return (
-            self.term is not None and self._election is not None and self._election.is_leader()
-        )
+        return self.term is not None and self._election is not None and self._election.is_leader()
 
     @property
     def election(self) -> Election | None:
@@ -181,9 +179,7 @@ class Replica:
                 node_id=self.node_id,
                 is_leader=self._election.is_leader,
             )
-            self._duties = DutySet(
-                self._duties_factory(ctx), stop_timeout=self._duty_stop_timeout
-            )
+            self._duties = DutySet(self._duties_factory(ctx), stop_timeout=self._duty_stop_timeout)
         except BaseException:
             await self._close()
             raise

@@ -111,8 +111,7 @@ def parse_shards_env(value: str, source: str = "DUETIME_SHARDS") -> tuple[Shard,
             bad_name, sep, bad_url = head.partition("=")
             if not sep:
                 raise ConfigError(
-                    f"invalid shards: {source}: {scrub(head.strip())!r} is not "
-                    "name=postgresql-url"
+                    f"invalid shards: {source}: {scrub(head.strip())!r} is not name=postgresql-url"
                 )
             pairs.append((bad_name.strip(), bad_url.strip()))
     for i, match in enumerate(starts):
@@ -124,7 +123,7 @@ def parse_shards_env(value: str, source: str = "DUETIME_SHARDS") -> tuple[Shard,
 def parse_shards_table(table: Any, source: str = "[shards]") -> tuple[Shard, ...]:
     """A TOML ``[shards]`` table (``name = "url"``) to shards."""
     if not isinstance(table, Mapping):
-        raise ConfigError(f"invalid shards: {source} must be a table of name = \"url\"")
+        raise ConfigError(f'invalid shards: {source} must be a table of name = "url"')
     return parse_shards(list(table.items()), source)
 
 

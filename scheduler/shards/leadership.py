@@ -84,6 +84,7 @@ __all__ = ["ShardEvent", "ShardLeadership", "ShardTerm", "member_key", "shard_ke
 
 log = get_logger(__name__)
 
+
 def member_key(prefix: str, node_id: str) -> str:
     return f"{prefix.rstrip('/')}/members/{node_id}"
 
@@ -180,6 +181,7 @@ class ShardLeadership:
             node_id, self._clock, settle=min(1.0, ttl / 2) if settle is None else settle,
             grace=grace,
         )  # fmt: skip
+
         def connection() -> EtcdConnection:  # one for requests, one for the watch
             return EtcdConnection(
                 endpoints, call_timeout=call_timeout, username=username, password=password,
@@ -379,7 +381,7 @@ class ShardLeadership:
         for kv in result:
             key = bytes(kv.key)
             if key.startswith(member_prefix):
-                members.add(key[len(member_prefix):].decode(errors="replace"))
+                members.add(key[len(member_prefix) :].decode(errors="replace"))
             elif key in self._by_key:
                 shard = self._by_key[key]
                 holder = bytes(kv.value).decode(errors="replace")

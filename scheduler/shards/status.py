@@ -274,9 +274,7 @@ async def collect_shard_status(
         if isinstance(snap, str):
             shards.append(ShardStatus(name, view, error=snap))
             continue
-        report = evaluate(
-            snap, view, lease_ttl=settings.lease_ttl, max_backlog_age=max_backlog_age
-        )
+        report = evaluate(snap, view, lease_ttl=settings.lease_ttl, max_backlog_age=max_backlog_age)
         shards.append(ShardStatus(name, view, report=report))
     checked = [s.report.snapshot.db_now for s in shards if s.report is not None]
     return ShardedReport(

@@ -52,9 +52,7 @@ class JobFilter:
 
     def __post_init__(self) -> None:
         if self.status is not None and self.status not in JOB_STATUSES:
-            raise InvalidInput(
-                f"unknown status {self.status!r} (one of {', '.join(JOB_STATUSES)})"
-            )
+            raise InvalidInput(f"unknown status {self.status!r} (one of {', '.join(JOB_STATUSES)})")
         if self.due_from and self.due_to and self.due_from >= self.due_to:
             raise InvalidInput("the due window must start before it ends")
 
@@ -101,9 +99,7 @@ class JobStore(PooledStore):
                 await c.execute(Q["notify"])
         return job
 
-    async def bulk_enqueue(
-        self, specs: Iterable[JobSpec], *, conn: Conn | None = None
-    ) -> int:
+    async def bulk_enqueue(self, specs: Iterable[JobSpec], *, conn: Conn | None = None) -> int:
         """COPY many jobs in one statement (hundreds of thousands per second).
 
         Jobs without ``due_at`` are due now. Returns the number of rows inserted. One
@@ -316,10 +312,7 @@ def _copy_field(value: str | None) -> str:
     if value is None:
         return "\\N"
     return (
-        value.replace("\\", "\\\\")
-        .replace("\t", "\\t")
-        .replace("\n", "\\n")
-        .replace("\r", "\\r")
+        value.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
     )
 
 

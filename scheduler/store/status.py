@@ -26,9 +26,7 @@ UPCOMING_SCHEDULES = 5
 class StatusStore:
     """Read-only queries behind ``duetime status`` and the ``db`` readiness check."""
 
-    def __init__(
-        self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT
-    ) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, acquire_timeout: float = DEFAULT_DB_TIMEOUT) -> None:
         """``acquire_timeout``: see ``scheduler.store.conn.Pooled``."""
         self._db = Pooled(pool, acquire_timeout=acquire_timeout)
 

@@ -98,9 +98,7 @@ async def test_queue_leader_killed_mid_storm(
 
             await c.insert_jobs(Plan(jobs=JOBS, window=WINDOW, burst=0.3, sleep_ms=(0.0, 5.0)))
             storm = time.monotonic()
-            await wait_for(
-                lambda: _succeeded(c), timeout=30, message="the first jobs succeeded"
-            )
+            await wait_for(lambda: _succeeded(c), timeout=30, message="the first jobs succeeded")
             before = await _clients_on(cluster)
             assert set(before) == set(CLIENTS), f"clients seen: {before}\n{c.describe()}"
             # the queue leader is the node the clients talk to: killing it moves them all

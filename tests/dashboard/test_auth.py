@@ -38,9 +38,7 @@ async def test_token_is_required_by_login_form_or_bearer(cluster: Cluster, page:
     served = await cluster.start_dashboard(env={"DUETIME_DASHBOARD_TOKEN": TOKEN})
     status, _ = await asyncio.to_thread(fetch, served.url + "/jobs")
     assert status == 401
-    status, location = await asyncio.to_thread(
-        fetch, served.url + "/jobs", {"Accept": "text/html"}
-    )
+    status, location = await asyncio.to_thread(fetch, served.url + "/jobs", {"Accept": "text/html"})
     assert (status, location) == (303, "/login?next=%2Fjobs")
     status, _ = await asyncio.to_thread(
         fetch, served.url + "/jobs", {"Authorization": "Bearer wrong"}

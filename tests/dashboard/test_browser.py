@@ -96,12 +96,9 @@ async def test_filter_dead_open_retry_and_see_it_succeed(
         "fixtures.record", {"tag": tag}, queue=cluster.queue, delay=0
     )
     # wait for the real run, then kill it off as a failing worker would have
-    await wait_for(
-        lambda: _status(cluster, job.id, "succeeded"), timeout=30, message="first run"
-    )
+    await wait_for(lambda: _status(cluster, job.id, "succeeded"), timeout=30, message="first run")
     await cluster.pool.execute(
-        "UPDATE duetime.jobs SET status = 'dead', last_error = 'RuntimeError: flaky' "
-        "WHERE id = $1",
+        "UPDATE duetime.jobs SET status = 'dead', last_error = 'RuntimeError: flaky' WHERE id = $1",
         job.id,
     )
     await cluster.pool.execute("DELETE FROM duetime.job_ledger WHERE job_id = $1", job.id)
@@ -186,9 +183,7 @@ async def test_bulk_cancel_by_filter_previews_then_cancels_only_the_matches(
     assert (await store.get(other.id)).status == "pending"
 
 
-async def test_read_only_shows_no_action_and_refuses_posts(
-    cluster: Cluster, page: Any
-) -> None:
+async def test_read_only_shows_no_action_and_refuses_posts(cluster: Cluster, page: Any) -> None:
     served = await cluster.start_dashboard("--read-only")
     job_id = await make_dead(cluster, "ro.task", {})
     await page.goto(f"{served.url}/jobs/{job_id}")
@@ -209,9 +204,7 @@ async def test_forged_post_without_csrf_token_is_refused(
     await page.goto(f"{dashboard.url}/jobs/{job_id}")  # the browser holds the csrf cookie
     forged = await page.request.post(f"{dashboard.url}/jobs/{job_id}/retry", form={})
     assert forged.status == 403
-    wrong = await page.request.post(
-        f"{dashboard.url}/jobs/{job_id}/retry", form={"csrf": "0" * 64}
-    )
+    wrong = await page.request.post(f"{dashboard.url}/jobs/{job_id}/retry", form={"csrf": "0" * 64})
     assert wrong.status == 403
     cross = await page.request.post(
         f"{dashboard.url}/jobs/{job_id}/retry",

@@ -136,12 +136,8 @@ async def test_amqps_without_a_client_certificate_is_refused(
     assert str(info.value).startswith("cannot connect to RabbitMQ at amqps://guest:***@localhost:")
 
 
-async def test_amqps_with_the_wrong_ca_is_refused_for_good(
-    tls_node: RabbitNode, pki: Pki
-) -> None:
-    url = tls_node.tls_url(
-        cafile=pki.wrong_ca, certfile=pki.client_cert, keyfile=pki.client_key
-    )
+async def test_amqps_with_the_wrong_ca_is_refused_for_good(tls_node: RabbitNode, pki: Pki) -> None:
+    url = tls_node.tls_url(cafile=pki.wrong_ca, certfile=pki.client_cert, keyfile=pki.client_key)
     with pytest.raises(ServiceUnavailable) as info:
         await connect(url, timeout=10)
     message = str(info.value)

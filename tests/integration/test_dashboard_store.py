@@ -110,8 +110,7 @@ async def test_jobs_page_is_newest_first_and_keyset_complete(pool: asyncpg.Pool)
     assert len(newest_first) == 25 and newest_first == sorted(newest_first, reverse=True)
     # pending: soonest runnable first, ties broken by id, none lost across pages
     await pool.execute(
-        "UPDATE duetime.jobs SET run_at = due_at + (id % 4) * interval '1 minute' "
-        "WHERE task = 'p'"
+        "UPDATE duetime.jobs SET run_at = due_at + (id % 4) * interval '1 minute' WHERE task = 'p'"
     )
     by_run = await every(JobFilter(task="p", status="pending"))
     rows = await pool.fetch(

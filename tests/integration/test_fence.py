@@ -252,8 +252,7 @@ async def test_a_wrong_epoch_inside_a_fenced_transaction_raises_fenced(
     with pytest.raises(Fenced) as info:
         async with fenced_transaction(zombie, 3):
             await zombie.execute(
-                "UPDATE duetime.jobs SET status = 'dispatched', dispatch_epoch = 2 "
-                "WHERE id = $1",
+                "UPDATE duetime.jobs SET status = 'dispatched', dispatch_epoch = 2 WHERE id = $1",
                 job_id,
             )
     assert (info.value.epoch, info.value.fence_epoch) == (3, 3)

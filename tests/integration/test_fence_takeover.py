@@ -108,9 +108,7 @@ async def test_advance_leaves_a_migration_alone(fence: FenceStore, takeover_dsn:
         migration.terminate()
 
 
-async def test_advance_without_takeover_only_waits(
-    fence: FenceStore, takeover_dsn: str
-) -> None:
+async def test_advance_without_takeover_only_waits(fence: FenceStore, takeover_dsn: str) -> None:
     zombie = await holder(takeover_dsn, "duetime:old-leader")
     try:
         with pytest.raises(asyncpg.LockNotAvailableError):

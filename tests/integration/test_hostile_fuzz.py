@@ -264,8 +264,7 @@ async def insert(pool: asyncpg.Pool, table: str, columns: dict[str, Value]) -> i
         exprs.append(sql)
         args.extend(extra)
     statement = (
-        f"INSERT INTO duetime.{table} ({', '.join(names)}) VALUES ({', '.join(exprs)}) "
-        "RETURNING id"
+        f"INSERT INTO duetime.{table} ({', '.join(names)}) VALUES ({', '.join(exprs)}) RETURNING id"
     )
     try:
         return int(await pool.fetchval(statement, *args))

@@ -252,9 +252,7 @@ async def test_an_unreadable_stalled_job_is_parked_and_the_others_republished(
         assert (report.stalled, report.republished) == (3, 3)
         row = await pool.fetchrow("SELECT status, last_error FROM duetime.jobs WHERE id = $1", deep)
         assert row["status"] == "dead"
-        assert row["last_error"].startswith(
-            "the reconciler cannot read this row (OverflowError"
-        )
+        assert row["last_error"].startswith("the reconciler cannot read this row (OverflowError")
     finally:
         ch = await connection.channel()
         with contextlib.suppress(Exception):

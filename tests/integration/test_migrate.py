@@ -184,8 +184,9 @@ async def test_0006_parks_existing_rows_it_would_refuse(fresh_dsn: str) -> None:
         jobs = {r["task"]: r for r in await pool.fetch("SELECT * FROM duetime.jobs")}
         assert jobs["ok"]["status"] == "pending" and jobs["ok"]["last_error"] is None
         assert jobs["bc"]["status"] == jobs["far"]["status"] == "dead"
-        assert "due_at 0044-03-15 00:00:00 BC is outside the supported range" in (
-            jobs["bc"]["last_error"]
+        assert (
+            "due_at 0044-03-15 00:00:00 BC is outside the supported range"
+            in (jobs["bc"]["last_error"])
         )
         assert "due_at 20000-01-01 00:00:00 is outside" in jobs["far"]["last_error"]
         assert jobs["late"]["status"] == "dead" and jobs["late"]["run_at"] is None

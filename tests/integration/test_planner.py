@@ -536,9 +536,10 @@ async def test_pausing_or_deleting_by_plain_sql_cancels_planned_jobs(world: Worl
     planner = world.planner(clock)
     await planner.plan_pass()
     assert [len(await world.jobs(s)) for s in (paused, deleted, kept)] == [11, 11, 11]
-    assert await world.execute(
-        "UPDATE duetime.schedules SET paused = true WHERE name = 'sql-paused'"
-    ) == "UPDATE 1"
+    assert (
+        await world.execute("UPDATE duetime.schedules SET paused = true WHERE name = 'sql-paused'")
+        == "UPDATE 1"
+    )
     assert await world.execute("DELETE FROM duetime.schedules WHERE name = 'sql-deleted'") == (
         "DELETE 1"
     )
@@ -548,12 +549,16 @@ async def test_pausing_or_deleting_by_plain_sql_cancels_planned_jobs(world: Worl
     # fire times forgotten, so a resume plans them again; an update that leaves a paused
     # schedule paused cancels nothing more
     async with world.pool.acquire() as conn:
-        assert await conn.fetchval(
-            "SELECT count(*) FROM duetime.schedule_fires WHERE schedule_id <> $1", kept
-        ) == 0
-    assert await world.execute(
-        "UPDATE duetime.schedules SET paused = false WHERE name = 'sql-paused'"
-    ) == "UPDATE 1"
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM duetime.schedule_fires WHERE schedule_id <> $1", kept
+            )
+            == 0
+        )
+    assert (
+        await world.execute("UPDATE duetime.schedules SET paused = false WHERE name = 'sql-paused'")
+        == "UPDATE 1"
+    )
     await planner.plan_pass()
     pending = [j for j in await world.jobs(paused) if j["status"] == "pending"]
     assert len(pending) == 11

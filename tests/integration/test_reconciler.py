@@ -260,8 +260,7 @@ async def test_republishing_is_capped_and_the_count_survives_failover(
     async def one_pass(epoch: int) -> ReconcileReport:
         assert await env.fence.advance(epoch, f"leader-{epoch}")
         cfg = config_from_settings(
-            ReconcilerConfig,
-            env.settings, max_republishes=2, defer_backlogged_queues=False
+            ReconcilerConfig, env.settings, max_republishes=2, defer_backlogged_queues=False
         )
         reconciler = Reconciler(env.settings, env.pool, config=cfg)
         reconciler.loop.bind(LeaderTerm(epoch=epoch, node_id=f"leader-{epoch}"))
@@ -290,8 +289,7 @@ async def test_republishing_is_capped_and_the_count_survives_failover(
         report = await one_pass(4)
     assert (report.given_up, report.republished) == (1, 1)
     row = await env.pool.fetchrow(
-        "SELECT status, republish_count, last_error, finished_at FROM duetime.jobs "
-        "WHERE id = $1",
+        "SELECT status, republish_count, last_error, finished_at FROM duetime.jobs WHERE id = $1",
         job_id,
     )
     assert row["status"] == "dead" and row["finished_at"] is not None
@@ -300,9 +298,10 @@ async def test_republishing_is_capped_and_the_count_survives_failover(
     assert "dead-letter queue" in row["last_error"]
     [logged] = events(caplog, "jobs_given_up")
     assert logged["job_ids"] == [job_id]
-    assert await env.pool.fetchval(
-        "SELECT status FROM duetime.jobs WHERE id = $1", other
-    ) == "dispatched"
+    assert (
+        await env.pool.fetchval("SELECT status FROM duetime.jobs WHERE id = $1", other)
+        == "dispatched"
+    )
     await drain(env.settings.amqp_url, env.queue, expect=5)
 
 

@@ -121,8 +121,10 @@ async def test_two_replicas_one_leader_and_handover_on_stop(
 
     async def heartbeat_advanced() -> bool:
         state = await FenceStore(fence_pool).read()
-        return state.renewed_at is not None and first_renewal is not None and (
-            state.renewed_at > first_renewal
+        return (
+            state.renewed_at is not None
+            and first_renewal is not None
+            and (state.renewed_at > first_renewal)
         )
 
     await wait_for(heartbeat_advanced, timeout=TTL, message="fence heartbeat renewed_at")
@@ -184,9 +186,7 @@ async def test_crashing_duty_is_logged_and_restarted_with_backoff(
     # back-off: 3 failures wait at least 0.1 + 0.2 + 0.4 (half of each ceiling)
     assert recovered_after >= 0.7, recovered_after
     failed = [
-        r
-        for r in caplog.records
-        if isinstance(r.msg, dict) and r.msg.get("event") == "duty_failed"
+        r for r in caplog.records if isinstance(r.msg, dict) and r.msg.get("event") == "duty_failed"
     ]
     assert len(failed) == 3
     assert all(r.exc_info is not None or "exception" in r.msg for r in failed)
@@ -261,6 +261,7 @@ async def test_replica_sessions_end_idle_transactions_after_about_one_ttl(
         started = loop.time()
         assert await FenceStore(fence_pool).advance(epoch + 1, "next-leader", lock_timeout=10)
         waited = loop.time() - started
+
         # PostgreSQL ended the zombie's session (its backend is gone)
         async def backend_gone() -> bool:
             return bool(

@@ -158,15 +158,16 @@ async def test_cli_reads_and_changes_name_their_shard(
     status = await pools["a"].fetchval("SELECT status FROM duetime.jobs WHERE id = $1", int(job_id))
     assert status == "cancelled"
 
-    added = await duetime(
-        env, "schedules", "add", f"s-{tag}", "t", "--every", "1h", "--shard", "b"
-    )
+    added = await duetime(env, "schedules", "add", f"s-{tag}", "t", "--every", "1h", "--shard", "b")
     assert added.code == 0, added
     names = await pools["b"].fetch("SELECT name FROM duetime.schedules WHERE name = $1", f"s-{tag}")
     assert len(names) == 1
-    assert await pools["a"].fetchval(
-        "SELECT count(*) FROM duetime.schedules WHERE name = $1", f"s-{tag}"
-    ) == 0
+    assert (
+        await pools["a"].fetchval(
+            "SELECT count(*) FROM duetime.schedules WHERE name = $1", f"s-{tag}"
+        )
+        == 0
+    )
 
 
 @contextlib.asynccontextmanager

@@ -108,9 +108,7 @@ async def test_worker_waits_for_rabbitmq_then_consumes(
         assert "guest:guest" not in worker.tail(200)  # the URL in the error is redacted
 
         proxy.refuse(False)  # the broker is back
-        await wait_for(
-            lambda: _consumers(channel, queue, 1), timeout=30, message=worker.tail()
-        )
+        await wait_for(lambda: _consumers(channel, queue, 1), timeout=30, message=worker.tail())
         job = await dispatched_job(db_pool, "fixtures.record", queue=queue)
         await publish(channel, queue, job.message(1))
 
@@ -175,9 +173,7 @@ async def test_scheduler_waits_for_postgresql_then_leads(
         assert not events(replica, "leading")
 
         proxy.refuse(False)  # PostgreSQL is back
-        await wait_for(
-            lambda: bool(events(replica, "leading")), timeout=30, message=replica.tail()
-        )
+        await wait_for(lambda: bool(events(replica, "leading")), timeout=30, message=replica.tail())
         conn = await asyncpg.connect(migrated_dsn)
         try:
             fence = await conn.fetchval("SELECT epoch FROM duetime.leader_fence")

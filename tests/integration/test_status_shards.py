@@ -194,9 +194,7 @@ async def test_unreachable_shard_is_shown_and_does_not_hide_the_others(cluster: 
 
     code, report = await cluster.status_json(env=env)
     assert code == 1
-    assert [(p["code"], p["shard"]) for p in report["problems"]] == [
-        ("database_unreachable", "b")
-    ]
+    assert [(p["code"], p["shard"]) for p in report["problems"]] == [("database_unreachable", "b")]
     shards = _by_name(report)
     assert shards["a"]["healthy"] is True and shards["a"]["leader"]["epoch"] == epoch_a
     b = shards["b"]

@@ -511,6 +511,7 @@ async def test_grace_period_expiry_rolls_back_and_requeues(
         )
     finally:
         await asyncio.wait_for(worker.stop(grace_period=0.3), 10)
+
     # back in the queue, nobody consuming: the broker settles the nack and drops the
     # cancelled consumer asynchronously, so wait (bounded) rather than sample once
     async def requeued() -> bool:

@@ -299,4 +299,3 @@ class ShardCluster:
             "SELECT min(dispatched_at) FROM duetime.jobs WHERE dispatch_epoch = $1", epoch
         )
         return None if at is None else float(at.timestamp())
-

@@ -121,9 +121,7 @@ def test_queue_counts_merge_live_and_terminal_states() -> None:
     from scheduler.store.rows import QueueStatus
 
     live = [QueueStatus("b", pending=3, due_now=1, dispatched=2, dead_last_hour=1)]
-    rows, totals = present.queue_counts(
-        live, {("a", "succeeded"): 5, ("b", "dead"): 2}, exact=True
-    )
+    rows, totals = present.queue_counts(live, {("a", "succeeded"): 5, ("b", "dead"): 2}, exact=True)
     assert [r["queue"] for r in rows] == ["a", "b"]
     assert rows[0] == {"queue": "a", "pending": 0, "due_now": 0, "dispatched": 0,
                        "dead_last_hour": 0, "succeeded": 5, "dead": 0, "cancelled": 0}  # fmt: skip

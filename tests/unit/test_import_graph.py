@@ -66,8 +66,7 @@ def _known(target: str, known: dict[str, Path]) -> Iterator[str]:
 def import_graph(packages: Iterable[str] = PACKAGES) -> dict[str, set[str]]:
     known = modules(packages)
     return {
-        name: {t for t in imported(path, name, known) if t != name}
-        for name, path in known.items()
+        name: {t for t in imported(path, name, known) if t != name} for name, path in known.items()
     }
 
 

@@ -126,7 +126,8 @@ async def test_loop_monitor_reports_a_blocked_loop(caplog: pytest.LogCaptureFixt
     assert 0.3 <= monitor.max_lag < 1.0
     assert _lag_count() > before
     blocked = [
-        r.msg for r in caplog.records
+        r.msg
+        for r in caplog.records
         if isinstance(r.msg, dict) and r.msg.get("event") == "event_loop_blocked"
     ]
     assert len(blocked) == 1 and blocked[0]["lag"] >= 0.3
