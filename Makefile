@@ -28,7 +28,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: $(STAMP) services lint
+test: $(STAMP) services lint typecheck
 	$(BIN)/pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP) services
