@@ -1,6 +1,15 @@
 """Every Prometheus metric duetime exposes, defined once (names are part of what
 operators alert on; docs/operations.md explains each).
 
+A metric about one shard's work (what a duty did, what a worker's executor settled)
+carries a ``shard`` label: the shard's configured name, ``main`` when unsharded, so its
+values stay bounded by the configuration. The code that does the work knows its shard
+(a duty from its ``DutyContext``, an executor from the worker's shard it was built for)
+and passes it at every observation. Process-wide metrics have no ``shard`` label: the
+single-shard leadership gauges (``duetime_shard_*`` are their per-shard counterparts),
+the event-loop lag, and the consumer's counts of messages it settles before any shard's
+executor sees them (malformed, requeued).
+
 Buckets span 1 ms … 60 s: a scheduler's lags live from milliseconds (idle) to tens
 of seconds (storms, failover).
 """
@@ -43,42 +52,55 @@ SHARD_TRANSITIONS = Counter(
     "shard leadership gained (elected) or given up, by reason",
     ["shard", "reason"],
 )
-JOBS_CLAIMED = Counter("duetime_jobs_claimed_total", "jobs claimed for dispatch", ["queue"])
+JOBS_CLAIMED = Counter(
+    "duetime_jobs_claimed_total", "jobs claimed for dispatch", ["shard", "queue"]
+)
 JOBS_PUBLISHED = Counter(
-    "duetime_jobs_published_total", "jobs published and confirmed by RabbitMQ", ["queue"]
+    "duetime_jobs_published_total", "jobs published and confirmed by RabbitMQ", ["shard", "queue"]
 )
 PUBLISH_FAILURES = Counter(
-    "duetime_publish_failures_total", "publishes not confirmed (jobs returned to pending)"
+    "duetime_publish_failures_total",
+    "publishes not confirmed (jobs returned to pending)",
+    ["shard"],
 )
 DISPATCH_LAG = Histogram(
-    "duetime_dispatch_lag_seconds", "dispatched_at minus run time", buckets=LAG_BUCKETS
+    "duetime_dispatch_lag_seconds", "dispatched_at minus run time", ["shard"], buckets=LAG_BUCKETS
 )
 FIRE_LAG = Histogram(
-    "duetime_fire_lag_seconds", "handler start minus run time (workers)", buckets=LAG_BUCKETS
+    "duetime_fire_lag_seconds",
+    "handler start minus run time (workers)",
+    ["shard"],
+    buckets=LAG_BUCKETS,
 )
 JOBS_FINISHED = Counter(
     "duetime_jobs_finished_total",
     "deliveries finished, by task and outcome (succeeded, retried, dead, skipped)",
-    ["task", "outcome"],
+    ["shard", "task", "outcome"],
 )
 JOB_DURATION = Histogram(
-    "duetime_job_duration_seconds", "handler run time", ["task"], buckets=LAG_BUCKETS
+    "duetime_job_duration_seconds", "handler run time", ["shard", "task"], buckets=LAG_BUCKETS
 )
-RECONCILED = Counter("duetime_reconciled_total", "stalled dispatched jobs re-published")
+RECONCILED = Counter("duetime_reconciled_total", "stalled dispatched jobs re-published", ["shard"])
 JOBS_PARKED = Counter(
     "duetime_jobs_parked_total",
     "jobs the scheduler made dead itself (unreadable row, re-publish cap)",
-    ["reason"],
+    ["shard", "reason"],
 )
-BACKLOG = Gauge("duetime_backlog_jobs", "pending jobs whose run time has passed")
-SCHEDULE_FIRES = Counter("duetime_schedule_fires_total", "fire times materialized as jobs")
+BACKLOG = Gauge("duetime_backlog_jobs", "pending jobs whose run time has passed", ["shard"])
+SCHEDULE_FIRES = Counter(
+    "duetime_schedule_fires_total", "fire times materialized as jobs", ["shard"]
+)
 SCHEDULE_MISFIRES = Counter(
-    "duetime_schedule_misfires_total", "fire times missed (skipped or caught up)", ["policy"]
+    "duetime_schedule_misfires_total",
+    "fire times missed (skipped or caught up)",
+    ["shard", "policy"],
 )
 EVENT_LOOP_LAG = Histogram(
     "duetime_event_loop_lag_seconds", "asyncio event loop scheduling delay", buckets=LAG_BUCKETS
 )
-DUTY_FAILURES = Counter("duetime_duty_failures_total", "leader duty passes that raised", ["duty"])
+DUTY_FAILURES = Counter(
+    "duetime_duty_failures_total", "leader duty passes that raised", ["shard", "duty"]
+)
 MALFORMED_MESSAGES = Counter(
     "duetime_malformed_messages_total", "messages dead-lettered as unparseable"
 )
@@ -89,4 +111,5 @@ DELIVERIES_REQUEUED = Counter(
 MESSAGE_ROW_MISMATCH = Counter(
     "duetime_message_row_mismatch_total",
     "deliveries whose message named another task than the job row (security event; the row is run)",
+    ["shard"],
 )

@@ -63,6 +63,7 @@ from scheduler.db import DB_UNAVAILABLE
 from scheduler.log import get_logger
 from scheduler.messages import JobMessage
 from scheduler.metrics import FIRE_LAG, JOB_DURATION, JOBS_FINISHED, MESSAGE_ROW_MISMATCH
+from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import Completion, JobRef, LockedJob
 from workers.batching import Coalescer
@@ -135,6 +136,9 @@ class Executor:
     statements carry arrays, and with custom plans PostgreSQL re-planned them on every
     execution (~5 ms each for 17 partitions, more than they take to run), while a
     handler's statements keep PostgreSQL's default plan choice.
+
+    ``shard`` names the database ``pool`` is (``main`` unsharded): the label of every
+    metric the executor records, so a worker with several shards counts each apart.
     """
 
     def __init__(
@@ -149,7 +153,9 @@ class Executor:
         store: ExecutionStore | None = None,
         group_transactions: bool = True,
         rng: random.Random | None = None,
+        shard: str = DEFAULT_SHARD,
     ) -> None:
+        self.shard = shard
         self._pool = pool
         self._registry = registry
         self._store = store or ExecutionStore(pool, timeout=acquire_timeout)
@@ -228,7 +234,7 @@ class Executor:
         if job is None or job.status != "dispatched" or job.attempt != msg.attempt:
             return _skipped(job, msg)
         if msg.task is not None and msg.task != job.task:
-            MESSAGE_ROW_MISMATCH.inc()
+            MESSAGE_ROW_MISMATCH.labels(self.shard).inc()
             log.error(
                 "message_row_mismatch",
                 job_id=msg.job_id,
@@ -239,7 +245,7 @@ class Executor:
             )
         outcome = await self._settle(ref, job)
         label = job.task if job.task in self._registry else "unknown"
-        JOBS_FINISHED.labels(label, outcome.value).inc()
+        JOBS_FINISHED.labels(self.shard, label, outcome.value).inc()
         return outcome
 
     async def _begin(self, refs: list[JobRef]) -> list[LockedJob | Unreadable | None]:
@@ -415,7 +421,8 @@ class Executor:
             db=db,
             beat=heartbeat.beat,
         )
-        FIRE_LAG.observe(max(0.0, (datetime.now(UTC) - job.run_time).total_seconds()))
+        fire_lag = (datetime.now(UTC) - job.run_time).total_seconds()
+        FIRE_LAG.labels(self.shard).observe(max(0.0, fire_lag))
         timeout = spec.timeout if spec.timeout is not None else self._task_timeout
         started = time.monotonic()
         heartbeat.start()
@@ -429,7 +436,7 @@ class Executor:
         finally:
             await heartbeat.stop()
             took = time.monotonic() - started
-            JOB_DURATION.labels(spec.name).observe(took)
+            JOB_DURATION.labels(self.shard, spec.name).observe(took)
             self._learn(spec.name, took - (db.member.waited if db.member is not None else 0.0))
         return None
 

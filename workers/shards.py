@@ -144,6 +144,7 @@ async def open_shard(
         acquire_timeout=settings.db_timeout,
         task_timeout=settings.task_timeout,
         store=ExecutionStore(store_pool, timeout=settings.db_timeout),
+        shard=name,
     )
     return WorkerShard(name, pool, store_pool, executor)
 

@@ -10,7 +10,8 @@ cancelled by ``stop()``; ``wake()`` cuts the wait short (a NOTIFY arrived, a new
 is due earlier). Contract (after River's startstop):
 
 - ``stop()`` is safe before ``start()`` and safe twice; it awaits the task's cleanup.
-- A pass that raises is logged with its traceback and counted, and the loop retries
+- A pass that raises is logged with its traceback and counted (per shard and duty),
+  and the loop retries
   after a jittered back-off: a duty never dies silently while the replica still
   claims leadership.
 - ``Fenced`` and ``LeadershipLost`` are not retried: they end the task, and the
@@ -135,9 +136,12 @@ def from_context(duty: FencedDutyClass[D_co], ctx: DutyContext) -> D_co:
 class DutyLoop:
     """The owned loop around one duty's ``run_once`` (see the module docstring)."""
 
-    def __init__(self, work: Work, *, max_backoff: float = MAX_BACKOFF) -> None:
+    def __init__(
+        self, work: Work, *, shard: str = DEFAULT_SHARD, max_backoff: float = MAX_BACKOFF
+    ) -> None:
         self.work = work
         self.name = work.name
+        self.shard = shard  # the label of the duty's failures: whose work failed
         self.max_backoff = max_backoff
         self._setup: Callable[[], Awaitable[None]] | None = getattr(work, "setup", None)
         self._teardown: Callable[[], Awaitable[None]] | None = getattr(work, "teardown", None)
@@ -204,7 +208,7 @@ class DutyLoop:
                     if _cancel_requested():
                         raise asyncio.CancelledError from None
                     self.failures += 1
-                    DUTY_FAILURES.labels(self.name).inc()
+                    DUTY_FAILURES.labels(self.shard, self.name).inc()
                     delay = bounded_jitter(self.failures, base=0.2, cap=self.max_backoff)
                     self.log.exception(
                         "duty_failed", duty=self.name, failures=self.failures, retry_in=delay
@@ -339,7 +343,7 @@ def publishing_parts(
     """The collaborators of a duty that claims rows and publishes them (the dispatcher,
     the reconciler): its loop, its fenced claim transactions and its publisher, wired the
     same way for both."""
-    loop = DutyLoop(duty)
+    loop = DutyLoop(duty, shard=shard)
     writes = FencedWrites(settings, pool, write="fenced claim", is_leader=is_leader)
     out = DutyPublisher(
         settings,
@@ -413,7 +417,13 @@ def some_ids(ids: Sequence[int]) -> dict[str, object]:
 
 
 async def park_unreadable(
-    store: DispatchStore, conn: Conn, rows: Sequence[UnreadableRow], *, duty: str, log: Any
+    store: DispatchStore,
+    conn: Conn,
+    rows: Sequence[UnreadableRow],
+    *,
+    duty: str,
+    shard: str,
+    log: Any,
 ) -> int:
     """Make each row dead with why, each under a savepoint: a park the database refuses
     (a row breaking an older NOT VALID CHECK) leaves that row as it is and the batch
@@ -428,7 +438,7 @@ async def park_unreadable(
             parked = False
             reason = f"{reason}; the park was refused: {type(exc).__name__}: {exc}"
         parked_total += parked
-        JOBS_PARKED.labels("unreadable").inc(parked)
+        JOBS_PARKED.labels(shard, "unreadable").inc(parked)
         log.error(
             "job_unreadable",
             job_id=row.job_id,

@@ -133,6 +133,7 @@ class Dispatcher:
         shard: str = DEFAULT_SHARD,
     ) -> None:
         self.config = config = config or config_from_settings(DispatcherConfig, settings)
+        self.shard = shard  # the database ``pool`` is: its messages and metrics name it
         self.clock = clock
         self.loop, self.writes, self.out = publishing_parts(
             self,
@@ -182,7 +183,7 @@ class Dispatcher:
         await self._ensure_listener()
         if self.pacing.backlog_sample_due():
             with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
-                BACKLOG.set(await self.store.backlog())
+                BACKLOG.labels(self.shard).set(await self.store.backlog())
         delay: float | None = await self.out.gate.delay()
         if delay:
             return delay
@@ -256,18 +257,21 @@ class Dispatcher:
                 next_step="read the batch row by row and park the unreadable rows",
             )
         jobs, unreadable = await self.store.claim_isolated(conn, self.config.batch_size)
-        await park_unreadable(self.store, conn, unreadable, duty=self.name, log=self.loop.log)
+        await park_unreadable(
+            self.store, conn, unreadable, duty=self.name, shard=self.shard, log=self.loop.log
+        )
         return jobs
 
     def _account(
         self, jobs: list[ClaimedJob], result: PublishResult, lags: dict[int, float]
     ) -> None:
         for queue, count in Counter(job.queue for job in jobs).items():
-            JOBS_CLAIMED.labels(queue).inc(count)
+            JOBS_CLAIMED.labels(self.shard, queue).inc(count)
         for queue, count in Counter(job.queue for job in result.confirmed).items():
-            JOBS_PUBLISHED.labels(queue).inc(count)
+            JOBS_PUBLISHED.labels(self.shard, queue).inc(count)
+        dispatch_lag = DISPATCH_LAG.labels(self.shard)
         for lag in lags.values():
-            DISPATCH_LAG.observe(max(0.0, lag))
+            dispatch_lag.observe(max(0.0, lag))
         if len(lags) != len(result.confirmed):
             missing = sorted({job.id for job in result.confirmed} - set(lags))
             self.loop.log.error(
@@ -275,7 +279,7 @@ class Dispatcher:
             )
         if not result.failed:
             return
-        PUBLISH_FAILURES.inc(len(result.failed))
+        PUBLISH_FAILURES.labels(self.shard).inc(len(result.failed))
         details = {f.job.id: f.detail for f in result.failed}
         for (reason, queue), ids in result.failures_by_reason().items():
             self.loop.log.error(

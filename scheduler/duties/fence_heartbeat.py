@@ -11,6 +11,7 @@ the fence in every term, even an idle one, so the step-down path never waits for
 from __future__ import annotations
 
 from scheduler.duties.base import DutyContext, DutyLoop
+from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.fence import FenceStore
 
 
@@ -20,18 +21,18 @@ class FenceHeartbeat:
 
     name = "fence_heartbeat"
 
-    def __init__(self, fence: FenceStore, *, interval: float) -> None:
+    def __init__(self, fence: FenceStore, *, interval: float, shard: str = DEFAULT_SHARD) -> None:
         if interval <= 0:
             raise ValueError(f"fence heartbeat interval must be > 0 (got {interval})")
         self.fence = fence
         self.interval = interval
         self.beats = 0
-        self.loop = DutyLoop(self)
+        self.loop = DutyLoop(self, shard=shard)
 
     @classmethod
     def from_context(cls, ctx: DutyContext) -> FenceHeartbeat:
         """One beat per lease renewal period (TTL/3)."""
-        return cls(ctx.fence, interval=ctx.settings.lease_ttl / 3)
+        return cls(ctx.fence, interval=ctx.settings.lease_ttl / 3, shard=ctx.shard)
 
     async def run_once(self) -> float:
         await self.fence.heartbeat(self.loop.term.epoch)

@@ -168,7 +168,7 @@ class Maintainer:
         self.config = config or config_from_settings(MaintainerConfig, settings)
         self.shard = shard  # the database ``pool`` is: its partitions are kept here
         self.clock = clock
-        self.loop = DutyLoop(self)
+        self.loop = DutyLoop(self, shard=shard)
         self.writes = FencedWrites(
             settings, pool, write="fenced maintenance write", is_leader=is_leader
         )

@@ -1,4 +1,5 @@
-"""What one planner batch did: its ``PlanReport``, counted in metrics and logged.
+"""What one planner batch did: its ``PlanReport``, counted in metrics (labelled with
+the planner's shard) and logged.
 
 Apart from ``planner`` because it is pure bookkeeping over the batch's decisions (no
 database, no clock): the planner calls ``account_batch`` once per committed batch and
@@ -61,6 +62,8 @@ def account_batch(
     fired: dict[int, int],
     now: datetime,
     log: Any,
+    *,
+    shard: str,
 ) -> PlanReport:
     report = PlanReport(claimed=len(claimed), batches=1)
     missed_log: list[dict[str, object]] = []
@@ -99,9 +102,9 @@ def account_batch(
                 )
         if d.skipped_overlap and len(overlap_log) < MAX_LOGGED:
             overlap_log.append({"id": s.id, "name": s.name, "skipped": d.skipped_overlap})
-    SCHEDULE_FIRES.inc(report.fired)
+    SCHEDULE_FIRES.labels(shard).inc(report.fired)
     for policy, count in report.missed_by_policy.items():
-        SCHEDULE_MISFIRES.labels(policy).inc(count)
+        SCHEDULE_MISFIRES.labels(shard, policy).inc(count)
     if report.missed:
         log.warning(
             "schedules_misfired",

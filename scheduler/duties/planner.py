@@ -139,7 +139,7 @@ class Planner:
         self.pool = pool
         self.shard = shard  # the database ``pool`` is: its schedules are planned here
         self.clock = clock
-        self.loop = DutyLoop(self)
+        self.loop = DutyLoop(self, shard=shard)
         self.writes = FencedWrites(
             settings, pool, write="fenced planner batch", is_leader=is_leader
         )
@@ -253,7 +253,7 @@ class Planner:
             return PlanReport(revisit=True)
         self._isolate = False
         committed_at = self.clock.monotonic()
-        report = account_batch(claimed, decisions, fired, now, self.loop.log)
+        report = account_batch(claimed, decisions, fired, now, self.loop.log, shard=self.shard)
         self.invalid_total += report.invalid
         report.revisit = report.revisit or deferred > 0
         report.claim_seconds = claimed_at - started

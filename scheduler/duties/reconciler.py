@@ -113,6 +113,7 @@ class Reconciler:
         shard: str = DEFAULT_SHARD,
     ) -> None:
         self.config = config = config or config_from_settings(ReconcilerConfig, settings)
+        self.shard = shard  # the database ``pool`` is: its messages and metrics name it
         self.clock = clock
         self.loop, self.writes, self.out = publishing_parts(
             self,
@@ -177,7 +178,9 @@ class Reconciler:
         stalled, unreadable = await self.store.lock_stalled_isolated(
             conn, timeout, limit, skip_queues=skip
         )
-        await park_unreadable(self.store, conn, unreadable, duty=self.name, log=self.loop.log)
+        await park_unreadable(
+            self.store, conn, unreadable, duty=self.name, shard=self.shard, log=self.loop.log
+        )
         return stalled
 
     def give_up_error(self) -> str:
@@ -226,7 +229,7 @@ class Reconciler:
     ) -> None:
         done = [s for s in due if s.job.id in marked]
         if done:
-            RECONCILED.inc(len(done))
+            RECONCILED.labels(self.shard).inc(len(done))
             repeats = [
                 (s.job.id, s.republish_count + 1)
                 for s in done
@@ -249,7 +252,7 @@ class Reconciler:
                     max_republishes=self.config.max_republishes,
                 )
         for (reason, queue), ids in failures.items():
-            PUBLISH_FAILURES.inc(len(ids))
+            PUBLISH_FAILURES.labels(self.shard).inc(len(ids))
             self.loop.log.error(
                 "reconcile_publish_failed",
                 reason=reason,
@@ -261,7 +264,7 @@ class Reconciler:
     def _account_given_up(self, exhausted: Sequence[StalledJob], given_up: set[int]) -> None:
         if not given_up:
             return
-        JOBS_PARKED.labels("republish_cap").inc(len(given_up))
+        JOBS_PARKED.labels(self.shard, "republish_cap").inc(len(given_up))
         ids = sorted(given_up)
         self.loop.log.error(
             "jobs_given_up",

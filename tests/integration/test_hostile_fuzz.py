@@ -217,7 +217,10 @@ async def named_checks(pool: asyncpg.Pool) -> set[str]:
 
 
 def failures(duty: str) -> float:
-    return REGISTRY.get_sample_value("duetime_duty_failures_total", {"duty": duty}) or 0.0
+    return (
+        REGISTRY.get_sample_value("duetime_duty_failures_total", {"shard": "main", "duty": duty})
+        or 0.0
+    )
 
 
 @pytest.fixture

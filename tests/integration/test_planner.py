@@ -129,10 +129,10 @@ async def test_row_inserted_by_sql_with_name_task_cron_is_planned(world: World) 
         "INSERT INTO duetime.schedules (name, task, cron) VALUES ('sql', 'report', '0 * * * * *')"
     )
     clock = ManualClock(utc(2026, 12, 1, 9, 0, 55))
-    fires_before = SCHEDULE_FIRES._value.get()
+    fires_before = SCHEDULE_FIRES.labels("main")._value.get()
     report = await world.planner(clock).plan_pass()
     assert (report.claimed, report.fired, report.missed, report.invalid) == (1, 1, 0, 0)
-    assert SCHEDULE_FIRES._value.get() - fires_before == 1
+    assert SCHEDULE_FIRES.labels("main")._value.get() - fires_before == 1
     row = await world.row((await world.store.get("sql")).id)
     jobs = await world.jobs(row["id"])
     assert [(j["due_at"], j["idempotency_key"], j["task"]) for j in jobs] == [
@@ -306,7 +306,8 @@ async def test_downtime_misfire_policies(world: World) -> None:
     planner = world.planner(clock, horizon=2, lead=1, misfire_grace=1)
     await planner.plan_pass()  # t0 .. t0+2 planned for each
     metric = {
-        p: SCHEDULE_MISFIRES.labels(p)._value.get() for p in ("skip", "fire_once", "fire_all")
+        p: SCHEDULE_MISFIRES.labels("main", p)._value.get()
+        for p in ("skip", "fire_once", "fire_all")
     }
     clock.advance(12)  # down: nothing ran from t0+2 to t0+12
     report = await planner.plan_pass()
@@ -330,8 +331,8 @@ async def test_downtime_misfire_policies(world: World) -> None:
         assert row["next_fire_at"] == t0 + 15 * SEC
     assert report.missed == 32
     assert dict(report.missed_by_policy) == {"skip": 8, "fire_once": 8, "fire_all": 16}
-    assert SCHEDULE_MISFIRES.labels("skip")._value.get() - metric["skip"] == 8
-    assert SCHEDULE_MISFIRES.labels("fire_all")._value.get() - metric["fire_all"] == 16
+    assert SCHEDULE_MISFIRES.labels("main", "skip")._value.get() - metric["skip"] == 8
+    assert SCHEDULE_MISFIRES.labels("main", "fire_all")._value.get() - metric["fire_all"] == 16
 
 
 async def test_long_outage_is_caught_up_in_bounded_passes(world: World) -> None:

@@ -75,7 +75,7 @@ async def insert_stalled(
 
 
 def reconciled_total() -> float:
-    return REGISTRY.get_sample_value("duetime_reconciled_total") or 0.0
+    return REGISTRY.get_sample_value("duetime_reconciled_total", {"shard": "main"}) or 0.0
 
 
 def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:

@@ -173,7 +173,7 @@ async def test_crashing_duty_is_logged_and_restarted_with_backoff(
     def factory(ctx: DutyContext) -> list[Duty]:
         return [FenceHeartbeat.from_context(ctx), flaky]
 
-    before = counter(DUTY_FAILURES, "flaky")
+    before = counter(DUTY_FAILURES, "main", "flaky")
     caplog.set_level(logging.ERROR)
     loop = asyncio.get_running_loop()
     replica = running.start(base_settings, f"flaky-{unique}", factory)
@@ -182,7 +182,7 @@ async def test_crashing_duty_is_logged_and_restarted_with_backoff(
     await wait_for(lambda: flaky.successes >= 1, timeout=10, message="flaky duty recovered")
     recovered_after = loop.time() - led_at
 
-    assert counter(DUTY_FAILURES, "flaky") - before == 3
+    assert counter(DUTY_FAILURES, "main", "flaky") - before == 3
     # back-off: 3 failures wait at least 0.1 + 0.2 + 0.4 (half of each ceiling)
     assert recovered_after >= 0.7, recovered_after
     failed = [

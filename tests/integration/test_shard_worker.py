@@ -16,6 +16,7 @@ from typing import Any
 import asyncpg
 import pytest
 from aio_pika.abc import AbstractChannel
+from prometheus_client import REGISTRY
 
 from scheduler import db
 from scheduler.broker import queue_name
@@ -169,6 +170,46 @@ async def test_jobs_of_both_shards_run_in_their_own_database_once_each(
     assert await effects_of(pools["b"], extra) == [db_names["b"]]
     assert await effects_of(pools["a"], extra) == []  # nothing of shard b's job 2 in a
     assert await pools["a"].fetchval("SELECT count(*) FROM duetime.job_ledger") == 1
+
+
+def executed(shard: str) -> tuple[float, float, float]:
+    """This process's succeeded ``t.shard`` executions of ``shard``: finished, handler
+    durations observed, fire lags observed."""
+    sample = REGISTRY.get_sample_value
+    labels = {"shard": shard, "task": "t.shard"}
+    return (
+        sample("duetime_jobs_finished_total", {**labels, "outcome": "succeeded"}) or 0.0,
+        sample("duetime_job_duration_seconds_count", labels) or 0.0,
+        sample("duetime_fire_lag_seconds_count", {"shard": shard}) or 0.0,
+    )
+
+
+async def test_a_two_shard_worker_counts_executions_per_shard(
+    settings: Settings,
+    shard_pools: dict[str, tuple[str, asyncpg.Pool]],
+    channel: AbstractChannel,
+    own_queue: str,
+) -> None:
+    await clear(shard_pools)
+    urls = {name: url for name, (url, _) in shard_pools.items()}
+    pools = {name: pool for name, (_, pool) in shard_pools.items()}
+    per_shard = {"a": 1, "b": 2}
+    jobs = {
+        name: [await dispatched_job(pools[name], "t.shard", queue=own_queue) for _ in range(n)]
+        for name, n in per_shard.items()
+    }
+    before = {name: executed(name) for name in (*SHARDS, "main")}
+    async with running(sharded_settings(settings, urls), own_queue, concurrency=4):
+        for name, shard_jobs in jobs.items():
+            for job in shard_jobs:
+                await publish(channel, own_queue, dataclasses.replace(job.message(1), shard=name))
+        for name, shard_jobs in jobs.items():
+            for job in shard_jobs:
+                await wait_for(lambda p=pools[name], j=job: succeeded(p, j), timeout=15)
+    for name, n in per_shard.items():
+        counted = [after - was for after, was in zip(executed(name), before[name], strict=True)]
+        assert counted == [n, n, n], name
+    assert executed("main") == before["main"]  # nothing of a sharded worker's is "main"
 
 
 async def test_a_delivery_for_an_unknown_shard_is_requeued_not_lost(
