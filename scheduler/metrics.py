@@ -5,7 +5,10 @@ A metric about one shard's work (what a duty did, what a worker's executor settl
 carries a ``shard`` label: the shard's configured name, ``main`` when unsharded, so its
 values stay bounded by the configuration. The code that does the work knows its shard
 (a duty from its ``DutyContext``, an executor from the worker's shard it was built for)
-and passes it at every observation. Process-wide metrics have no ``shard`` label: the
+and passes it at every observation. The counters with no other label (publish
+failures, reconciled, schedule fires, row mismatches) are set up per shard when a duty
+or an executor is built, so they expose 0 from the start and ``increase()`` sees their
+first increment. Process-wide metrics have no ``shard`` label: the
 single-shard leadership gauges (``duetime_shard_*`` are their per-shard counterparts),
 the event-loop lag, and the consumer's counts of messages it settles before any shard's
 executor sees them (malformed, requeued).

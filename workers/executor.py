@@ -156,6 +156,8 @@ class Executor:
         shard: str = DEFAULT_SHARD,
     ) -> None:
         self.shard = shard
+        # a 0 sample from the start, so the first mismatch shows as an increase
+        MESSAGE_ROW_MISMATCH.labels(shard)
         self._pool = pool
         self._registry = registry
         self._store = store or ExecutionStore(pool, timeout=acquire_timeout)

@@ -135,6 +135,8 @@ class Dispatcher:
         self.config = config = config or config_from_settings(DispatcherConfig, settings)
         self.shard = shard  # the database ``pool`` is: its messages and metrics name it
         self.clock = clock
+        # a 0 sample from the start, so the first failure shows as an increase
+        PUBLISH_FAILURES.labels(shard)
         self.loop, self.writes, self.out = publishing_parts(
             self,
             settings,

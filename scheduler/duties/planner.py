@@ -59,6 +59,7 @@ from scheduler.duties.base import DutyLoop, FencedWrites, duty_listener
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.duties.plan_report import PlanReport, account_batch
 from scheduler.leadership.fence import fenced_transaction
+from scheduler.metrics import SCHEDULE_FIRES
 from scheduler.planning import PlanConfig, PlanDecision, invalid_decision, plan_schedule
 from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
@@ -139,6 +140,8 @@ class Planner:
         self.pool = pool
         self.shard = shard  # the database ``pool`` is: its schedules are planned here
         self.clock = clock
+        # a 0 sample from the start, so the first fire shows as an increase
+        SCHEDULE_FIRES.labels(shard)
         self.loop = DutyLoop(self, shard=shard)
         self.writes = FencedWrites(
             settings, pool, write="fenced planner batch", is_leader=is_leader

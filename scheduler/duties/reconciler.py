@@ -115,6 +115,9 @@ class Reconciler:
         self.config = config = config or config_from_settings(ReconcilerConfig, settings)
         self.shard = shard  # the database ``pool`` is: its messages and metrics name it
         self.clock = clock
+        # a 0 sample from the start, so the first re-publish or failure shows as an increase
+        RECONCILED.labels(shard)
+        PUBLISH_FAILURES.labels(shard)
         self.loop, self.writes, self.out = publishing_parts(
             self,
             settings,

@@ -209,6 +209,8 @@ async def test_a_two_shard_worker_counts_executions_per_shard(
     for name, n in per_shard.items():
         counted = [after - was for after, was in zip(executed(name), before[name], strict=True)]
         assert counted == [n, n, n], name
+        # a 0 sample per shard from the start: the first mismatch is an increase
+        assert REGISTRY.get_sample_value("duetime_message_row_mismatch_total", {"shard": name}) == 0
     assert executed("main") == before["main"]  # nothing of a sharded worker's is "main"
 
 
