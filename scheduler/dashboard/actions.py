@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlsplit
 
 from starlette.datastructures import FormData
 from starlette.requests import Request
@@ -139,7 +139,8 @@ async def job_action(dash: Dashboard, request: Request, form: FormData) -> Respo
     action = request.path_params["action"]
     if action not in JOB_ACTIONS:
         return PlainTextResponse(f"unknown action {action!r}", status_code=404)
-    store = dash.jobs
+    site = dash.site(request, form)
+    store = site.jobs
     if action == "retry":
         job = await store.retry(job_id)
     elif action == "cancel":
@@ -148,13 +149,14 @@ async def job_action(dash: Dashboard, request: Request, form: FormData) -> Respo
         job = await store.run_now(job_id)
     log.info(
         "dashboard_job_action", action=action, job_id=job_id, status=job.status,
-        client=_client(request),
+        shard=site.name, client=_client(request),
     )  # fmt: skip
-    return redirect(f"/jobs/{job_id}", f"{action}: job {job_id} is now {job.status}")
+    return redirect(site.url(f"/jobs/{job_id}"), f"{action}: job {job_id} is now {job.status}")
 
 
 @posted()
 async def bulk(dash: Dashboard, request: Request, form: FormData) -> Response:
+    site = dash.site(request, form)
     fields = {k: str(v) for k, v in form.items() if isinstance(v, str)}
     where = parse_filter(fields)
     action = fields.get("action", "")
@@ -162,17 +164,18 @@ async def bulk(dash: Dashboard, request: Request, form: FormData) -> Response:
     if not up_to.isdigit():
         raise InvalidInput("up_to_id is missing: confirm from the preview page")
     if action == "cancel":
-        changed = await dash.jobs.cancel_matching(where, up_to_id=int(up_to))
+        changed = await site.jobs.cancel_matching(where, up_to_id=int(up_to))
     elif action == "retry":
-        changed = await dash.jobs.retry_matching(where, up_to_id=int(up_to))
+        changed = await site.jobs.retry_matching(where, up_to_id=int(up_to))
     else:
         raise InvalidInput(f"unknown bulk action {action!r}")
     log.info(
         "dashboard_bulk_action", action=action, changed=changed, up_to_id=int(up_to),
-        filter=filter_fields(fields), client=_client(request),
+        filter=filter_fields(fields), shard=site.name, client=_client(request),
     )  # fmt: skip
-    query = urlencode(filter_fields(fields))
-    return redirect(f"/jobs?{query}", f"{action}: {changed} job(s) changed")
+    return redirect(
+        site.url("/jobs", **filter_fields(fields)), f"{action}: {changed} job(s) changed"
+    )
 
 
 @posted()
@@ -181,7 +184,8 @@ async def schedule_action(dash: Dashboard, request: Request, form: FormData) -> 
     action = str(form.get("action") or "")
     if action not in SCHEDULE_ACTIONS:
         raise InvalidInput(f"unknown schedule action {action!r}")
-    store = dash.schedules
+    site = dash.site(request, form)
+    store = site.schedules
     if action == "pause":
         schedule, cancelled = await store.pause(name)
         message = f"paused {schedule.name}; {cancelled} planned job(s) cancelled"
@@ -191,5 +195,8 @@ async def schedule_action(dash: Dashboard, request: Request, form: FormData) -> 
     else:
         job = await store.trigger(name)
         message = f"triggered {name}: job {job.id} due now"
-    log.info("dashboard_schedule_action", action=action, schedule=name, client=_client(request))
-    return redirect(f"/schedules/{quote(name, safe='')}", message)
+    log.info(
+        "dashboard_schedule_action", action=action, schedule=name, shard=site.name,
+        client=_client(request),
+    )  # fmt: skip
+    return redirect(site.url(f"/schedules/{quote(name, safe='')}"), message)

@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 
 from scheduler.dashboard import actions, pages
 from scheduler.dashboard.auth import CSRF_COOKIE, SESSION_COOKIE
-from scheduler.dashboard.site import STATEMENT_TIMEOUT_MS, Dashboard
+from scheduler.dashboard.site import DB_ERRORS, STATEMENT_TIMEOUT_MS, Dashboard, UnknownShard
 from scheduler.errors import DuetimeError, InvalidInput, InvalidTransition, JobNotFound
 from scheduler.log import get_logger, scrub
 from scheduler.planning import ScheduleNotFound
@@ -38,7 +38,6 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
-DB_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
 class Gate(BaseHTTPMiddleware):
@@ -123,6 +122,7 @@ def _errors(dash: Dashboard) -> dict[Any, Callable[[Request, Exception], Awaitab
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         JobNotFound: not_found,
         ScheduleNotFound: not_found,
+        UnknownShard: not_found,
         InvalidInput: refused,
         InvalidTransition: refused,
         DuetimeError: duetime_error,

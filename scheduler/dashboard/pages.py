@@ -17,18 +17,23 @@ from zoneinfo import ZoneInfo
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
+from scheduler.config import Settings
 from scheduler.cron import ScheduleSpecError
 from scheduler.dashboard import charts, present
 from scheduler.dashboard.auth import local_path
 from scheduler.dashboard.cluster import read_broker
-from scheduler.dashboard.site import Dashboard
+from scheduler.dashboard.shards import ETCD_TIMEOUT, read_shard_etcd, read_shards
+from scheduler.dashboard.site import DB_ERRORS, Dashboard, ShardSite
 from scheduler.errors import InvalidInput
+from scheduler.log import get_logger, scrub
 from scheduler.planning import upcoming_fire_times
-from scheduler.status import STALE_RENEWALS, evaluate, read_election_key
+from scheduler.shards.status import Member
+from scheduler.status import STALE_RENEWALS, EtcdView, evaluate, read_election_key
 from scheduler.store import JobFilter
 from scheduler.store.dashboard import LAG_SAMPLE, MINUTE_SAMPLE
-from scheduler.store.rows import JOB_STATUSES, Job
-from scheduler.store.status import StatusStore
+from scheduler.store.rows import JOB_STATUSES, Job, OverviewData
+
+log = get_logger(__name__)
 
 PAGE_SIZE = 50
 SCHEDULES_SHOWN = 500
@@ -68,17 +73,28 @@ def filter_fields(params: Mapping[str, str]) -> dict[str, str]:
     return {k: params[k] for k in FILTER_FIELDS if params.get(k)}
 
 
+async def _ping(dash: Dashboard, name: str) -> str:
+    try:
+        async with asyncio.timeout(1.0):
+            await dash.shard(name).status.ping()
+    except Exception:  # any failure is "down" here; pages show the detail
+        return "down"
+    return "up"
+
+
 async def healthz(dash: Dashboard, request: Request) -> Response:
-    """Liveness (200 while serving) with the database's state for the curious."""
-    database = "down"
-    if dash.pool is not None:
-        try:
-            async with asyncio.timeout(1.0):
-                await StatusStore(dash.pool).ping()
-            database = "up"
-        except Exception:  # any failure is "down" here; pages show the detail
-            database = "down"
-    return JSONResponse({"status": "ok", "database": database, "read_only": dash.read_only})
+    """Liveness (200 while serving) with the databases' state for the curious: with
+    shards, ``database`` is "up" only when every shard's is, and ``shards`` has each."""
+    names = dash.shard_names
+    states = dict(zip(names, await asyncio.gather(*(_ping(dash, n) for n in names)), strict=True))
+    body: dict[str, Any] = {
+        "status": "ok",
+        "database": "up" if all(s == "up" for s in states.values()) else "down",
+        "read_only": dash.read_only,
+    }
+    if dash.sharded:
+        body["shards"] = states
+    return JSONResponse(body)
 
 
 async def login_form(dash: Dashboard, request: Request) -> Response:
@@ -89,14 +105,35 @@ async def login_form(dash: Dashboard, request: Request) -> Response:
 
 
 async def overview(dash: Dashboard, request: Request) -> Response:
-    data = await dash.views.overview()
+    site = dash.site(request)
+    if not dash.sharded:
+        context = _overview(dash, await site.views.overview())
+    else:  # the shards' table stays up when the chosen shard cannot be read
+        context, shards_view = await asyncio.gather(
+            _shard_overview(dash, request, site), read_shards(dash)
+        )
+        context["shards_view"] = shards_view
+    template = "_overview.html" if request.headers.get("hx-request") else "overview.html"
+    return dash.render(request, template, **context)
+
+
+async def _shard_overview(dash: Dashboard, request: Request, site: ShardSite) -> dict[str, Any]:
+    try:
+        return _overview(dash, await site.views.overview())
+    except DB_ERRORS as exc:
+        text = scrub(f"{type(exc).__name__}: {exc}")[:300]
+        log.warning("dashboard_database_error", path=request.url.path, shard=site.name, error=text)
+        return {"data": None, "shard_error": text}
+
+
+def _overview(dash: Dashboard, data: OverviewData) -> dict[str, Any]:
     queues, totals = present.queue_counts(
         data.snapshot.queues, data.terminal, exact=data.terminal_exact,
         pending_counted=data.pending_at_least is None,
     )  # fmt: skip
     lag_series = present.lag_per_minute(data.lag_samples)
     rate = present.completions_per_minute(data.minutes, cap=MINUTE_SAMPLE)
-    context: dict[str, Any] = {
+    return {
         "data": data,
         "queues": queues,
         "totals": totals,
@@ -116,14 +153,13 @@ async def overview(dash: Dashboard, request: Request) -> Response:
         "completed_5m": rate.total(5),
         "completed_60m": rate.total(60),
     }
-    template = "_overview.html" if request.headers.get("hx-request") else "overview.html"
-    return dash.render(request, template, **context)
 
 
 async def jobs(dash: Dashboard, request: Request) -> Response:
+    site = dash.site(request)
     params = request.query_params
     where = parse_filter(params)
-    page = await dash.views.jobs_page(where, cursor=params.get("cursor"), limit=PAGE_SIZE)
+    page = await site.views.jobs_page(where, cursor=params.get("cursor"), limit=PAGE_SIZE)
     fields = filter_fields(params)
     return dash.render(
         request, "jobs.html", jobs=page.jobs, fields=fields, statuses=JOB_STATUSES,
@@ -132,12 +168,13 @@ async def jobs(dash: Dashboard, request: Request) -> Response:
 
 
 async def bulk_preview(dash: Dashboard, request: Request) -> Response:
+    site = dash.site(request)
     if dash.read_only:
         return dash.render(request, "error.html", 403, title="Read-only", message="read-only")
     params = request.query_params
     action = params.get("action", "")
     where = parse_filter(params)
-    preview = await dash.jobs.preview_matching(action, where)
+    preview = await site.jobs.preview_matching(action, where)
     return dash.render(
         request, "bulk.html", preview=preview, fields=filter_fields(params), where=where
     )
@@ -156,8 +193,9 @@ def job_actions(job: Job, now: datetime) -> list[str]:
 
 
 async def job(dash: Dashboard, request: Request) -> Response:
-    found = await dash.jobs.get(request.path_params["job_id"])
-    detail = await dash.views.job_detail(found)
+    site = dash.site(request)
+    found = await site.jobs.get(request.path_params["job_id"])
+    detail = await site.views.job_detail(found)
     payload, payload_cut = present.pretty_json(found.payload)
     error, error_cut = present.capped(found.last_error)
     lag = None
@@ -172,15 +210,16 @@ async def job(dash: Dashboard, request: Request) -> Response:
 
 
 async def schedules(dash: Dashboard, request: Request) -> Response:
-    rows = await dash.schedules.list(limit=SCHEDULES_SHOWN)
+    rows = await dash.site(request).schedules.list(limit=SCHEDULES_SHOWN)
     return dash.render(
         request, "schedules.html", schedules=rows, capped=len(rows) == SCHEDULES_SHOWN
     )
 
 
 async def schedule(dash: Dashboard, request: Request) -> Response:
-    found = await dash.schedules.get(request.path_params["name"])
-    runs = await dash.schedules.recent_runs(found.id, RECENT_RUNS)
+    site = dash.site(request)
+    found = await site.schedules.get(request.path_params["name"])
+    runs = await site.schedules.recent_runs(found.id, RECENT_RUNS)
     now = datetime.now(UTC)
     upcoming: list[present.FireTime] = []
     problem = None
@@ -206,14 +245,17 @@ async def schedule(dash: Dashboard, request: Request) -> Response:
 
 async def cluster(dash: Dashboard, request: Request) -> Response:
     settings = dash.settings
-    etcd_task = asyncio.create_task(read_election_key(settings, timeout=1.5))
+    site = dash.site(request)
+    members: tuple[Member, ...] | None = None  # the live replicas, known only with shards
+    etcd_task = asyncio.create_task(
+        read_shard_etcd(settings, site.name) if dash.sharded else _unsharded_etcd(settings)
+    )
     snapshot, db_error = None, None
     try:
-        assert dash.pool is not None
-        snapshot = await StatusStore(dash.pool).snapshot()
+        snapshot = await site.status.snapshot()
     except Exception as exc:  # shown on the page next to what etcd and RabbitMQ say
         db_error = f"{type(exc).__name__}: {exc}"[:300]
-    etcd = await etcd_task
+    etcd, members = await etcd_task
     queues = {q.queue for q in snapshot.queues} if snapshot else set()
     broker = await read_broker(settings, queues | {"default"})
     report = (
@@ -225,4 +267,9 @@ async def cluster(dash: Dashboard, request: Request) -> Response:
     return dash.render(
         request, "cluster.html", snapshot=snapshot, db_error=db_error, etcd=etcd,
         broker=broker, report=report, dispatched=dispatched, settings=settings,
+        members=members,
     )  # fmt: skip
+
+
+async def _unsharded_etcd(settings: Settings) -> tuple[EtcdView, None]:
+    return await read_election_key(settings, timeout=ETCD_TIMEOUT), None

@@ -1,23 +1,33 @@
 """The one object every dashboard handler receives: settings, the dashboard's own small
-pool and the stores on it, the auth keys, read-only mode and the templates.
+pools (one per shard) and the stores on them, the auth keys, read-only mode and the
+templates.
 
 It lives apart from ``app`` (routes, middleware) so the handler modules ``pages`` and
-``actions`` can name it without importing the application that imports them. The pool
-is the dashboard's own: at most ``POOL_MAX`` connections with a ``statement_timeout``,
-so an operator's browser can never take the connections the scheduler and workers need,
-nor run a query for minutes. ``min_size=0`` lets the process start while PostgreSQL is
-down: pages then say so (503) and recover by themselves when it is back.
+``actions`` can name it without importing the application that imports them. Each pool
+is the dashboard's own: at most ``POOL_MAX`` connections per shard with a
+``statement_timeout``, so an operator's browser can never take the connections the
+scheduler and workers need, nor run a query for minutes. ``min_size=0`` lets the process
+start while a shard's PostgreSQL is down: that shard's pages then say so (503) and
+recover by themselves when it is back; the other shards are not affected.
+
+Shards: job ids and schedule names are per shard, so every page and action works on one
+shard, named by the ``shard`` query or form parameter (default: the first configured
+shard; an unknown name is ``UnknownShard``, a 404). ``ShardSite`` is that shard as a
+handler sees it: its stores, and ``url`` for links and redirects, which carry the shard
+only when there is more than one, so an unsharded dashboard's links are what they were.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, urlencode
 
 import asyncpg
 import jinja2
+from markupsafe import Markup
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
@@ -25,14 +35,33 @@ from scheduler import db
 from scheduler.config import Settings
 from scheduler.dashboard import present
 from scheduler.dashboard.auth import Auth
+from scheduler.errors import DuetimeError
 from scheduler.store import DashboardStore, JobStore, ScheduleStore
+from scheduler.store.status import StatusStore
 
-__all__ = ["FLASH_COOKIE", "POOL_MAX", "STATEMENT_TIMEOUT_MS", "Dashboard"]
+__all__ = [
+    "DB_ERRORS",
+    "FLASH_COOKIE",
+    "POOL_MAX",
+    "STATEMENT_TIMEOUT_MS",
+    "Dashboard",
+    "ShardSite",
+    "UnknownShard",
+]
 
-POOL_MAX = 3
+#: What a page's database read may raise when the database cannot answer (a 503 page).
+DB_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+POOL_MAX = 3  # per shard
 STATEMENT_TIMEOUT_MS = 5000
 #: A one-shot message for the next page (set by an action's redirect, shown once).
 FLASH_COOKIE = "duetime_flash"
+#: Where the shard picker leads from a page: the same section, since an id or a
+#: schedule name of one shard means nothing on another.
+SECTIONS = ("/jobs", "/schedules", "/cluster")
+
+
+class UnknownShard(DuetimeError):
+    """The ``shard`` parameter names no configured shard (answered with a 404)."""
 
 
 def _templates() -> jinja2.Environment:
@@ -53,58 +82,129 @@ def _templates() -> jinja2.Environment:
     return env
 
 
+@dataclass(frozen=True, slots=True)
+class ShardSite:
+    """One shard of the dashboard, as the request's handler uses it."""
+
+    name: str
+    linked: bool  # links name the shard (more than one is configured)
+    opened: asyncpg.Pool | None = None  # None outside the lifespan (before open, after close)
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self.opened is None:  # answered like any unusable database: a 503 page
+            raise asyncpg.InterfaceError("the dashboard's database pools are not open")
+        return self.opened
+
+    @property
+    def jobs(self) -> JobStore:
+        return JobStore(self.pool)
+
+    @property
+    def schedules(self) -> ScheduleStore:
+        return ScheduleStore(self.pool)
+
+    @property
+    def views(self) -> DashboardStore:
+        return DashboardStore(self.pool)
+
+    @property
+    def status(self) -> StatusStore:
+        return StatusStore(self.pool)
+
+    def url(self, path: str, **params: Any) -> str:
+        """``path`` with ``params`` (empty ones left out) and, when linked, the shard."""
+        query = {k: str(v) for k, v in params.items() if v is not None and v != ""}
+        if self.linked:
+            query["shard"] = self.name
+        return f"{path}?{urlencode(query)}" if query else path
+
+    def field(self) -> Markup:
+        """The hidden form field that sends the shard with a POST (empty when unlinked)."""
+        if not self.linked:
+            return Markup("")
+        return Markup('<input type="hidden" name="shard" value="{}">').format(self.name)
+
+
 @dataclass
 class Dashboard:
     settings: Settings
     auth: Auth
     read_only: bool = False
     templates: jinja2.Environment = field(default_factory=_templates)
-    pool: asyncpg.Pool | None = None
+    pools: dict[str, asyncpg.Pool] = field(default_factory=dict)
 
     @property
-    def jobs(self) -> JobStore:
-        assert self.pool is not None
-        return JobStore(self.pool)
+    def shard_names(self) -> list[str]:
+        """The configured shards in order (``main`` alone when unsharded)."""
+        return list(self.settings.shard_urls)
 
     @property
-    def schedules(self) -> ScheduleStore:
-        assert self.pool is not None
-        return ScheduleStore(self.pool)
+    def sharded(self) -> bool:
+        """Shards are configured (``DUETIME_SHARDS``): election keys are per shard."""
+        return self.settings.shards is not None
 
     @property
-    def views(self) -> DashboardStore:
-        assert self.pool is not None
-        return DashboardStore(self.pool)
+    def pool(self) -> asyncpg.Pool | None:
+        """The first shard's pool (the one database when unsharded)."""
+        return self.pools.get(self.shard_names[0])
+
+    def site(self, request: Request, form: Mapping[str, Any] | None = None) -> ShardSite:
+        """The shard this request works on (``shard`` in the query, else in the posted
+        form, else the first); remembered on the request for ``render``."""
+        name = request.query_params.get("shard") or (form or {}).get("shard")
+        site = self.shard(str(name) if name else self.shard_names[0])
+        request.state.site = site
+        return site
+
+    def shard(self, name: str) -> ShardSite:
+        """The shard ``name``; ``UnknownShard`` when none is configured by that name."""
+        names = self.shard_names
+        if name not in names:
+            shown = ", ".join(names)
+            raise UnknownShard(f"no shard named {name[:40]!r}: this dashboard serves {shown}")
+        return ShardSite(name, len(names) > 1, self.pools.get(name))
 
     async def open(self) -> None:
-        self.pool = await db.create_pool(
-            self.settings.database_url,
-            min_size=0,
-            max_size=POOL_MAX,
-            timeout=self.settings.db_timeout,
-            application_name="duetime-dashboard",
-            server_settings={
-                "statement_timeout": str(STATEMENT_TIMEOUT_MS),
-                "idle_in_transaction_session_timeout": str(STATEMENT_TIMEOUT_MS * 2),
-            },
-        )
+        for name, url in self.settings.shard_urls.items():
+            self.pools[name] = await db.create_pool(
+                url,
+                min_size=0,
+                max_size=POOL_MAX,
+                timeout=self.settings.db_timeout,
+                application_name="duetime-dashboard",
+                server_settings={
+                    "statement_timeout": str(STATEMENT_TIMEOUT_MS),
+                    "idle_in_transaction_session_timeout": str(STATEMENT_TIMEOUT_MS * 2),
+                },
+            )
 
     async def close(self) -> None:
-        if self.pool is not None:
-            await self.pool.close()
-            self.pool = None
+        pools, self.pools = self.pools, {}
+        for pool in pools.values():
+            await pool.close()
 
     def render(
         self, request: Request, template: str, status_code: int = 200, **context: Any
     ) -> HTMLResponse:
         flash = request.cookies.get(FLASH_COOKIE)
+        names = self.shard_names
+        site: ShardSite | None = getattr(request.state, "site", None)
+        if site is None:  # a page of no shard (login, an error before one was chosen)
+            site = ShardSite(names[0], len(names) > 1, self.pool)
+        path = request.url.path
         html = self.templates.get_template(template).render(
             request=request,
             read_only=self.read_only,
             auth_required=self.auth.required,
             csrf=self.auth.csrf_token(request.state.csrf_cookie),
             flash=unquote(flash)[:500] if flash else None,
-            nav=request.url.path,
+            nav=path,
+            url=site.url,
+            shard=site.name,
+            shard_field=site.field(),
+            shards=names if len(names) > 1 else [],
+            section=next((s for s in SECTIONS if path.startswith(s)), "/"),
             **context,
         )
         response = HTMLResponse(html, status_code=status_code)

@@ -21,6 +21,7 @@ together with the others', named by shard.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,15 @@ from scheduler.store.status import StatusStore
 if TYPE_CHECKING:
     import aetcd
 
-__all__ = ["Member", "ShardStatus", "ShardedEtcd", "ShardedReport", "collect_shard_status"]
+__all__ = [
+    "Member",
+    "ShardStatus",
+    "ShardedEtcd",
+    "ShardedReport",
+    "SnapshotReader",
+    "collect_shard_status",
+    "read_shard_keys",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,14 +266,27 @@ async def _snapshot(settings: Settings, name: str, url: str) -> DbSnapshot | str
         await pool.close()
 
 
+#: Reads one shard's snapshot, or says why it could not (``settings, name, url``).
+SnapshotReader = Callable[[Settings, str, str], Awaitable[DbSnapshot | str]]
+
+
 async def collect_shard_status(
-    settings: Settings, *, max_backlog_age: float, etcd_timeout: float | None = None
+    settings: Settings,
+    *,
+    max_backlog_age: float,
+    etcd_timeout: float | None = None,
+    snapshot: SnapshotReader | None = None,
 ) -> ShardedReport:
-    """Read every shard's database and etcd concurrently and judge each shard."""
+    """Read every shard's database and etcd concurrently and judge each shard.
+
+    ``snapshot``: how a shard's database is read (default: a one-connection pool of its
+    own; a long-running process such as the dashboard passes one that uses its pools).
+    """
     urls = settings.shard_urls
     names = list(urls)
+    read = snapshot or _snapshot
     etcd_task = asyncio.create_task(read_shard_keys(settings, names, timeout=etcd_timeout))
-    snapshots = await asyncio.gather(*(_snapshot(settings, n, urls[n]) for n in names))
+    snapshots = await asyncio.gather(*(read(settings, n, urls[n]) for n in names))
     etcd = await etcd_task
     shards: list[ShardStatus] = []
     for name, snap in zip(names, snapshots, strict=True):

@@ -26,6 +26,7 @@ import asyncpg
 from scheduler.sql import compose, load
 from scheduler.store.jobs import FILTER, MAX_PAGE, JobFilter
 from scheduler.store.rows import (
+    DbSnapshot,
     Job,
     JobDetail,
     JobPage,
@@ -85,13 +86,19 @@ class DashboardStore:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
 
-    async def overview(self) -> OverviewData:
+    async def status_snapshot(self) -> tuple[DbSnapshot, bool]:
+        """``duetime status``'s snapshot, and whether pending jobs were left uncounted
+        (more than ``PENDING_EXACT_LIMIT``: every queue then reads 0 pending)."""
         async with self._pool.acquire() as c:
             probed = await c.fetchval(Q["pending_probe"], PENDING_EXACT_LIMIT)
         capped = probed >= PENDING_EXACT_LIMIT
         snapshot = await StatusStore(self._pool).snapshot(
             dead_window=DEAD_WINDOW, pending=not capped
         )
+        return snapshot, capped
+
+    async def overview(self) -> OverviewData:
+        snapshot, capped = await self.status_snapshot()
         async with self._pool.acquire() as c:
             exact = await c.fetchval(Q["table_bytes"]) < EXACT_COUNT_BYTES
             terminal: dict[tuple[str, str], int] = {}

@@ -13,3 +13,9 @@ document.addEventListener("visibilitychange", function () {
     });
   }
 });
+// The shard picker switches as soon as a shard is chosen (its button is for no-script use).
+document.addEventListener("change", function (event) {
+  if (event.target.matches && event.target.matches("select[data-autosubmit]")) {
+    event.target.form.submit();
+  }
+});
