@@ -3,7 +3,7 @@
 ``scheduler.shards.leadership.ShardLeadership`` decides *which* shards this node may
 lead (one node lease, one election key per shard, balanced assignment); this module
 decides *what runs* for each of them. It is the per-shard counterpart of
-``replica.Replica`` and keeps its rules, per shard (architecture.md §6, §8)::
+``replica.Replica`` and keeps its rules, per shard (architecture.md §5 "Shards", §6)::
 
     gained(shard, epoch) ──fence advanced──▶ leading (the shard's duties run)
         │ fence ahead / fence error           │ lost(shard): rebalance, lease, key gone
