@@ -1,15 +1,20 @@
-"""A PostgreSQL primary crash and standby promotion in the middle of a storm.
+"""A PostgreSQL primary stopped and its standby promoted in the middle of a storm.
 
-What Patroni does to a shard's database when its primary dies, done by hand on a private
-pair (``tests/support/pgpair.py``: a primary and a *synchronous* standby on free
-loopback ports): the primary is stopped with ``-m immediate`` (a crash, as far as
-clients and the standby can tell), nothing accepts writes for ``PROMOTE_AFTER`` seconds
-(Patroni noticing), then the standby is promoted. The old primary stays down.
+What Patroni does to a shard's database, done by hand on a private pair
+(``tests/support/pgpair.py``: a primary and a *synchronous* standby on free loopback
+ports), in two variants:
 
-One real ``duetime scheduler`` and one real ``duetime worker`` are given the multi-host
-DSN ``postgresql://…@pg1,pg2/duetime?target_session_attrs=read-write`` and are never
+- ``crash``: the primary is stopped with ``-m immediate`` (a crash, as far as clients
+  and the standby can tell), nothing accepts writes for 2 s (Patroni noticing), then
+  the standby is promoted;
+- ``planned``: ``-m fast`` (a ``patronictl switchover``: sessions get ``57P01``, the
+  remaining WAL is shipped first), the standby promoted 0.5 s later.
+
+The old primary stays down. One real ``duetime scheduler`` and one real ``duetime
+worker`` are given the multi-host DSN
+``postgresql://…@pg1,pg2/duetime?target_session_attrs=read-write`` and are never
 restarted. ``chaos.check`` jobs (``tests/chaos/chaos_tasks.py``: each writes one effect
-row through ``ctx.db``) come due over ``WINDOW`` seconds; the primary dies once a
+row through ``ctx.db``) come due over ``WINDOW`` seconds; the primary stops once a
 quarter of them succeeded. Asserted:
 
 - every job ``succeeded``: 0 lost, exactly one committed effect per job, no claim
@@ -17,12 +22,14 @@ quarter of them succeeded. Asserted:
 - the fence epoch never went backwards (the ``fence_audit`` trigger's rows, which
   moved to the new primary with the rest of the data);
 - the scheduler and the worker reconnected by themselves: the same processes, each
-  started once, running at the end;
-- the gap is bounded: the first claim and the first success committed after the crash
-  came within ``PROMOTE_AFTER + GAP_BOUND`` seconds of it.
+  started once, running at the end, and no delivery took the worker's bug path
+  (``delivery_failed``);
+- the gap is bounded: the first claim and the first success committed on the new
+  primary came within the promotion delay + ``GAP_BOUND`` seconds of the stop.
 
-Printed (``pytest -s``): kill -> promoted, kill -> first claim committed, kill -> first
-job succeeded, kill -> every job settled, the leader's epoch before and after.
+Printed (``pytest -s``): seconds from the stop to the promotion, to the fence renewed on
+the new primary, to the first claim and the first success committed there, to every job
+settled; the leader's epoch before and after; how often each recovery path was logged.
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ SEED = int(os.environ.get("DUETIME_TEST_SEED") or random.SystemRandom().randrang
 JOBS = 3000
 WINDOW = 10.0  # seconds over which the jobs come due
 KILL_SHARE = 0.25  # the primary dies once this share of the jobs succeeded
-PROMOTE_AFTER = 2.0  # seconds without a writable host between the crash and the promotion
 GAP_BOUND = 10.0  # after the promotion: the first claim and the first success within this
 SETTLE = 40.0  # after the last job is due, for the backlog to drain
 
@@ -86,7 +92,16 @@ def event_count(output: str, event: str) -> int:
     return output.count(f'"event": "{event}"') or output.count(f'"event":"{event}"')
 
 
-async def test_primary_crash_then_promotion_mid_storm_loses_nothing(
+@pytest.mark.parametrize(
+    ("stop_mode", "promote_after"),
+    [
+        pytest.param("immediate", 2.0, id="crash"),
+        pytest.param("fast", 0.5, id="planned"),
+    ],
+)
+async def test_primary_stop_then_promotion_mid_storm_loses_nothing(
+    stop_mode: str,
+    promote_after: float,
     pair: PgPair,
     tmp_path: Path,
     test_env: dict[str, str],
@@ -134,9 +149,9 @@ async def test_primary_crash_then_promotion_mid_storm_loses_nothing(
         done_before = JOBS - await c.settled()
 
         killed_at = time.time()
-        await asyncio.to_thread(pair.primary.stop, "immediate")
-        c.note(f"primary pg1 stopped -m immediate ({done_before} jobs settled)")
-        await asyncio.sleep(PROMOTE_AFTER)  # the outage being simulated, not a wait
+        await asyncio.to_thread(pair.primary.stop, stop_mode)
+        c.note(f"primary pg1 stopped -m {stop_mode} ({done_before} jobs settled)")
+        await asyncio.sleep(promote_after)  # the outage being simulated, not a wait
         promoting_at = time.time()  # nothing commits on pg2 before this instant
         await asyncio.to_thread(pair.standby.promote)
         promoted_s = time.time() - killed_at
@@ -203,5 +218,5 @@ async def test_primary_crash_then_promotion_mid_storm_loses_nothing(
             f"epoch {epoch_before} -> {epoch_after}; "
             + ", ".join(f"{event} {n}" for event, n in seen.items())
         )
-        assert claim_s is not None and claim_s <= PROMOTE_AFTER + GAP_BOUND, claim_s
-        assert success_s is not None and success_s <= PROMOTE_AFTER + GAP_BOUND, success_s
+        assert claim_s is not None and claim_s <= promote_after + GAP_BOUND, claim_s
+        assert success_s is not None and success_s <= promote_after + GAP_BOUND, success_s
