@@ -211,8 +211,8 @@ async def test_primary_stop_then_promotion_mid_storm_loses_nothing(
 
         renewed_s = renewed_after[0] if renewed_after else None
         print(
-            f"[switchover] {JOBS} jobs, {done_before} settled before the crash; "
-            f"kill -> promoted {promoted_s:.2f}s, -> fence renewed on the new primary "
+            f"[switchover] {JOBS} jobs, {done_before} settled before the stop; "
+            f"stop -> promoted {promoted_s:.2f}s, -> fence renewed on the new primary "
             f"{seconds(renewed_s)}, -> first claim committed {seconds(claim_s)}, "
             f"-> first job succeeded {seconds(success_s)}, -> all settled {settled_s:.2f}s; "
             f"epoch {epoch_before} -> {epoch_after}; "
