@@ -6,7 +6,12 @@ each other.
 
 ``CONNECTION_ERRORS`` is what turns into ``DatabaseUnavailable`` when a statement on a
 connection the worker holds fails: ``scheduler.db.DB_UNAVAILABLE`` plus asyncpg's
-``InterfaceError`` (the connection was closed under the statement).
+``InterfaceError`` (the connection was closed under the statement) and
+``InternalClientError``: a fast shutdown of the primary (a planned switchover) sends
+``FATAL 57P01`` to idle connections too, and a statement sent while asyncpg is still
+consuming that error fails with "cannot switch to state …; another operation is in
+progress" before the close is noticed. The outcome is unknown either way, which the
+executor already handles by requeueing.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from scheduler.db import DB_UNAVAILABLE
 
 __all__ = ["CONNECTION_ERRORS", "DatabaseUnavailable"]
 
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (*DB_UNAVAILABLE, asyncpg.InterfaceError)
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    *DB_UNAVAILABLE,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+)
 
 
 class DatabaseUnavailable(Exception):

@@ -17,6 +17,7 @@ the transaction). Never commit or roll back the outer transaction yourself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import TracebackType
 from typing import Any
 
@@ -143,8 +144,11 @@ class LazyTransaction:
     async def close(self) -> None:
         """Roll back what is still open and give the connection back; safe twice. If the
         rollback is impossible (connection broken, a query still cancelling), drop the
-        connection: the server then aborts the transaction itself. A group member that
-        never reported (cancelled) is reported as failed, so its group can finish."""
+        connection: the server then aborts the transaction itself. A connection the
+        server closed (a primary crash, a switchover) was already released by asyncpg,
+        which detaches our proxy: every call on it raises ``InterfaceError``, and there
+        is nothing left to roll back or drop. A group member that never reported
+        (cancelled) is reported as failed, so its group can finish."""
         if self.member is not None and not self.member.reported:
             self.member.mark(asyncio.CancelledError())
         conn, tx = self._conn, self._tx
@@ -155,8 +159,9 @@ class LazyTransaction:
             if conn.is_in_transaction():
                 await tx.rollback()
         except Exception:
-            if not conn.is_closed() and conn.is_in_transaction():
-                conn.terminate()
+            with contextlib.suppress(asyncpg.InterfaceError):  # released by asyncpg
+                if not conn.is_closed() and conn.is_in_transaction():
+                    conn.terminate()
         finally:
             await self._pool.release(conn)  # type: ignore[arg-type]
 

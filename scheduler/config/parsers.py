@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from scheduler.errors import ConfigError
-from scheduler.shards.config import Shard, parse_shards_env, parse_shards_table
+from scheduler.shards.config import Shard, host_list_problem, parse_shards_env, parse_shards_table
 
 # A comma that starts another URL ("...,amqps://..."): the commas of a libpq multi-host
 # netloc ("postgresql://h1:5432,h2:5432/db") are not followed by a scheme.
@@ -54,10 +54,9 @@ def url(schemes: tuple[str, ...]) -> Callable[[Any], str]:
             )
         if not parts.hostname and "host=" not in parts.query:
             raise ValueError("has no host")
-        try:
-            _ = parts.port
-        except ValueError as exc:
-            raise ValueError(f"has an invalid port ({exc})") from None
+        problem = host_list_problem(parts.netloc)  # libpq's h1:p1,h2:p2 included
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     return parse

@@ -7,8 +7,9 @@ shard, ``main``, at the database URL, and nothing about a single-database cluste
 changes.
 
 The environment form is ``name=url,name=url``. A PostgreSQL URL may itself contain
-commas only in its query string (``?options=...``), so pairs are split on a comma that
-is followed by ``name=`` and a URL scheme, never on a comma inside a URL. Errors list
+commas only in its host list (libpq's ``h1:5432,h2:5432``, a primary and its standby)
+and its query string (``?options=...``), so pairs are split on a comma that is followed
+by ``name=`` and a URL scheme, never on a comma inside a URL. Errors list
 every bad pair at once (passwords redacted), like ``load_settings`` does.
 
 It imports nothing from ``scheduler.config``, so ``scheduler.config`` can call
@@ -26,14 +27,17 @@ from urllib.parse import urlsplit
 from scheduler.errors import ConfigError
 from scheduler.log import scrub
 
-__all__ = ["DEFAULT_SHARD", "SHARD_NAME", "Shard", "parse_shards", "parse_shards_env",
-           "parse_shards_table", "shards_from"]  # fmt: skip
+__all__ = ["DEFAULT_SHARD", "SHARD_NAME", "Shard", "host_list_problem", "parse_shards",
+           "parse_shards_env", "parse_shards_table", "shards_from"]  # fmt: skip
 
 DEFAULT_SHARD = "main"
 SHARD_NAME = re.compile(r"[a-z0-9_-]{1,32}")
 _SCHEMES = ("postgresql", "postgres")
 # A pair starts at the beginning or after a comma, with "name=" and a URL scheme.
 _PAIR_START = re.compile(r"(?:^|,)\s*([^=,\s]*)\s*=\s*(?=[a-z][a-z0-9+.-]*://)", re.IGNORECASE)
+# One host of a libpq host list: a name or address, or a bracketed IPv6 address, and an
+# optional port.
+_LISTED_HOST = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\s:/?#@\[\],]+)(?::(\d{1,5}))?")
 
 
 @dataclass(frozen=True, repr=False)
@@ -47,20 +51,47 @@ class Shard:
         return f"Shard({self.name!r}, {scrub(self.url)!r})"
 
 
+def host_list_problem(netloc: str) -> str | None:
+    """Why the hosts of a URL's ``netloc`` do not parse, or None when they do.
+
+    libpq and asyncpg accept several hosts, comma-separated, each with its own port
+    (``user@h1:5432,h2:5432``: with ``target_session_attrs=read-write`` a connection
+    goes to whichever accepts writes, so a Patroni switchover needs no reconfiguration).
+    ``urlsplit`` knows one host only (its ``.port`` fails on ``5432,h2:5432``), so a
+    host list is checked host by host; a single host is checked by ``urlsplit`` as
+    before."""
+    hosts = netloc.rpartition("@")[2]
+    if "," not in hosts:
+        try:
+            _ = urlsplit(f"//{netloc}").port
+        except ValueError as exc:
+            return f"has an invalid port ({exc})"
+        return None
+    for host in hosts.split(","):
+        match = _LISTED_HOST.fullmatch(host)
+        if match is None:
+            return f"has an invalid host {host!r} in its host list"
+        if match.group(1) is not None and not 0 < int(match.group(1)) < 65536:
+            return f"has an invalid port in its host list ({host!r}: out of range 1-65535)"
+    return None
+
+
 def _check_url(url: Any) -> str | None:
     """Why ``url`` is not a usable PostgreSQL URL, or None when it is."""
     if not isinstance(url, str) or not url.strip():
         return "must be a non-empty postgresql:// URL"
     try:
         parts = urlsplit(url.strip())
-        _ = parts.port
     except ValueError as exc:
         return f"is not a valid URL ({exc})"
+    hosts_problem = host_list_problem(parts.netloc)
+    if hosts_problem is not None:
+        return f"is not a valid URL ({hosts_problem})"
     if parts.scheme not in _SCHEMES:
         return f"scheme must be postgresql or postgres (got {parts.scheme or 'none'!r})"
     if not parts.hostname and "host=" not in parts.query:
         return "has no host"
-    if "," in parts.netloc + parts.path:
+    if "," in parts.path:
         return "has a comma outside its query string (pairs are separated by commas)"
     return None
 
