@@ -71,7 +71,9 @@ async def test_bench_loads_the_checkouts_benchmarks_not_the_working_directorys(
 ) -> None:
     result = await run_duetime(test_env, "bench", "--help", cwd=app_dir)
     assert result.code == 0, result.err
-    scenarios = "{baseline,worker,io,storm,steady,coldstart,recurring,scale,dashboard,all}"
+    scenarios = (
+        "{baseline,worker,io,storm,steady,coldstart,recurring,scale,dashboard,shards,shardsim,all}"
+    )
     assert scenarios in result.out  # the checkout's
     assert not ran(app_dir)
 
