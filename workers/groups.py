@@ -281,13 +281,20 @@ class Group:
             if conn.is_in_transaction():
                 await self.tx.rollback()
         except Exception:
-            if not conn.is_closed() and conn.is_in_transaction():
-                conn.terminate()
+            # A connection the server closed was released by asyncpg, which detached
+            # our proxy: every call on it raises InterfaceError (workers/lazydb.py).
+            with contextlib.suppress(asyncpg.InterfaceError):
+                if not conn.is_closed() and conn.is_in_transaction():
+                    conn.terminate()
 
     async def _release(self) -> None:
         conn, self.conn = self.conn, None
         if conn is not None:
-            if conn.is_in_transaction():
+            try:
+                open_tx = conn.is_in_transaction()
+            except asyncpg.InterfaceError:  # the server closed it; asyncpg released it
+                return
+            if open_tx:
                 await self._rollback()
             await self.groups.pool.release(conn)  # type: ignore[arg-type]
 
