@@ -10,11 +10,12 @@ out working connections afterwards.
 
 from __future__ import annotations
 
+import asyncio
+
 import asyncpg
 import pytest
 
 from scheduler import db
-from tests.support.wait import wait_for
 from workers.errors import CONNECTION_ERRORS
 from workers.lazydb import LazyTransaction
 
@@ -26,26 +27,24 @@ async def test_close_after_the_server_ended_the_connection(dsn: str) -> None:
     try:
         tx = LazyTransaction(pool, timeout=5)
         backend = await tx.fetchval("SELECT pg_backend_pid()")
-        conn = await tx.connection()
         killer = await asyncpg.connect(dsn, timeout=5)
         try:
             assert await killer.fetchval("SELECT pg_terminate_backend($1)", backend)
         finally:
             await killer.close()
 
-        with pytest.raises(CONNECTION_ERRORS):  # the statement meets the closed connection
+        # The statement meets the closed connection. Usually asyncpg has released it
+        # already (InterfaceError: the proxy is detached, the case close() must survive);
+        # sometimes it is still processing the server's goodbye (InternalClientError) and
+        # the proxy is still attached. close() must be quiet either way.
+        with pytest.raises(CONNECTION_ERRORS):
             await tx.execute("SELECT 1")
-
-        def released() -> bool:  # asyncpg detached the proxy from its connection
-            try:
-                conn.is_closed()
-            except asyncpg.InterfaceError:
-                return True
-            return False
-
-        await wait_for(released, timeout=5, message="asyncpg released the dead connection")
-        await tx.close()
-        await tx.close()  # safe twice
+        await asyncio.wait_for(tx.close(), 5)
+        await asyncio.wait_for(tx.close(), 5)  # safe twice
         assert await pool.fetchval("SELECT pg_backend_pid() <> $1::int", backend)
     finally:
-        await pool.close()
+        try:
+            await asyncio.wait_for(pool.close(), 5)
+        except TimeoutError:  # a connection still checked out: fail the test, not hang
+            pool.terminate()
+            raise
