@@ -42,6 +42,8 @@ and ``duetime_shard_epoch{shard}`` follow the running duties, and the unlabelled
 It lives beside ``replica`` (not in ``scheduler.shards``) because it is the same glue
 between an election and the duties: it shares ``duty_set``, ``policy`` and
 ``takeover`` with the single replica, while ``scheduler.shards`` stays free of duties.
+It is one module of ~470 lines because a shard's whole term (gained, fence, duties,
+watch, hand-over, lost) must read as one state machine, as ``replica`` reads for one.
 """
 
 from __future__ import annotations
