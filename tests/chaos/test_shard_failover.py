@@ -48,15 +48,14 @@ JOIN_BOUND = 5.0
 async def shard_cluster(
     procs: Processes, test_env: dict[str, str], server_dsn: str, etcd_endpoints: str, unique: str
 ) -> AsyncIterator[ShardCluster]:
-    async with ShardCluster(
+    async with ShardCluster.for_test(
         procs,
         test_env,
         server_dsn=server_dsn,
-        etcd_endpoint=etcd_endpoints.split(",")[0],
-        prefix=f"duetime-test/{unique}",
-        queue=f"shardfo-{unique}",
+        etcd_endpoints=etcd_endpoints,
+        unique=unique,
+        tag="sf",
         shards=SHARDS,
-        suffix=f"sf{unique[:6]}",
         ttl=TTL,
     ) as cluster:
         yield cluster

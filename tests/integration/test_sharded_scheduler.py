@@ -31,15 +31,14 @@ JOBS_PER_SHARD = 150
 async def shard_cluster(
     procs: Processes, test_env: dict[str, str], server_dsn: str, etcd_endpoints: str, unique: str
 ) -> AsyncIterator[ShardCluster]:
-    async with ShardCluster(
+    async with ShardCluster.for_test(
         procs,
         test_env,
         server_dsn=server_dsn,
-        etcd_endpoint=etcd_endpoints.split(",")[0],
-        prefix=f"duetime-test/{unique}",
-        queue=f"shards-{unique}",
+        etcd_endpoints=etcd_endpoints,
+        unique=unique,
+        tag="ss",
         shards=SHARDS,
-        suffix=f"ss{unique[:6]}",
     ) as cluster:
         yield cluster
 

@@ -21,6 +21,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -41,6 +42,28 @@ def _run_as_user() -> str | None:
             pwd.getpwnam(name)
             return name
     raise RuntimeError("running as root and no unprivileged user to run PostgreSQL as")
+
+
+def run_pg_command(
+    argv: list[str], *, user: str | None, timeout: float, log: Callable[[], str]
+) -> subprocess.CompletedProcess[str]:
+    """Run a PostgreSQL binary (as ``user`` when root may not: initdb refuses root);
+    a failure raises with its output and the server log's tail."""
+    if user is not None:
+        argv = ["runuser", "-u", user, "--", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}\n{log()}"
+        )
+    return proc
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` of a server log ("" while there is none)."""
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text().splitlines()[-lines:])
+    return ""
 
 
 class PrivatePostgres:
@@ -85,15 +108,7 @@ class PrivatePostgres:
     # -- lifecycle --------------------------------------------------------------------
 
     def _cmd(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-        if self.user is not None:
-            argv = ["runuser", "-u", self.user, "--", *argv]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}\n"
-                f"{self.log()}"
-            )
-        return proc
+        return run_pg_command(argv, user=self.user, timeout=timeout, log=self.log)
 
     def start(self) -> PrivatePostgres:
         """initdb, install files and pg_hba.conf, start; returns once it accepts."""
@@ -135,9 +150,7 @@ class PrivatePostgres:
         return self.base_dir / "postgres.log"
 
     def log(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self._log_path.read_text().splitlines()[-lines:])
-        return ""
+        return tail(self._log_path, lines)
 
     def stop(self) -> None:
         """Stop at once (``-m immediate``) and remove the directory. Safe to call twice."""

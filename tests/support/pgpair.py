@@ -37,7 +37,7 @@ from types import TracebackType
 import asyncpg
 
 from tests.support.etcd import free_port
-from tests.support.pg import PG_BIN, _run_as_user
+from tests.support.pg import PG_BIN, _run_as_user, run_pg_command, tail
 
 __all__ = ["PgNode", "PgPair"]
 
@@ -76,15 +76,7 @@ class PgNode:
     # -- commands ---------------------------------------------------------------------
 
     def _cmd(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-        if self.user is not None:
-            argv = ["runuser", "-u", self.user, "--", *argv]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}\n"
-                f"{self.log()}"
-            )
-        return proc
+        return run_pg_command(argv, user=self.user, timeout=timeout, log=self.log)
 
     def _mkdir(self) -> None:
         self.dir.mkdir(mode=0o700)
@@ -120,9 +112,7 @@ class PgNode:
         return self.dir / "postgres.log"
 
     def log(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self._log_path.read_text().splitlines()[-lines:])
-        return ""
+        return tail(self._log_path, lines)
 
     def start(self) -> None:
         """pg_ctl start; returns once the server accepts connections."""

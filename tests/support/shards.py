@@ -103,6 +103,33 @@ class ShardCluster:
     schedulers: dict[str, Proc] = field(default_factory=dict)
     workers: dict[str, Proc] = field(default_factory=dict)
 
+    @classmethod
+    def for_test(
+        cls,
+        procs: Processes,
+        test_env: Mapping[str, str],
+        *,
+        server_dsn: str,
+        etcd_endpoints: str,
+        unique: str,
+        tag: str,
+        shards: Sequence[str],
+        ttl: float = 2.0,
+    ) -> ShardCluster:
+        """A cluster of its own for one test: etcd prefix, queue and databases named
+        after the test's ``unique`` token and the module's ``tag``."""
+        return cls(
+            procs,
+            test_env,
+            server_dsn=server_dsn,
+            etcd_endpoint=etcd_endpoints.split(",")[0],
+            prefix=f"duetime-test/{unique}",
+            queue=f"{tag}-{unique}",
+            shards=shards,
+            suffix=f"{tag}{unique[:6]}",
+            ttl=ttl,
+        )
+
     def __post_init__(self) -> None:
         self._stack = contextlib.AsyncExitStack()
         host, _, port = self.etcd_endpoint.rpartition(":")
