@@ -10,12 +10,14 @@ A delivery's way through the worker (DESIGN §6)::
       task not registered here                      → a failed attempt (retried, rolling
                                                       deploys), dead when attempts run out
     handler(ctx, payload)   under the task's timeout (else the worker's task_timeout)
-      used ctx.db   → in that transaction: UPDATE succeeded + INSERT ledger (one
-                      statement, ``finish``), COMMIT — effects, ledger row and status,
-                      all or nothing; a key that another delivery recorded first rolls
-                      the effects back. Attempts that use ctx.db at the same time share
-                      one transaction (``workers.groups``): one ``finish_group``, one
-                      COMMIT; a failing member sends the others to run again alone
+      used ctx.db   → in that transaction, the attempt's own: UPDATE succeeded +
+                      INSERT ledger (one statement, ``finish``), COMMIT — effects, ledger
+                      row and status, all or nothing; a key that another delivery
+                      recorded first rolls the effects back. Only attempts of tasks that
+                      opted in (``share_transaction=True``) that use ctx.db at the same
+                      time share one transaction (``workers.groups``): one
+                      ``finish_group``, one COMMIT; a failing member sends the others to
+                      run again alone
       no ctx.db     → succeeded + ledger rows for many attempts in one statement
                       (``complete``, batched with the others that finished meanwhile)
     failure        → ctx.db work rolled back; then ``pending`` with the next attempt, or
@@ -31,8 +33,9 @@ the row says, never as the message says.
 
 Round trips per delivery (counted in docs/benchmarks.md): a handler without ctx.db pays
 its share of two batched statements and of one multiple-ack (0.35 + 0.18 writes); one
-with a ctx.db statement pays that statement and its share of its group's BEGIN,
-``finish_group`` and COMMIT (1.38 + 0.10), alone BEGIN, statement, ``finish``, COMMIT.
+with a ctx.db statement pays BEGIN, that statement, ``finish`` and COMMIT in its own
+transaction, or, when its task shares transactions, that statement and its share of its
+group's BEGIN, ``finish_group`` and COMMIT (1.38 + 0.10).
 
 This module is over 400 lines on purpose: it is one delivery's whole way (read, run,
 settle, record a failure), in the order it happens. Connections are not reset between jobs
@@ -184,14 +187,15 @@ class Executor:
         return self._registry
 
     def _groupable(self, spec: TaskSpec) -> bool:
-        """Whether this task's attempts may share a transaction: not ``isolated``, and
-        its handlers are typically quick. A shared transaction commits when its slowest
-        member is done, so a handler that takes 200 ms would hold its neighbours' commit
-        (and their concurrency slots) as long: measured, an INSERT-then-200-ms-await
-        handler at concurrency 64 fell from 0.91x to 0.86x of the 320 jobs/s ideal.
-        For such handlers the four round trips of a transaction of their own are
-        noise, so they get one."""
-        if spec.isolated:
+        """Whether this attempt may join a transaction group: only when its task opted
+        in (``share_transaction=True``; DESIGN §15 makes one transaction per attempt the
+        default), and its handlers are typically quick. A shared transaction commits
+        when its slowest member is done, so a handler that takes 200 ms would hold its
+        neighbours' commit (and their concurrency slots) as long: measured, an
+        INSERT-then-200-ms-await handler at concurrency 64 fell from 0.91x to 0.86x of
+        the 320 jobs/s ideal. For such handlers the round trips of a transaction of
+        their own are noise."""
+        if not spec.share_transaction:
             return False
         typical = self._durations.get(spec.name)
         return typical is None or typical < GROUP_MAX_HANDLER_SECONDS

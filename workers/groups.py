@@ -1,6 +1,15 @@
-"""Transaction groups: attempts whose handlers use ``ctx.db`` share one transaction.
+"""Transaction groups: attempts of tasks that opted in (``share_transaction=True``)
+and use ``ctx.db`` at the same time share one transaction.
 
-Why. An attempt in a transaction of its own costs four round trips and one commit
+What sharing gives up (why it is an opt-in, DESIGN §15): members see each other's
+uncommitted writes, each other's row and advisory locks (``pg_advisory_xact_lock`` does
+not keep two members apart: they hold it together) and each other's transaction-local
+settings (``SET LOCAL``, ``set_config(..., true)``: a tenant set for row-level security
+leaks to the neighbours), and a member's failure runs every other member's handler
+again, repeating its external calls. Measured with sharing as the default: 125 of 400
+jobs read another job's tenant; 3-7 overlapping runs per burst under an advisory lock.
+
+Why share at all. An attempt in a transaction of its own costs four round trips and one commit
 (BEGIN, the handler's statement, ``finish``, COMMIT); on the 2-core development machine
 that capped one worker at ~0.3x of the bare pipeline, a third of its time in socket
 writes (docs/benchmarks.md). Attempts that run at the same time can share one
@@ -29,7 +38,7 @@ How (``Groups.join`` is called at a handler's first ``ctx.db`` statement):
   members' next statements raise ``GroupAborted`` without reaching the server. It is a
   BaseException (like CancelledError), so a handler's ``except Exception`` lets it pass.
 
-A task registered with ``isolated=True`` never joins a group, nor does one whose
+Only tasks registered with ``share_transaction=True`` join groups, and not those whose
 handlers typically run longer than ``workers.executor.GROUP_MAX_HANDLER_SECONDS``: a
 group commits when its slowest member is done, so slow members would hold the others.
 """

@@ -41,8 +41,13 @@ class TaskSpec:
     - ``max_attempts``: when set, replaces the job row's ``max_attempts`` (the column
       defaults to 5 for every producer, so the task author's number is the informed one).
     - ``retry``: the back-off policy for this task's failures.
-    - ``isolated``: never share a transaction with other attempts (``workers.groups``):
-      for handlers that hold hot row locks, or need their transaction to themselves.
+    - ``share_transaction``: an opt-in for throughput. Attempts of such tasks that use
+      ``ctx.db`` at the same time may share one transaction (``workers.groups``), so
+      they see each other's uncommitted writes, row and advisory locks and
+      transaction-local settings (``SET LOCAL``), and one member's failure rolls the
+      others back and runs their handlers again. Only for handlers whose ``ctx.db``
+      work is independent writes and that make no external calls. The default (False)
+      is one transaction per attempt (DESIGN §15).
     """
 
     name: str
@@ -50,7 +55,7 @@ class TaskSpec:
     timeout: float | None = None
     max_attempts: int | None = None
     retry: RetryPolicy = DEFAULT_RETRY
-    isolated: bool = False
+    share_transaction: bool = False
 
     def attempts_allowed(self, row_max_attempts: int) -> int:
         return self.max_attempts if self.max_attempts is not None else row_max_attempts
@@ -87,6 +92,20 @@ def _validate_attempts(value: Any) -> int | None:
     return value
 
 
+def _validate_sharing(name: str, share_transaction: Any, isolated: Any) -> bool:
+    """``share_transaction`` as a bool. ``isolated`` is the old spelling of what is now
+    the default, accepted so existing code imports; with either value the task shares
+    nothing unless it says ``share_transaction=True`` (the safe reading of old code)."""
+    for option, value in (("share_transaction", share_transaction), ("isolated", isolated)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidInput(f"task {name!r}: {option} must be True or False, not {value!r}")
+    if isolated and share_transaction:
+        raise InvalidInput(
+            f"task {name!r}: isolated=True and share_transaction=True contradict each other"
+        )
+    return bool(share_transaction)
+
+
 def _where(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -105,9 +124,11 @@ class Registry:
         timeout: float | timedelta | None = None,
         max_attempts: int | None = None,
         retry: RetryPolicy | None = None,
-        isolated: bool = False,
+        share_transaction: bool = False,
+        isolated: bool | None = None,
     ) -> TaskSpec:
         name = _validate_name(name)
+        shared = _validate_sharing(name, share_transaction, isolated)
         if not inspect.iscoroutinefunction(handler):
             raise InvalidInput(
                 f"task {name!r}: handler {_where(handler)} must be an 'async def' function "
@@ -129,7 +150,7 @@ class Registry:
             timeout=_validate_timeout(timeout),
             max_attempts=_validate_attempts(max_attempts),
             retry=retry or DEFAULT_RETRY,
-            isolated=bool(isolated),
+            share_transaction=shared,
         )
         self._tasks[name] = spec
         return spec
@@ -141,7 +162,8 @@ class Registry:
         timeout: float | timedelta | None = None,
         max_attempts: int | None = None,
         retry: RetryPolicy | None = None,
-        isolated: bool = False,
+        share_transaction: bool = False,
+        isolated: bool | None = None,
     ) -> Callable[[H], H]:
         """Decorator form of ``register``; returns the handler unchanged."""
 
@@ -152,6 +174,7 @@ class Registry:
                 timeout=timeout,
                 max_attempts=max_attempts,
                 retry=retry,
+                share_transaction=share_transaction,
                 isolated=isolated,
             )
             return handler
@@ -191,17 +214,24 @@ def task(
     timeout: float | timedelta | None = None,
     max_attempts: int | None = None,
     retry: RetryPolicy | None = None,
-    isolated: bool = False,
+    share_transaction: bool = False,
+    isolated: bool | None = None,
     registry: Registry | None = None,
 ) -> Callable[[H], H]:
     """Register ``async def handler(ctx: JobContext, payload: dict)`` as task ``name``.
 
     ``timeout`` (seconds or timedelta) bounds each run; ``max_attempts`` replaces the
     job row's budget; ``retry`` sets the back-off. Registering a name twice raises
-    ``DuplicateTask`` at import time. ``isolated=True`` keeps its attempts out of shared
-    transactions (``workers.groups``).
+    ``DuplicateTask`` at import time. Each attempt's ``ctx.db`` work is a transaction of
+    its own; ``share_transaction=True`` lets attempts that run together share one (see
+    ``TaskSpec``). ``isolated=True`` says the default and is kept for existing code.
     """
     target = registry if registry is not None else default_registry  # empty is falsy
     return target.task(
-        name, timeout=timeout, max_attempts=max_attempts, retry=retry, isolated=isolated
+        name,
+        timeout=timeout,
+        max_attempts=max_attempts,
+        retry=retry,
+        share_transaction=share_transaction,
+        isolated=isolated,
     )

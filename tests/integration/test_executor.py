@@ -123,14 +123,15 @@ async def test_a_failing_neighbour_costs_the_group_a_rerun_not_an_attempt(
     queue: str,
     effects_table: str,
 ) -> None:
-    """Attempts that start together share a transaction. One of them writes, then
+    """Attempts of a task that opted in and start together share a transaction. One of
+    them writes, then
     raises: the group rolls back, the failing job is retried (its write gone), every
     other job runs again alone and commits its effect exactly once, at attempt 1."""
     registry = Registry()
     runs: dict[int, int] = {}
     gate = asyncio.Event()
 
-    @registry.task("t.group")
+    @registry.task("t.group", share_transaction=True)
     async def grouped(ctx: JobContext, payload: dict[str, Any]) -> None:
         runs[ctx.job_id] = runs.get(ctx.job_id, 0) + 1
         await _insert(ctx, payload.get("tag"))
@@ -172,7 +173,7 @@ async def test_a_statement_error_poisons_only_the_shared_transaction(
     registry = Registry()
     wrote = asyncio.Event()
 
-    @registry.task("t.sql")
+    @registry.task("t.sql", share_transaction=True)
     async def sql(ctx: JobContext, payload: dict[str, Any]) -> None:
         if payload.get("bad"):
             await wrote.wait()
@@ -195,15 +196,16 @@ async def test_a_statement_error_poisons_only_the_shared_transaction(
     assert "DivisionByZero" in (await job_row(db_pool, bad))["last_error"]
 
 
-async def test_isolated_tasks_and_savepoints(
+async def test_tasks_that_do_not_opt_in_never_share_and_savepoints(
     settings: Settings,
     db_pool: asyncpg.Pool,
     channel: AbstractChannel,
     queue: str,
     effects_table: str,
 ) -> None:
-    """``isolated=True`` never shares a transaction; a savepoint that fails inside a
-    shared transaction rolls back only its own block."""
+    """A task that does not say ``share_transaction=True`` never shares a transaction
+    (``isolated=True``, the old spelling of the default, is still accepted); a savepoint
+    that fails inside a shared transaction rolls back only its own block."""
     registry = Registry()
     conns: dict[int, int] = {}
 
@@ -213,7 +215,7 @@ async def test_isolated_tasks_and_savepoints(
         await _insert(ctx)
         await asyncio.sleep(0.05)
 
-    @registry.task("t.savepoint")
+    @registry.task("t.savepoint", share_transaction=True)
     async def savepoint(ctx: JobContext, payload: dict[str, Any]) -> None:
         await _insert(ctx, "kept")
         with contextlib.suppress(asyncpg.DivisionByZeroError):

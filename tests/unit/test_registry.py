@@ -144,3 +144,23 @@ async def test_run_task_calls_the_handler_like_the_worker_does() -> None:
         await run_task("t.slow", db=None, registry=registry)
     with pytest.raises(LookupError, match="unknown task 'nope'"):
         await run_task("nope", db=None, registry=registry)
+
+
+def test_attempts_share_no_transaction_unless_the_task_opts_in() -> None:
+    """DESIGN §15: one transaction per attempt by default; ``isolated`` (the old spelling
+    of the default) still imports, and contradicting it is refused."""
+    registry = Registry()
+    assert registry.register("plain", handler).share_transaction is False
+    assert registry.register("old", other, isolated=True).share_transaction is False
+    assert (
+        registry.register("bulk", lambda_free_handler, share_transaction=True).share_transaction
+        is True
+    )
+    with pytest.raises(InvalidInput, match="contradict"):
+        registry.register("both", handler, share_transaction=True, isolated=True)
+    with pytest.raises(InvalidInput, match="share_transaction must be True or False"):
+        registry.register("odd", handler, share_transaction="yes")  # type: ignore[arg-type]
+
+
+async def lambda_free_handler(ctx: Any, payload: dict[str, Any]) -> None:
+    return None
