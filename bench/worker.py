@@ -5,7 +5,10 @@ The jobs are made ``dispatched`` and their messages published before the worker 
 Three handlers, each in a database and queue of its own:
 
 - ``noop``: never touches ``ctx.db`` (completed in batches; target >= 0.85x pipeline);
-- ``insert``: one ``ctx.db`` INSERT (shared transactions; target >= 0.7x pipeline);
+- ``insert``: one ``ctx.db`` INSERT, each attempt in a transaction of its own (the
+  default, DESIGN §15; target >= 0.7x pipeline);
+- ``insert_shared``: the same for a task that opted in to shared transactions
+  (``share_transaction=True``), what the opt-in buys;
 - ``io`` (its own scenario): an INSERT then a 200 ms await at concurrency 64, the
   I/O-bound case: at most 64 / 0.2 = 320 jobs/s whatever the design, target
   >= 0.9 x 320 (no handler may be serialised behind another; the write keeps its shared
@@ -70,15 +73,20 @@ async def run(
     pipeline = (baseline or {}).get("pipeline", {}).get("jobs_per_s")
     noop = await _one(services, "noop", "bench.noop", params.jobs, params.concurrency)
     insert = await _one(services, "insert", "bench.insert", params.jobs, params.concurrency)
+    shared = await _one(
+        services, "insert_shared", "bench.insert_shared", params.jobs, params.concurrency
+    )
     result: dict[str, Any] = {
         "scenario": "worker",
         "started_at": now_iso(),
         "params": vars(params),
         "noop": noop,
         "insert": insert,
+        "insert_shared": shared,
         "baseline_pipeline_jobs_per_s": pipeline,
         "ratio_noop_to_pipeline": ratio(noop["jobs_per_s"], pipeline),
         "ratio_insert_to_pipeline": ratio(insert["jobs_per_s"], pipeline),
+        "ratio_insert_shared_to_pipeline": ratio(shared["jobs_per_s"], pipeline),
     }
     if params.count_jobs and shutil.which("strace"):
         result["writes_per_delivery"] = {
@@ -89,7 +97,7 @@ async def run(
     result["load_avg_end"] = load_average()
     complete = all(
         r["effects_rows"] == (0 if r is noop else r["jobs"]) and r["worker_exit"] == 0
-        for r in (noop, insert)
+        for r in (noop, insert, shared)
     )
     result["targets"] = {
         "complete": complete,

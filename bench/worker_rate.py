@@ -47,7 +47,19 @@ async def insert_one(ctx: JobContext, payload: dict[str, Any]) -> None:
     await ctx.db.execute(f"INSERT INTO {EFFECTS_TABLE} (job_id) VALUES ($1)", ctx.job_id)
 
 
+@task("bench.insert_shared", share_transaction=True)
+async def insert_shared(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """``bench.insert`` for a task that opted in to shared transactions."""
+    await ctx.db.execute(f"INSERT INTO {EFFECTS_TABLE} (job_id) VALUES ($1)", ctx.job_id)
+
+
 IO_SECONDS = 0.2
+#: The handlers measured by ``main`` and ``duetime bench worker``: label, task.
+HANDLERS = (
+    ("noop", "bench.noop"),
+    ("insert", "bench.insert"),
+    ("insert_shared", "bench.insert_shared"),
+)
 
 
 @task("bench.io")
@@ -294,7 +306,7 @@ async def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     try:
         await migrate(dsn)
-        for label, task_name in (("noop", "bench.noop"), ("insert", "bench.insert")):
+        for label, task_name in HANDLERS:
             results[label] = await measure(
                 dsn, args.amqp_url, label, task_name, args.jobs, args.concurrency
             )

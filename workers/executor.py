@@ -370,18 +370,22 @@ class Executor:
         """Succeeded + ledger row + COMMIT in the handler's transaction. Returns the
         outcome, or the exception that makes this attempt a failure."""
         fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}
+        finish = self._store.finish_statement(Completion(ref, job.key, job.task), self._worker)
         try:
-            conn = await db.connection()
-            found = await self._store.finish(conn, Completion(ref, job.key, job.task), self._worker)
-            if not found.settled:
-                log.warning("attempt_superseded", **fields)
-                return Outcome.SKIPPED
-            if not found.recorded:  # another delivery recorded the key first: undo ours
-                await db.close()
+            try:
+                await db.commit(finish)  # one round trip: finish, then COMMIT
+            except asyncpg.PostgresError as exc:
+                found = self._store.finish_refusal(exc)
+                if found is None:
+                    raise
+                await db.close()  # roll back the handler's writes
+                if not found.settled:
+                    log.warning("attempt_superseded", **fields)
+                    return Outcome.SKIPPED
+                # another delivery recorded the key first: ours is undone, settle the row
                 settled = await self._complete_one(ref, job)
                 log.info("delivery_duplicate", idempotency_key=job.key, settled=settled, **fields)
                 return Outcome.SKIPPED
-            await db.commit()
         except asyncio.CancelledError:
             raise
         except CONNECTION_ERRORS as exc:

@@ -137,9 +137,21 @@ class LazyTransaction:
 
     # -- the executor's side ---------------------------------------------------------
 
-    async def commit(self) -> None:
-        assert self._conn is not None and self._tx is not None
-        await self._tx.commit()
+    async def commit(self, last: str | None = None) -> None:
+        """COMMIT; with ``last`` (a statement as text, no parameters), run it and COMMIT in
+        one round trip (simple query protocol). An error in ``last`` aborts the
+        transaction and skips the COMMIT: the transaction stays open, aborted, for
+        ``close()`` to roll back."""
+        conn, tx = self._conn, self._tx
+        assert conn is not None and tx is not None
+        if last is None:
+            await tx.commit()
+            return
+        try:
+            await conn.execute(f"{last.rstrip().rstrip(';')};\nCOMMIT")
+        finally:
+            if not conn.is_in_transaction():  # committed, or the COMMIT itself failed
+                _ended_outside(tx)
 
     async def close(self) -> None:
         """Roll back what is still open and give the connection back; safe twice. If the
@@ -164,6 +176,20 @@ class LazyTransaction:
                     conn.terminate()
         finally:
             await self._pool.release(conn)  # type: ignore[arg-type]
+
+
+def _ended_outside(tx: Any) -> None:
+    """Tell asyncpg that the transaction ``tx`` started has ended by a COMMIT it did not
+    send itself (``LazyTransaction.commit``): otherwise the pooled connection would think
+    it is still inside it, and its next user's ``transaction()`` would open a savepoint
+    outside any transaction. asyncpg (0.29-0.32) keeps this state in ``Transaction._state``
+    and ``Connection._top_xact``; tests/integration/test_isolation.py checks that a
+    connection so committed serves the next attempt's transaction normally."""
+    from asyncpg.transaction import TransactionState
+
+    tx._state = TransactionState.COMMITTED
+    if tx._connection._top_xact is tx:
+        tx._connection._top_xact = None
 
 
 class _Savepoint:

@@ -63,27 +63,15 @@ WITH done AS (
 )
 SELECT coalesce(array_agg(id), '{}') FROM settled;
 
--- name: finish_delivery
--- Last statement of an attempt whose handler used ctx.db, inside that transaction (then
--- COMMIT): the job becomes succeeded and the ledger row is inserted, atomically with the
--- handler's own writes. `settled` false: the row moved on (another delivery finished it,
--- or a newer attempt exists): the caller rolls back. `recorded` false with `settled`
--- true: the key is already in the ledger (the effect was applied by a delivery that
--- committed first, waited for on the key's primary key): the caller rolls back too, so the
--- effect is applied once.
-WITH settled AS (
-    UPDATE duetime.jobs
-       SET status = 'succeeded', finished_at = now()
-     WHERE id = $1 AND due_at = $2::timestamptz + interval '0'
-       AND status = 'dispatched' AND attempt = $3
-    RETURNING id
-), ledger AS (
-    INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task, worker)
-    SELECT $4, s.id, $3, $5, $6 FROM settled s
-    ON CONFLICT (idempotency_key) DO NOTHING
-    RETURNING 1
-)
-SELECT EXISTS (SELECT 1 FROM settled) AS settled, EXISTS (SELECT 1 FROM ledger) AS recorded;
+-- name: finish_attempt
+-- Last statement of an attempt whose handler used ctx.db, inside that transaction: the job
+-- becomes succeeded and the ledger row is inserted, atomically with the handler's own
+-- writes (duetime.finish_attempt, migration 0009: SQLSTATE DT001 when the row moved on,
+-- DT002 when the key is already in the ledger; either aborts the transaction). It is
+-- sent with its COMMIT in one round trip, as simple-protocol text, so its arguments are
+-- literals: {id} and {attempt} are integers, the others quoted by
+-- ExecutionStore.finish_statement.
+SELECT duetime.finish_attempt({id}, {due_at}::timestamptz, {attempt}, {key}, {task}, {worker});
 
 -- name: schedule_retry
 -- Back to pending with the next attempt, runnable after $4 seconds (never before due_at,

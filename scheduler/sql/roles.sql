@@ -92,6 +92,8 @@ GRANT INSERT (idempotency_key, job_id, attempt, task, worker)
 GRANT SELECT (idempotency_key) ON duetime.job_ledger TO "{worker}";
 CREATE POLICY "{worker}_jobs" ON duetime.jobs FOR ALL TO "{worker}"
     USING (true) WITH CHECK (true);
+GRANT EXECUTE ON FUNCTION duetime.finish_attempt(bigint, timestamptz, integer, text, text, text)
+    TO "{worker}";
 
 -- name: grant_scheduler
 -- Fence (fence.sql); dispatch and reconcile (dispatch.sql); planner (schedules.sql

@@ -2,13 +2,15 @@
 
 Deliveries are read and completed in batches (``begin``/``complete``: one statement for
 many jobs, in autocommit); an attempt whose handler used ``ctx.db`` finishes inside its
-own transaction (``finish``), on the caller's connection. Failure outcomes
-(``schedule_retry``, ``mark_dead``) and ``heartbeat`` run on pooled connections of their
-own: a failure is rare, and a sign of life must be visible while a handler still runs.
+own transaction (``finish_statement``, sent with its COMMIT), on the caller's connection.
+Failure outcomes (``schedule_retry``, ``mark_dead``) and ``heartbeat`` run on pooled
+connections of their own: a failure is rare, and a sign of life must be visible while a
+handler still runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -20,6 +22,19 @@ from scheduler.store.conn import Conn, Pooled
 from scheduler.store.rows import Completion, Finish, JobRef, LockedJob, from_record
 
 Q = load("execution")
+#: The SQLSTATEs with which ``duetime.finish_attempt`` refuses (migration 0009).
+ROW_MOVED_ON = "DT001"
+KEY_RECORDED = "DT002"
+
+
+def quote_literal(text: str) -> str:
+    """``text`` as a PostgreSQL string literal, whatever standard_conforming_strings
+    says: an escape string (``E'...'``) with its backslashes and quotes escaped, the rule
+    of PostgreSQL's own ``quote_literal``. Only for statements that must travel as text
+    (several in one round trip); everything else is sent as parameters."""
+    if "\x00" in text:
+        raise ValueError("a PostgreSQL string cannot hold a NUL character")
+    return "E'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
 def _columns(items: Sequence[Completion]) -> tuple[list[Any], ...]:
@@ -59,20 +74,34 @@ class ExecutionStore:
             ids = await conn.fetchval(Q["complete_deliveries"], *_columns(items), worker)
         return set(ids)
 
-    async def finish(self, conn: Conn, completion: Completion, worker: str) -> Finish:
-        """Succeeded + ledger row inside the caller's transaction (see ``Finish``)."""
+    @staticmethod
+    def finish_statement(completion: Completion, worker: str) -> str:
+        """The statement that settles an attempt inside its own transaction (succeeded +
+        ledger row), as text with its values quoted in, so that the caller can send it
+        with its COMMIT in one round trip (``LazyTransaction.commit``). What it refuses
+        is an error that ``finish_refusal`` reads."""
         ref = completion.ref
-        record = await conn.fetchrow(
-            Q["finish_delivery"],
-            ref.job_id,
-            ref.due_at,
-            ref.attempt,
-            completion.key,
-            completion.task,
-            worker,
+        if ref.due_at.tzinfo is None:
+            raise ValueError(f"job {ref.job_id}: due_at must carry a time zone")
+        return Q["finish_attempt"].format(
+            id=int(ref.job_id),
+            due_at=quote_literal(ref.due_at.isoformat()),
+            attempt=int(ref.attempt),
+            key=quote_literal(completion.key),
+            task=quote_literal(completion.task),
+            worker=quote_literal(worker),
         )
-        assert record is not None
-        return Finish(settled=record["settled"], recorded=record["recorded"])
+
+    @staticmethod
+    def finish_refusal(exc: BaseException) -> Finish | None:
+        """What a refused ``finish_statement`` means (see ``Finish``), or None when the
+        error is not one of its verdicts."""
+        code = getattr(exc, "sqlstate", None)
+        if code == ROW_MOVED_ON:
+            return Finish(settled=False, recorded=False)
+        if code == KEY_RECORDED:
+            return Finish(settled=True, recorded=False)
+        return None
 
     async def finish_group(
         self, conn: Conn, completions: Sequence[Completion], worker: str
@@ -131,5 +160,8 @@ async def prepare_store_connection(conn: asyncpg.Connection) -> None:
 async def prepare_handler_connection(conn: asyncpg.Connection) -> None:
     """The same for a handler connection: the statement that finishes an attempt in the
     handler's transaction."""
-    await conn.fetchrow(Q["finish_delivery"], 0, _epoch(), 0, "", "", "")
+    with contextlib.suppress(asyncpg.PostgresError):  # job 0 is no attempt's: DT001
+        await conn.execute(
+            ExecutionStore.finish_statement(Completion(JobRef(0, _epoch(), 0), "", ""), "")
+        )
     await conn.fetch(Q["finish_group"], [0], [_epoch()], [0], [""], [""], "", _epoch(), _epoch())

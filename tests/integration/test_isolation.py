@@ -164,3 +164,76 @@ async def test_another_jobs_failure_never_runs_a_handler_again(
     for job in healthy:
         assert await effects(db_pool, job, effects_table) == 1
     assert await effects(db_pool, bad, effects_table) == 0
+
+
+async def test_the_settling_statement_travels_with_its_commit_safely(
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    effects_table: str,
+) -> None:
+    """An attempt's last statement and its COMMIT go in one round trip, as text: keys and
+    task names with quotes, backslashes and SQL in them are settled as the values they are;
+    a COMMIT that fails (a deferred constraint) is a failed attempt; and the one pooled
+    connection (concurrency 1) serves every later attempt's transaction and savepoints."""
+    registry = Registry()
+    await db_pool.execute(
+        "CREATE TABLE IF NOT EXISTS isolation_deferred (k int UNIQUE DEFERRABLE INITIALLY DEFERRED)"
+    )
+    hostile = "o'brien\\'; DROP TABLE duetime.jobs; -- E'\\\\x27"
+    task_name = "t.quote'\\name"
+    order: list[str] = []
+
+    @registry.task(task_name)
+    async def quoted(ctx: JobContext, payload: dict[str, Any]) -> None:
+        if payload.get("defer"):
+            await ctx.db.execute("INSERT INTO isolation_deferred VALUES (1), (1)")
+        async with ctx.db.transaction():
+            await ctx.db.execute(
+                f"INSERT INTO {effects_table} (job_id, attempt) VALUES ($1, $2)",
+                ctx.job_id,
+                ctx.attempt,
+            )
+        conn = await ctx.db.connection()
+        assert conn.is_in_transaction()
+        order.append(payload.get("n", "defer"))
+
+    first = await dispatched_job(
+        db_pool, task_name, {"n": "a"}, queue=queue, idempotency_key=hostile
+    )
+    deferred = await dispatched_job(db_pool, task_name, {"defer": True}, queue=queue)
+    rest = [await dispatched_job(db_pool, task_name, {"n": str(i)}, queue=queue) for i in range(3)]
+    jobs = [first, deferred, *rest]
+    for job in jobs:
+        await publish(channel, queue, job.message(1))
+    try:
+        async with running(settings, registry, queue, concurrency=1):
+            await wait_for(lambda: _finished(db_pool, jobs), timeout=60)
+        statuses = dict(
+            await db_pool.fetch(
+                "SELECT id, status FROM duetime.jobs WHERE id = ANY($1::bigint[])",
+                [j.id for j in jobs],
+            )
+        )
+        assert statuses[deferred.id] == "pending"  # its COMMIT failed: a failed attempt
+        assert all(statuses[j.id] == "succeeded" for j in [first, *rest])
+        ledger = await db_pool.fetch(
+            "SELECT idempotency_key, task FROM duetime.job_ledger WHERE job_id = $1", first.id
+        )
+        assert len(ledger) == 1 and ledger[0]["task"] == task_name
+        assert ledger[0]["idempotency_key"].endswith(hostile)
+        assert await db_pool.fetchval("SELECT count(*) FROM duetime.jobs") >= len(jobs)
+        for job in [first, *rest]:
+            assert await effects(db_pool, job, effects_table) == 1
+        assert await effects(db_pool, deferred, effects_table) == 0
+        assert (
+            "unique"
+            in (
+                await db_pool.fetchval(
+                    "SELECT last_error FROM duetime.jobs WHERE id = $1", deferred.id
+                )
+            ).lower()
+        )
+    finally:
+        await db_pool.execute("DROP TABLE IF EXISTS isolation_deferred")
