@@ -120,10 +120,17 @@ async def create_pool(
     application_name: str = "duetime",
     server_settings: dict[str, str] | None = None,
     prepare: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
+    bound_statements: bool = True,
     **kwargs: Any,
 ) -> asyncpg.Pool:
     """A pool whose connections get the codecs, then ``prepare`` (once per connection:
-    e.g. preparing the statements its users run, so the first ones are not slow)."""
+    e.g. preparing the statements its users run, so the first ones are not slow).
+
+    Statements are bounded on the client side at ``3 x timeout`` unless
+    ``bound_statements`` is False: the worker's handler pool, whose statements are
+    bounded by each task's own timeout (a report that only ever runs for minutes must
+    not fail at 30 s with a bare ``TimeoutError``), and whose worker statements pass
+    their own bound."""
 
     async def init(conn: asyncpg.Connection) -> None:
         await init_connection(conn)
@@ -136,7 +143,7 @@ async def create_pool(
             min_size=min_size,
             max_size=max_size,
             timeout=timeout,
-            command_timeout=timeout * 3,
+            command_timeout=timeout * 3 if bound_statements else None,
             init=init,
             server_settings=_server_settings(application_name, server_settings),
             **kwargs,

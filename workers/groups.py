@@ -194,7 +194,8 @@ class Group:
             conn = await pool.acquire(timeout=timeout)
             try:
                 tx = conn.transaction()
-                await tx.start()
+                async with asyncio.timeout(timeout * 3):  # the handler pool bounds nothing
+                    await tx.start()
             except BaseException:
                 await pool.release(conn)
                 raise
@@ -224,7 +225,8 @@ class Group:
 
     async def complete(self) -> None:
         try:
-            verdicts = await self._decide()
+            async with asyncio.timeout(self.groups.timeout * 3):  # finish_group + COMMIT
+                verdicts = await self._decide()
         except BaseException as exc:
             error = exc
             if isinstance(exc, CONNECTION_ERRORS):
@@ -288,7 +290,8 @@ class Group:
             return
         try:
             if conn.is_in_transaction():
-                await self.tx.rollback()
+                async with asyncio.timeout(self.groups.timeout):
+                    await self.tx.rollback()
         except Exception:
             # A connection the server closed was released by asyncpg, which detached
             # our proxy: every call on it raises InterfaceError (workers/lazydb.py).

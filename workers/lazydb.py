@@ -28,6 +28,11 @@ from scheduler.store.rows import Completion
 from workers.groups import Groups, Member
 
 
+class StatementTimeout(TimeoutError):
+    """A ``ctx.db`` statement ran past the ``timeout=`` its caller gave it. Statements
+    given none are bounded by the task's timeout, which the executor reports as such."""
+
+
 class LazyTransaction:
     __slots__ = ("_completion", "_conn", "_groups", "_lock", "_pool", "_timeout", "_tx", "member")
 
@@ -73,7 +78,8 @@ class LazyTransaction:
                 conn = await self._pool.acquire(timeout=self._timeout)
                 try:
                     tx = conn.transaction()
-                    await tx.start()
+                    async with asyncio.timeout(self._timeout * 3):
+                        await tx.start()
                 except BaseException:
                     await self._pool.release(conn)
                     raise
@@ -81,10 +87,18 @@ class LazyTransaction:
         return self._conn
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        member = self._joined()
-        if member is not None:
-            return await member.call(method, *args, **kwargs)
-        return await getattr(await self.connection(), method)(*args, **kwargs)
+        try:
+            member = self._joined()
+            if member is not None:
+                return await member.call(method, *args, **kwargs)
+            return await getattr(await self.connection(), method)(*args, **kwargs)
+        except TimeoutError as exc:
+            given = kwargs.get("timeout")
+            if given is None:  # the task's own timeout: the executor says so
+                raise
+            raise StatementTimeout(
+                f"ctx.db.{method}: the statement exceeded the timeout={given:g}s given to it"
+            ) from exc
 
     # -- the Connection calls handlers use -----------------------------------------
 
@@ -141,14 +155,16 @@ class LazyTransaction:
         """COMMIT; with ``last`` (a statement as text, no parameters), run it and COMMIT in
         one round trip (simple query protocol). An error in ``last`` aborts the
         transaction and skips the COMMIT: the transaction stays open, aborted, for
-        ``close()`` to roll back."""
+        ``close()`` to roll back. Bounded at 3 x the acquire timeout (the worker's own
+        statement; the pool leaves handlers' statements to their task's timeout)."""
         conn, tx = self._conn, self._tx
         assert conn is not None and tx is not None
         if last is None:
-            await tx.commit()
+            async with asyncio.timeout(self._timeout * 3):
+                await tx.commit()
             return
         try:
-            await conn.execute(f"{last.rstrip().rstrip(';')};\nCOMMIT")
+            await conn.execute(f"{last.rstrip().rstrip(';')};\nCOMMIT", timeout=self._timeout * 3)
         finally:
             if not conn.is_in_transaction():  # committed, or the COMMIT itself failed
                 _ended_outside(tx)
@@ -169,7 +185,8 @@ class LazyTransaction:
             return
         try:
             if conn.is_in_transaction():
-                await tx.rollback()
+                async with asyncio.timeout(self._timeout):
+                    await tx.rollback()
         except Exception:
             with contextlib.suppress(asyncpg.InterfaceError):  # released by asyncpg
                 if not conn.is_closed() and conn.is_in_transaction():

@@ -61,6 +61,11 @@ log = get_logger("duetime.worker")
 #: on a pool of this size beside the ``concurrency`` connections of the handlers: four
 #: batched reads and two batched completions in flight, two for failures and heartbeats.
 STORE_CONNECTIONS = 8
+#: Session settings of the handler connections. A handler stopped by its task's timeout
+#: has its statement cancelled; when even that fails the connection is dropped, and
+#: ``client_connection_check_interval`` (PostgreSQL 14+) makes the server notice the
+#: closed socket within a second and stop the statement, instead of running it to its end.
+HANDLER_SESSION = {"client_connection_check_interval": "1000"}
 #: Connections each pool of a shard keeps open when the worker has several shards.
 SHARDED_HANDLER_MIN = 1
 SHARDED_STORE_MIN = 2
@@ -122,6 +127,8 @@ async def open_shard(
         max_inactive_connection_lifetime=0,
         prepare=prepare_handler_connection,
         reset=db.keep_session,  # see workers.executor: ctx.db work is transaction-scoped
+        bound_statements=False,  # a handler's statements: its task's timeout bounds them
+        server_settings=HANDLER_SESSION,
     )
     try:
         store_pool = await db.pool_from_settings(
