@@ -78,10 +78,30 @@ async def keep_session(conn: asyncpg.Connection) -> None:
     return None
 
 
-def _server_settings(application_name: str, extra: dict[str, str] | None) -> dict[str, str]:
+#: How a process's connections reach PostgreSQL (setting ``database_pooler``): ``none``,
+#: directly or through a pool in session mode; ``transaction``, through a pool in
+#: transaction mode (PgBouncer's ``pool_mode = transaction``, without protocol-level
+#: prepared statements, as in Debian's 1.18). There a client's consecutive transactions
+#: may run on different server sessions, so: no named prepared statements (asyncpg's
+#: statement cache off: unnamed statements are parsed in the same round trip as they
+#: run, which a transaction pooler keeps on one server), and only ``application_name``
+#: among the session settings (a pooler refuses other startup parameters, and a SET
+#: would stick to whichever session ran it). The scheduler needs a session of its own
+#: (LISTEN, the fence): it refuses ``transaction`` (``scheduler.cli``).
+POOLERS = ("none", "transaction")
+
+
+def _connection_options(
+    pooler: str, application_name: str, extra: dict[str, str] | None
+) -> dict[str, Any]:
+    """asyncpg's connect options for ``pooler`` (see ``POOLERS``)."""
+    if pooler not in POOLERS:
+        raise ValueError(f"database_pooler must be one of {', '.join(POOLERS)}, not {pooler!r}")
     settings = {"application_name": application_name[:63]}
+    if pooler == "transaction":
+        return {"server_settings": settings, "statement_cache_size": 0}
     settings.update(extra or {})
-    return settings
+    return {"server_settings": settings}
 
 
 def _unavailable(dsn: str, exc: BaseException) -> ServiceUnavailable:
@@ -97,13 +117,14 @@ async def connect(
     timeout: float = 10.0,
     application_name: str = "duetime",
     server_settings: dict[str, str] | None = None,
+    pooler: str = "none",
 ) -> asyncpg.Connection:
     try:
         conn = await asyncpg.connect(
             dsn,
             timeout=timeout,
             command_timeout=timeout * 3,
-            server_settings=_server_settings(application_name, server_settings),
+            **_connection_options(pooler, application_name, server_settings),
         )
     except _CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None
@@ -121,6 +142,7 @@ async def create_pool(
     server_settings: dict[str, str] | None = None,
     prepare: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
     bound_statements: bool = True,
+    pooler: str = "none",
     **kwargs: Any,
 ) -> asyncpg.Pool:
     """A pool whose connections get the codecs, then ``prepare`` (once per connection:
@@ -130,7 +152,7 @@ async def create_pool(
     ``bound_statements`` is False: the worker's handler pool, whose statements are
     bounded by each task's own timeout (a report that only ever runs for minutes must
     not fail at 30 s with a bare ``TimeoutError``), and whose worker statements pass
-    their own bound."""
+    their own bound. ``pooler``: how the connections reach PostgreSQL (``POOLERS``)."""
 
     async def init(conn: asyncpg.Connection) -> None:
         await init_connection(conn)
@@ -145,7 +167,7 @@ async def create_pool(
             timeout=timeout,
             command_timeout=timeout * 3 if bound_statements else None,
             init=init,
-            server_settings=_server_settings(application_name, server_settings),
+            **_connection_options(pooler, application_name, server_settings),
             **kwargs,
         )
     except _CONNECT_ERRORS as exc:
@@ -160,5 +182,6 @@ async def pool_from_settings(settings: Settings, *, max_size: int = 10, **kw: An
         max_size=max_size,
         timeout=settings.db_timeout,
         application_name=f"duetime:{settings.node_id}",
+        pooler=settings.database_pooler,
         **kw,
     )

@@ -58,6 +58,16 @@ if ! command -v etcd >/dev/null 2>&1; then
   sleep 0.5
 fi
 
+# --- PgBouncer (a binary only: tests/integration/test_pgbouncer.py runs private ones) --
+if ! command -v pgbouncer >/dev/null 2>&1 && [ ! -x /usr/sbin/pgbouncer ]; then
+  say "pgbouncer missing; installing Debian's pgbouncer"
+  export DEBIAN_FRONTEND=noninteractive
+  as_root apt-get install -y -qq pgbouncer >/dev/null 2>&1 \
+    || { as_root apt-get update -qq && as_root apt-get install -y -qq pgbouncer >/dev/null; }
+  if command -v systemctl >/dev/null 2>&1; then as_root systemctl stop pgbouncer 2>/dev/null || true; fi
+  pkill -x pgbouncer 2>/dev/null || true
+fi
+
 ETCD_PID="$RUN_DIR/etcd.pid"
 if port_open 127.0.0.1 2379; then
   say "etcd up on 127.0.0.1:2379"

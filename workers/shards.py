@@ -7,15 +7,17 @@ transaction, and a transaction lives in one database. So ``ctx.db`` is a connect
 the job's own shard, the ledger is per shard, and a duplicate delivery is recognised by
 the ledger of the shard that holds the job: effectively-once holds per shard.
 
-Connection budget. One shard keeps the sizes an unsharded worker always had: handler
-connections min = max = concurrency (no cold start) plus ``STORE_CONNECTIONS`` for the
-batched statements. With K > 1 shards a worker would otherwise hold K x (concurrency +
-8) connections on every database server it touches, so each shard's handler pool opens
-one connection and grows up to concurrency, and its store pool keeps 2 of at most 8: at
-concurrency 8, three shards open 9 connections and use at most 48, far below
-PostgreSQL's default ``max_connections`` of 100. The concurrency limit stays one limit
-across shards (the consumer's), so the handler pools together never run more than
-``concurrency`` handlers.
+Connection budget (docs/operations.md, "Connection budget"). A worker keeps few
+connections while idle and grows under load: per shard, the handler pool keeps
+``HANDLER_WARM`` open (prepared, so the first handlers of a burst do not wait for a
+connection) and grows up to ``concurrency`` as handlers use ``ctx.db`` at once; the store
+pool keeps ``STORE_WARM`` of at most ``STORE_CONNECTIONS``. A connection idle for
+``IDLE_SECONDS`` is closed, down to the warm ones. So one worker holds 6 connections at
+idle whatever its concurrency (it held concurrency + 4: two workers at concurrency 32
+took 72 of PostgreSQL's default 100), and at most concurrency + 8 under load. Handlers
+that never use ``ctx.db`` never take a handler connection. With K > 1 shards each shard
+keeps 1 + 2. The concurrency limit is one limit across shards (the consumer's), so the
+handler pools together never run more than ``concurrency`` handlers.
 
 A delivery for a shard this worker is not configured with is not its to settle: it is
 requeued after a delay (``workers.consumer``), so a worker that knows the shard can take
@@ -66,9 +68,15 @@ STORE_CONNECTIONS = 8
 #: ``client_connection_check_interval`` (PostgreSQL 14+) makes the server notice the
 #: closed socket within a second and stop the statement, instead of running it to its end.
 HANDLER_SESSION = {"client_connection_check_interval": "1000"}
+#: Handler connections a single-shard worker keeps open (and prepared) when idle.
+HANDLER_WARM = 4
+#: Store connections a single-shard worker keeps open when idle.
+STORE_WARM = 2
 #: Connections each pool of a shard keeps open when the worker has several shards.
 SHARDED_HANDLER_MIN = 1
 SHARDED_STORE_MIN = 2
+#: A pooled connection idle this long is closed (down to the pool's minimum).
+IDLE_SECONDS = 60.0
 
 
 class UnknownShard(DuetimeError):
@@ -95,7 +103,7 @@ def pool_sizes(shards: int, concurrency: int) -> PoolSizes:
     if shards < 1 or concurrency < 1:
         raise ValueError(f"need shards >= 1 and concurrency >= 1 (got {shards}, {concurrency})")
     if shards == 1:
-        return PoolSizes(concurrency, concurrency, STORE_CONNECTIONS // 2, STORE_CONNECTIONS)
+        return PoolSizes(min(concurrency, HANDLER_WARM), concurrency, STORE_WARM, STORE_CONNECTIONS)
     return PoolSizes(SHARDED_HANDLER_MIN, concurrency, SHARDED_STORE_MIN, STORE_CONNECTIONS)
 
 
@@ -117,14 +125,14 @@ async def open_shard(
     registry: Registry,
     sizes: PoolSizes,
 ) -> WorkerShard:
-    """Open one shard's pools (every ``min`` connection, statements prepared) and its
+    """Open one shard's pools (their warm connections, statements prepared) and its
     executor. Raises after closing whatever it opened."""
     shard_settings = dataclasses.replace(settings, database_url=url)
     pool = await db.pool_from_settings(
         shard_settings,
         max_size=sizes.handler_max,
         min_size=sizes.handler_min,
-        max_inactive_connection_lifetime=0,
+        max_inactive_connection_lifetime=IDLE_SECONDS,
         prepare=prepare_handler_connection,
         reset=db.keep_session,  # see workers.executor: ctx.db work is transaction-scoped
         bound_statements=False,  # a handler's statements: its task's timeout bounds them
@@ -135,7 +143,7 @@ async def open_shard(
             shard_settings,
             max_size=sizes.store_max,
             min_size=sizes.store_min,  # the reads and completions of a burst
-            max_inactive_connection_lifetime=0,
+            max_inactive_connection_lifetime=IDLE_SECONDS,
             prepare=prepare_store_connection,
             server_settings={"plan_cache_mode": "force_generic_plan"},
             reset=db.keep_session,  # only our statements run here: nothing to reset

@@ -17,6 +17,7 @@ from typing import Any
 from scheduler.cli._util import add_command
 from scheduler.config import Settings
 from scheduler.duties import default_duties
+from scheduler.errors import ConfigError
 from scheduler.leadership.replica import Replica
 from scheduler.leadership.sharded import ShardedReplica
 from scheduler.log import get_logger
@@ -32,6 +33,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 async def run(args: argparse.Namespace, settings: Settings) -> int:
+    if settings.database_pooler == "transaction":
+        raise ConfigError(
+            "the scheduler needs sessions of its own (LISTEN wake-ups, the fence): give it "
+            "database_pooler=none and a URL of PostgreSQL itself or of a pool in session mode"
+        )
     log = get_logger("duetime.scheduler", node_id=settings.node_id, epoch=None)
     log.info("scheduler_starting", config=settings.redacted())
     async with Service("scheduler", metrics_port=settings.metrics_port) as service:

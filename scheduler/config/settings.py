@@ -54,6 +54,7 @@ class Settings:
     log_level: str = "info"
     log_format: str = "auto"
     db_timeout: float = DEFAULT_DB_TIMEOUT
+    database_pooler: str = "none"
     amqp_timeout: float = 10.0
     claim_batch_size: int = 500
     poll_interval: float = 1.0
@@ -161,6 +162,12 @@ FIELDS: dict[str, Field] = {
         Field("log_level", p.choice("debug", "info", "warning", "error"), "log level"),
         Field("log_format", p.choice("auto", "json", "console"), "auto: JSON unless a TTY"),
         Field("db_timeout", p.number(float, minimum=0.0, exclusive=True), "PostgreSQL timeout"),
+        Field(
+            "database_pooler",
+            p.choice("none", "transaction"),
+            "transaction: database_url is a pool in transaction mode (PgBouncer); "
+            "workers, producers, CLI and dashboard only",
+        ),
         Field("amqp_timeout", p.number(float, minimum=0.0, exclusive=True), "RabbitMQ timeout"),
         Field("claim_batch_size", p.number(int, minimum=1), "jobs claimed per transaction"),
         Field(

@@ -92,6 +92,7 @@ class ShardRouter:
                     max_size=max_size,
                     timeout=settings.db_timeout,
                     application_name=f"duetime:{settings.node_id}",
+                    pooler=settings.database_pooler,
                 )
                 pools.append(pool)
                 stores[name] = JobStore(pool, acquire_timeout=settings.db_timeout)

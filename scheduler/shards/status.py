@@ -253,6 +253,7 @@ async def _snapshot(settings: Settings, name: str, url: str) -> DbSnapshot | str
             max_size=1,
             timeout=settings.db_timeout,
             application_name=f"duetime:{settings.node_id}",
+            pooler=settings.database_pooler,
             server_settings={"statement_timeout": str(int(settings.db_timeout * 1000))},
         )
     except ServiceUnavailable as exc:

@@ -348,18 +348,47 @@ async def test_a_row_the_worker_cannot_read_is_parked_and_its_batch_runs(
     assert await effects(db_pool, deep, effects_table) == 0
 
 
-async def test_the_pool_is_full_and_prepared_before_the_worker_is_ready(
-    settings: Settings, db_pool: asyncpg.Pool, queue: str
+async def test_the_pool_is_warm_and_prepared_before_ready_and_grows_under_load(
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    effects_table: str,
 ) -> None:
-    """No cold start: every connection exists, with the worker's statements prepared,
-    before ``start()`` returns."""
-    async with running(settings, Registry(), queue, concurrency=6) as worker:
+    """At ready a worker of concurrency 32 holds its few warm connections, each with the
+    worker's statements prepared (no cold start for the first handlers), not 32 + 4; a
+    burst of handlers using ctx.db at once grows the handler pool past them."""
+    registry = Registry()
+    inside = 0
+    most = 0
+
+    @registry.task("t.wide")
+    async def wide(ctx: JobContext, payload: dict[str, Any]) -> None:
+        nonlocal inside, most
+        await _insert(ctx)
+        inside += 1
+        most = max(most, inside)
+        await asyncio.sleep(0.3)
+        inside -= 1
+
+    name = f"duetime:{settings.node_id}"
+    async with running(settings, registry, queue, concurrency=32) as worker:
         assert worker.pool is not None and worker.store_pool is not None
-        assert worker.pool.get_size() == worker.pool.get_max_size() == 6
-        assert worker.store_pool.get_size() >= worker.store_pool.get_max_size() // 2
+        held = await db_pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name
+        )
+        assert held <= 6, f"an idle worker holds {held} connections"
+        async with worker.pool.acquire() as conn:
+            prepared = await conn.fetchval("SELECT count(*) FROM pg_prepared_statements")
+        assert prepared >= 1
         async with worker.store_pool.acquire() as conn:
             prepared = await conn.fetchval("SELECT count(*) FROM pg_prepared_statements")
         assert prepared >= 5
+        jobs = [await dispatched_job(db_pool, "t.wide", queue=queue) for _ in range(16)]
+        for job in jobs:
+            await publish(channel, queue, job.message(1))
+        await wait_for(lambda: _all(db_pool, jobs, ("succeeded", 1)), timeout=20)
+        assert most > 4 and worker.pool.get_size() > 4
 
 
 async def _all(pool: asyncpg.Pool, jobs: list[DispatchedJob], state: tuple[str, int]) -> bool:
