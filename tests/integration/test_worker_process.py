@@ -257,6 +257,6 @@ async def test_readyz_means_consuming_with_pools_open(
         assert "amqp" in lost["failing"], lost
         proxy.refuse(False)  # it reconnects (every second) and consumes again
         await wait_for(lambda: status_is(200), timeout=30, message=worker.tail())
-        assert worker.running
+        assert worker.running()
         worker.sigterm()
         assert await worker.wait(15) == 0
