@@ -23,10 +23,14 @@ from typing import Any
 
 from scheduler.log import scrub
 
-__all__ = ["Check", "CheckResult", "LoopWatch", "Readiness", "ReadinessReport"]
+__all__ = ["Check", "CheckResult", "LoopWatch", "NotReady", "Readiness", "ReadinessReport"]
 
 Check = Callable[[], Awaitable[object] | object]
 """A readiness check: passes unless it raises or returns ``False``."""
+
+
+class NotReady(Exception):
+    """Raised by a check to say why it fails (the text is the check's ``error``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,6 +90,11 @@ JOBS_PARKED = Counter(
     ["shard", "reason"],
 )
 BACKLOG = Gauge("duetime_backlog_jobs", "pending jobs whose run time has passed", ["shard"])
+OLDEST_UNSTARTED = Gauge(
+    "duetime_oldest_unstarted_seconds",
+    "seconds since the oldest dispatched job no worker has started was dispatched (0: none)",
+    ["shard"],
+)
 SCHEDULE_FIRES = Counter(
     "duetime_schedule_fires_total", "fire times materialized as jobs", ["shard"]
 )

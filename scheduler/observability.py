@@ -49,6 +49,7 @@ __all__ = [
     "Observability",
     "ReadinessReport",
     "amqp_check",
+    "broker_connected",
     "database_check",
     "start_observability",
 ]
@@ -323,11 +324,20 @@ def database_check(pool: Any) -> Check:
     return StatusStore(pool).ping
 
 
+def broker_connected(connection: Any) -> bool:
+    """The aio-pika connection is up right now: not closed and, for a robust connection
+    (which stays "open" while it reconnects), connected."""
+    if connection is None or connection.is_closed:
+        return False
+    connected = getattr(connection, "connected", None)  # asyncio.Event on aio-pika >= 9
+    return connected is None or connected.is_set()
+
+
 def amqp_check(connection: Any) -> Check:
-    """Readiness of RabbitMQ: the (robust) aio-pika connection is open right now."""
+    """Readiness of RabbitMQ: the (robust) aio-pika connection is up right now."""
 
     def check() -> bool:
-        return not connection.is_closed
+        return broker_connected(connection)
 
     return check
 

@@ -16,7 +16,17 @@ Two sources, read independently so either can be down:
 - ``no_leader``: etcd answers and the election key is absent, or no leader ever fenced;
 - ``leader_stale``: the fence was last renewed more than 3 × lease TTL ago (the leader
   renews it at least once per TTL; three missed renewals is not a hiccup);
-- ``backlog_too_old``: a pending job has been due for longer than ``max_backlog_age``.
+- ``backlog_too_old``: a pending job has been due for longer than ``max_backlog_age``;
+- ``broker_unreachable``: RabbitMQ did not answer (``scheduler.broker_view``: one
+  connection, a passive declare per job queue, bounded by a timeout): nothing can be
+  dispatched or consumed;
+- ``no_consumers``: a queue holds jobs dispatched longer than ``max_unstarted_age`` ago
+  that no worker has started, and its broker queue has no consumer: nothing executes
+  them. With consumers, the same age is a warning (``unstarted_too_old``: workers busy or
+  slow), not a verdict.
+
+A third source, RabbitMQ, is read after the database (it needs the queue names) and
+only when the caller asks (``broker=None`` judges without it).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 
+from scheduler.broker_view import BrokerView, read_broker
 from scheduler.config import Settings
 from scheduler.errors import ConfigError
 from scheduler.log import scrub
@@ -42,6 +53,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 STALE_RENEWALS = 3  # fence renewals a leader may miss before status calls it gone
+#: Seconds a dispatched job may wait for a worker to start it before a queue without
+#: consumers is a problem (``no_consumers``).
+DEFAULT_MAX_UNSTARTED_AGE = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +83,17 @@ class StatusReport:
     stale_after: float
     problems: tuple[Finding, ...] = ()
     warnings: tuple[Finding, ...] = field(default=())
+    broker: BrokerView | None = None  # None: RabbitMQ was not asked
+    max_unstarted_age: float = DEFAULT_MAX_UNSTARTED_AGE
 
     @property
     def healthy(self) -> bool:
         return not self.problems
+
+    @property
+    def reason(self) -> str | None:
+        """The first problem, in one line (what a monitoring check shows)."""
+        return self.problems[0].message if self.problems else None
 
     @property
     def exit_code(self) -> int:
@@ -89,9 +110,11 @@ class StatusReport:
                 "thresholds": {
                     "max_backlog_age": self.max_backlog_age,
                     "leader_stale_after": self.stale_after,
+                    "max_unstarted_age": self.max_unstarted_age,
                 },
                 "leader": asdict(snap.fence),
                 "etcd": asdict(self.etcd),
+                "broker": asdict(self.broker) if self.broker is not None else None,
                 "queues": [asdict(q) for q in snap.queues],
                 "schedules": asdict(snap.schedules) if snap.schedules is not None else None,
             }
@@ -191,9 +214,16 @@ async def read_election_key(settings: Settings, *, timeout: float | None = None)
 
 
 def evaluate(
-    snapshot: DbSnapshot, etcd: EtcdView, *, lease_ttl: float, max_backlog_age: float
+    snapshot: DbSnapshot,
+    etcd: EtcdView,
+    *,
+    lease_ttl: float,
+    max_backlog_age: float,
+    broker: BrokerView | None = None,
+    max_unstarted_age: float = DEFAULT_MAX_UNSTARTED_AGE,
 ) -> StatusReport:
-    """Judge a snapshot: problems make ``duetime status`` exit 1."""
+    """Judge a snapshot (and what RabbitMQ said, when ``broker`` is given): problems make
+    ``duetime status`` exit 1."""
     problems: list[Finding] = []
     warnings: list[Finding] = []
     stale_after = STALE_RENEWALS * lease_ttl
@@ -251,9 +281,47 @@ def evaluate(
                 f"(threshold {max_backlog_age:g}s, {worst.due_now} due now)",
             )
         )
+    if broker is not None:
+        found = judge_broker(snapshot, broker, max_unstarted_age)
+        problems += [f for f in found if f.code in BROKER_PROBLEMS]
+        warnings += [f for f in found if f.code not in BROKER_PROBLEMS]
     return StatusReport(
-        snapshot, etcd, max_backlog_age, stale_after, tuple(problems), tuple(warnings)
+        snapshot,
+        etcd,
+        max_backlog_age,
+        stale_after,
+        tuple(problems),
+        tuple(warnings),
+        broker,
+        max_unstarted_age,
     )
+
+
+BROKER_PROBLEMS = frozenset({"broker_unreachable", "no_consumers"})
+
+
+def judge_broker(
+    snapshot: DbSnapshot, broker: BrokerView, max_unstarted_age: float
+) -> list[Finding]:
+    """Does anything execute? Findings about RabbitMQ and the dispatched jobs waiting on
+    it (codes in ``BROKER_PROBLEMS`` are problems, the others warnings)."""
+    if not broker.reachable:
+        return [Finding("broker_unreachable", f"RabbitMQ unreachable ({broker.error})")]
+    found: list[Finding] = []
+    for q in snapshot.queues:
+        age = q.oldest_unstarted
+        if age is None or age <= max_unstarted_age:
+            continue
+        consumers = broker.consumers(q.queue)
+        text = (
+            f"queue {q.queue}: {q.unstarted} dispatched job(s) not started, the oldest "
+            f"dispatched {age:.1f}s ago (threshold {max_unstarted_age:g}s)"
+        )
+        if consumers == 0:
+            found.append(Finding("no_consumers", f"{text}, and no worker consumes it"))
+        elif consumers is not None:
+            found.append(Finding("unstarted_too_old", f"{text}, with {consumers} consumer(s)"))
+    return found
 
 
 async def collect_status(
@@ -262,11 +330,14 @@ async def collect_status(
     *,
     max_backlog_age: float,
     etcd_timeout: float | None = None,
+    max_unstarted_age: float = DEFAULT_MAX_UNSTARTED_AGE,
+    broker_timeout: float | None = None,
 ) -> StatusReport:
-    """Read PostgreSQL and etcd concurrently and judge the result.
+    """Read PostgreSQL and etcd concurrently, then RabbitMQ (the queues the database
+    names), and judge the result.
 
     A PostgreSQL failure propagates (the caller reports it); an etcd failure becomes a
-    warning inside the report.
+    warning inside the report, a RabbitMQ failure a problem (``broker_unreachable``).
     """
     etcd_task = asyncio.create_task(read_election_key(settings, timeout=etcd_timeout))
     try:
@@ -276,5 +347,17 @@ async def collect_status(
         with contextlib.suppress(BaseException):
             await etcd_task
         raise
+    broker = await read_broker(
+        settings,
+        [q.queue for q in snapshot.queues],
+        settings.amqp_timeout if broker_timeout is None else broker_timeout,
+    )
     etcd = await etcd_task
-    return evaluate(snapshot, etcd, lease_ttl=settings.lease_ttl, max_backlog_age=max_backlog_age)
+    return evaluate(
+        snapshot,
+        etcd,
+        lease_ttl=settings.lease_ttl,
+        max_backlog_age=max_backlog_age,
+        broker=broker,
+        max_unstarted_age=max_unstarted_age,
+    )

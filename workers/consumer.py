@@ -101,6 +101,13 @@ class Consumer:
         return self._acks.frames
 
     @property
+    def consuming(self) -> list[str]:
+        """The queues consumed right now (empty before ``start`` and once stopping).
+        The broker consumers survive a reconnect (the robust channel restores them);
+        whether the connection is up is the worker's ``amqp`` readiness check."""
+        return [] if self.stopping else [queue.name for queue, _ in self._consumers]
+
+    @property
     def in_flight(self) -> int:
         """Deliveries received and not yet settled."""
         return len(self._tasks)

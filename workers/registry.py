@@ -187,6 +187,10 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._tasks)
 
+    def budgets(self) -> dict[str, int]:
+        """Task name -> ``max_attempts`` of the tasks registered with their own."""
+        return {n: s.max_attempts for n, s in self._tasks.items() if s.max_attempts is not None}
+
     def unknown_message(self, name: str, limit: int = 20) -> str:
         """The ``last_error`` for a job whose task nobody registered."""
         names = self.names()

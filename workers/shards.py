@@ -158,7 +158,7 @@ async def open_shard(
         heartbeat_interval=settings.visibility_timeout / 3,
         acquire_timeout=settings.db_timeout,
         task_timeout=settings.task_timeout,
-        store=ExecutionStore(store_pool, timeout=settings.db_timeout),
+        store=ExecutionStore(store_pool, timeout=settings.db_timeout, budgets=registry.budgets()),
         shard=name,
     )
     return WorkerShard(name, pool, store_pool, executor)

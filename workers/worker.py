@@ -19,6 +19,14 @@ pools open one connection each and grow on demand: the connection budget in
 scaffold turns the first SIGTERM/SIGINT into a graceful stop and a second into an
 immediate exit.
 
+Readiness (``/readyz``, ``readiness_checks``): ready means consuming, with its pools
+open. ``amqp`` fails until the broker connection is up and again whenever it is lost
+(the robust connection reconnects every second meanwhile); ``consuming`` fails until the
+consumers of every queue exist; ``db`` (``db_<shard>`` with shards) fails until the
+shard's pools are open and once they close. They fail while ``start()`` is retried
+against a broker or database that is down, so a worker that consumes nothing never
+looks ready.
+
 Shutdown order matters: stop consuming first (nothing new arrives), then let running
 handlers finish within the grace period, cancel the rest (their transactions roll back
 and their messages go back to the queue), and only then close the channel, the
@@ -29,6 +37,7 @@ requeued by RabbitMQ when its connection drops, and PostgreSQL aborts its transa
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,9 +45,12 @@ import asyncpg
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
 from scheduler import broker
+from scheduler.broker import queue_name
 from scheduler.config import Settings
+from scheduler.health import Check, NotReady
 from scheduler.jobspec import validate_queue
 from scheduler.log import get_logger
+from scheduler.observability import broker_connected
 from scheduler.startup import start_with_retry
 from workers.consumer import Consumer
 from workers.executor import Executor
@@ -99,6 +111,34 @@ class Worker:
     @property
     def executor(self) -> Executor | None:
         return next(iter(self.shards.values())).executor if self.shards else None
+
+    def readiness_checks(self) -> dict[str, Check]:
+        """The worker's ``/readyz`` checks (module docstring): ``amqp``, ``consuming``
+        and one pools check per shard."""
+        checks: dict[str, Check] = {"amqp": self._check_broker, "consuming": self._check_consuming}
+        for name in self.settings.shard_urls:
+            key = "db" if self.settings.shards is None else f"db_{name}"
+            checks[key] = functools.partial(self._check_pools, name)
+        return checks
+
+    def _check_broker(self) -> None:
+        if self.connection is None:
+            raise NotReady("no broker connection yet (start is being retried)")
+        if not broker_connected(self.connection):
+            raise NotReady("broker connection lost (reconnecting)")
+
+    def _check_consuming(self) -> None:
+        consuming = self.consumer.consuming if self.consumer is not None else []
+        missing = [q for q in self.queues if queue_name(q) not in consuming]
+        if missing:
+            raise NotReady(f"not consuming {', '.join(missing)}")
+
+    def _check_pools(self, name: str) -> None:
+        shard = self.shards.get(name)
+        if shard is None:
+            raise NotReady("pools not open yet")
+        if shard.pool.is_closing() or shard.store_pool.is_closing():
+            raise NotReady("pools closed")
 
     async def start(self) -> None:
         s = self.settings
@@ -176,7 +216,9 @@ class Worker:
         """Run until SIGTERM/SIGINT, then stop gracefully; exit status 0."""
         from scheduler.service import Service
 
-        async with Service("worker", metrics_port=self.settings.metrics_port) as service:
+        async with Service(
+            "worker", metrics_port=self.settings.metrics_port, checks=self.readiness_checks()
+        ) as service:
             try:
                 # a broker or database blip at start is retried, not fatal (scheduler.startup)
                 if not await start_with_retry(self.start, service.stop_event, service="worker"):

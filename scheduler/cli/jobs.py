@@ -76,6 +76,8 @@ def _emit(job: Job, as_json: bool) -> None:
         return
     for key, value in job.to_dict().items():
         shown = json.dumps(value) if isinstance(value, dict) else value
+        if key == "attempt":  # the budget that applied (a failure records the task's own)
+            shown = f"{job.attempt} of {job.max_attempts}"
         print(f"{key:16} {'-' if value is None else shown}")
 
 
@@ -130,6 +132,7 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
 
 def _row(job: Job) -> dict[str, Any]:
     row = {c: getattr(job, c) for c in LIST_COLUMNS}
+    row["attempt"] = f"{job.attempt}/{job.max_attempts}"
     if job.last_error and len(job.last_error) > 40:
         row["last_error"] = job.last_error[:37] + "..."
     return row

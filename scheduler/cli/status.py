@@ -1,4 +1,5 @@
-"""``duetime status``: leader, per-queue backlog and schedules, with a monitoring exit code.
+"""``duetime status``: leader, per-queue backlog, whether RabbitMQ is reachable and who
+consumes each queue, and schedules, with a monitoring exit code.
 
 With shards configured (``DUETIME_SHARDS``) it shows one row per shard instead (leader,
 etcd epoch, fence epoch, backlog) and the members (``scheduler.shards.status``).
@@ -15,34 +16,56 @@ from scheduler.config import Settings
 from scheduler.dashboard.present import age_parts
 from scheduler.errors import ServiceUnavailable
 from scheduler.shards.status import ShardedReport, ShardStatus, collect_shard_status
-from scheduler.status import STALE_RENEWALS, StatusReport, collect_status
+from scheduler.status import (
+    DEFAULT_MAX_UNSTARTED_AGE,
+    STALE_RENEWALS,
+    StatusReport,
+    collect_status,
+)
 
 DEFAULT_MAX_BACKLOG_AGE = 60.0
 
 EPILOG = f"""\
 exit codes:
-  0  healthy: a live leader and no due job older than --max-backlog-age
+  0  healthy: a live leader, no due job older than --max-backlog-age, RabbitMQ
+     reachable, and every queue holding jobs dispatched longer than
+     --max-unstarted-age ago has a consumer
   1  unhealthy: no leader (the election key <prefix>/leader is absent in etcd, or the
      database fence was last renewed more than {STALE_RENEWALS} x DUETIME_LEASE_TTL ago),
      or the oldest due pending job is older than --max-backlog-age, or PostgreSQL
-     cannot be reached
+     cannot be reached, or RabbitMQ cannot be reached (broker_unreachable), or a queue
+     holds dispatched jobs no worker started for longer than --max-unstarted-age and
+     has no consumer (no_consumers): nothing executes them. The last line says why:
+     "status: UNHEALTHY: <the first problem>"
   2  bad flags or configuration
+
+RabbitMQ is asked on one connection, with a passive queue.declare per queue the
+database names (its consumer and ready-message counts; no queue is ever created),
+within --broker-timeout. "Not started" means dispatched with no heartbeat from a
+worker yet (a handler's first heartbeat comes DUETIME_VISIBILITY_TIMEOUT / 3 after it
+starts); the age counts from the job's last dispatch. Such jobs with consumers present
+are a warning (unstarted_too_old: workers busy or slow), not a failure.
 
 etcd being unreachable from this host is a warning, not a failure: the fence in
 PostgreSQL still shows whether a leader is alive. --json prints the same report as a
-JSON object (keys: healthy, problems, warnings, leader, etcd, queues, schedules).
+JSON object (keys: healthy, problems, warnings, thresholds, leader, etcd, broker,
+queues, schedules).
 
 With shards (DUETIME_SHARDS or a [shards] table) every shard is judged like the one
 database above, from its own election key <prefix>/shards/<name>/leader and its own
 database; a shard that cannot be reached is shown with its error and makes the exit
-code 1, and the others are still shown. --json then has the keys healthy, problems,
-warnings (each naming its shard), etcd, members, and shards (one object per shard:
-name, reachable, error, healthy, etcd, leader, backlog, queues, schedules).
+code 1, and the others are still shown. RabbitMQ (shared by the shards) is read once,
+for the queues of every shard, and each shard is judged against it. --json then has
+the keys healthy, problems, warnings (each naming its shard), etcd, broker, members,
+and shards (one object per shard: name, reachable, error, healthy, etcd, leader,
+backlog, queues, schedules).
 """
 
-QUEUE_COLUMNS = ("queue", "pending", "due_now", "oldest_overdue", "dispatched", "dead_1h")
+QUEUE_COLUMNS = ("queue", "pending", "due_now", "oldest_overdue", "dispatched", "unstarted",
+                 "oldest_unstarted", "consumers", "dead_1h")  # fmt: skip
 SHARD_COLUMNS = ("shard", "leader", "epoch", "fence_epoch", "renewed", "pending", "due_now",
-                 "oldest_overdue", "dispatched", "dead_1h", "state")  # fmt: skip
+                 "oldest_overdue", "dispatched", "unstarted", "oldest_unstarted", "dead_1h",
+                 "state")  # fmt: skip
 
 
 def _seconds(text: str) -> float:
@@ -73,6 +96,22 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="unhealthy when a due job has waited longer than this (default %(default)g)",
     )
     parser.add_argument(
+        "--max-unstarted-age",
+        type=_seconds,
+        default=DEFAULT_MAX_UNSTARTED_AGE,
+        metavar="SECONDS",
+        help="unhealthy when a queue without consumers holds a job dispatched longer ago "
+        "than this that no worker started (default %(default)g)",
+    )
+    parser.add_argument(
+        "--broker-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="RabbitMQ read timeout, connection and queue reads together "
+        "(default DUETIME_AMQP_TIMEOUT)",
+    )
+    parser.add_argument(
         "--etcd-timeout",
         type=_seconds,
         default=None,
@@ -85,7 +124,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 async def run(args: argparse.Namespace, settings: Settings) -> int:
     if settings.shards is not None:
         sharded = await collect_shard_status(
-            settings, max_backlog_age=args.max_backlog_age, etcd_timeout=args.etcd_timeout
+            settings,
+            max_backlog_age=args.max_backlog_age,
+            etcd_timeout=args.etcd_timeout,
+            max_unstarted_age=args.max_unstarted_age,
+            broker_timeout=args.broker_timeout,
         )
         if args.json:
             print_json(sharded.to_dict())
@@ -116,6 +159,8 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
             pool,
             max_backlog_age=args.max_backlog_age,
             etcd_timeout=args.etcd_timeout,
+            max_unstarted_age=args.max_unstarted_age,
+            broker_timeout=args.broker_timeout,
         )
     finally:
         await pool.close()
@@ -156,6 +201,11 @@ def render(report: StatusReport) -> None:
         print(
             f"etcd       {etcd.key} = {etcd.leader} (epoch {etcd.epoch}{lease}) via {etcd.endpoint}"
         )
+    broker = report.broker
+    if broker is not None and not broker.reachable:
+        print(f"broker     unreachable: {broker.error}")
+    elif broker is not None:
+        print(f"broker     reachable ({len(broker.queues)} queue(s) read)")
     print()
     if snap.queues:
         rows = [
@@ -165,6 +215,11 @@ def render(report: StatusReport) -> None:
                 "due_now": q.due_now,
                 "oldest_overdue": _age(q.oldest_overdue) if q.oldest_overdue is not None else None,
                 "dispatched": q.dispatched,
+                "unstarted": q.unstarted,
+                "oldest_unstarted": _age(q.oldest_unstarted)
+                if q.oldest_unstarted is not None
+                else None,
+                "consumers": broker.consumers(q.queue) if broker and broker.reachable else None,
                 "dead_1h": q.dead_last_hour,
             }
             for q in snap.queues
@@ -192,7 +247,7 @@ def render(report: StatusReport) -> None:
         print(f"warning: {warning.message}")
     for problem in report.problems:
         print(f"PROBLEM: {problem.message}")
-    print("status: OK" if report.healthy else "status: UNHEALTHY")
+    print("status: OK" if report.healthy else f"status: UNHEALTHY: {report.reason}")
 
 
 def _shard_row(shard: ShardStatus) -> dict[str, Any]:
@@ -202,7 +257,7 @@ def _shard_row(shard: ShardStatus) -> dict[str, Any]:
     if shard.report is None:
         return {**row, "state": "UNREACHABLE"}
     fence, backlog = shard.report.snapshot.fence, shard.backlog() or {}
-    overdue = backlog.get("oldest_overdue")
+    overdue, waited = backlog.get("oldest_overdue"), backlog.get("oldest_unstarted")
     row.update(
         leader=shard.etcd.leader or fence.leader_node,
         fence_epoch=fence.epoch,
@@ -211,6 +266,8 @@ def _shard_row(shard: ShardStatus) -> dict[str, Any]:
         due_now=backlog.get("due_now"),
         oldest_overdue=_age(overdue) if overdue is not None else None,
         dispatched=backlog.get("dispatched"),
+        unstarted=backlog.get("unstarted"),
+        oldest_unstarted=_age(waited) if waited is not None else None,
         dead_1h=backlog.get("dead_last_hour"),
         state=",".join(sorted({p.code for p in shard.problems})) or "ok",
     )
@@ -230,6 +287,10 @@ def render_shards(report: ShardedReport) -> None:
         )
         shown = members or "none registered"
         print(f"members    {len(etcd.members)}: {shown} (via {etcd.endpoint})")
+    if report.broker is not None and not report.broker.reachable:
+        print(f"broker     unreachable: {report.broker.error}")
+    elif report.broker is not None:
+        print(f"broker     reachable ({len(report.broker.queues)} queue(s) read)")
     for shard in report.shards:
         if shard.report is None:
             print(f"shard {shard.name}: unreachable: {shard.error}")
@@ -237,9 +298,13 @@ def render_shards(report: ShardedReport) -> None:
     for shard_name, warning in report.findings("warnings"):
         where = "" if shard_name is None else f"shard {shard_name}: "
         print(f"warning: {where}{warning.message}")
-    for shard_name, problem in report.findings("problems"):
-        print(f"PROBLEM: shard {shard_name}: {problem.message}")
-    print("status: OK" if report.healthy else "status: UNHEALTHY")
+    problems = [
+        ("" if shard_name is None else f"shard {shard_name}: ") + problem.message
+        for shard_name, problem in report.findings("problems")
+    ]
+    for problem_text in problems:
+        print(f"PROBLEM: {problem_text}")
+    print(f"status: UNHEALTHY: {problems[0]}" if problems else "status: OK")
 
 
 def _ts(value: Any) -> str:

@@ -17,11 +17,11 @@ from zoneinfo import ZoneInfo
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
+from scheduler.broker_view import read_broker
 from scheduler.config import Settings
 from scheduler.cron import ScheduleSpecError
 from scheduler.dashboard import charts, present
 from scheduler.dashboard.auth import local_path
-from scheduler.dashboard.cluster import read_broker
 from scheduler.dashboard.shards import ETCD_TIMEOUT, read_shard_etcd, read_shards
 from scheduler.dashboard.site import DB_ERRORS, Dashboard, ShardSite
 from scheduler.errors import InvalidInput
@@ -259,11 +259,11 @@ async def cluster(dash: Dashboard, request: Request) -> Response:
     queues = {q.queue for q in snapshot.queues} if snapshot else set()
     broker = await read_broker(settings, queues | {"default"})
     report = (
-        evaluate(snapshot, etcd, lease_ttl=settings.lease_ttl, max_backlog_age=60.0)
+        evaluate(snapshot, etcd, lease_ttl=settings.lease_ttl, max_backlog_age=60.0, broker=broker)
         if snapshot
         else None
     )
-    dispatched = {q.queue: q.dispatched for q in snapshot.queues} if snapshot else {}
+    dispatched = {q.queue: q for q in snapshot.queues} if snapshot else {}
     return dash.render(
         request, "cluster.html", snapshot=snapshot, db_error=db_error, etcd=etcd,
         broker=broker, report=report, dispatched=dispatched, settings=settings,

@@ -26,6 +26,7 @@ from scheduler.store.rows import DbSnapshot
 __all__ = ["ETCD_TIMEOUT", "MAX_BACKLOG_AGE", "ShardsView", "read_shard_etcd", "read_shards"]
 
 ETCD_TIMEOUT = 1.5  # the overview polls every 5 s: a dead etcd must not hold it long
+BROKER_TIMEOUT = 3.0  # RabbitMQ: connection and queue reads together
 MAX_BACKLOG_AGE = 60.0  # as the cluster page judges the one database
 
 
@@ -53,7 +54,11 @@ async def read_shards(dash: Dashboard) -> ShardsView:
         return snap
 
     report = await collect_shard_status(
-        settings, max_backlog_age=MAX_BACKLOG_AGE, etcd_timeout=ETCD_TIMEOUT, snapshot=snapshot
+        settings,
+        max_backlog_age=MAX_BACKLOG_AGE,
+        etcd_timeout=ETCD_TIMEOUT,
+        snapshot=snapshot,
+        broker_timeout=BROKER_TIMEOUT,
     )
     return ShardsView(report, frozenset(uncounted))
 

@@ -57,11 +57,15 @@ from scheduler.duties.base import (
     some_ids,
 )
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
-from scheduler.metrics import JOBS_PARKED, PUBLISH_FAILURES, RECONCILED
+from scheduler.metrics import JOBS_PARKED, OLDEST_UNSTARTED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
 from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.rows import UNREADABLE, StalledJob
+from scheduler.store.status import StatusStore
+
+#: Seconds between samples of ``duetime_oldest_unstarted_seconds`` (one indexed query).
+UNSTARTED_SAMPLE_INTERVAL = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +134,8 @@ class Reconciler:
         )
         self.store, self.publisher = self.out.store, self.out.publisher
         self._deferred_until: dict[str, float] = {}
+        self._status = StatusStore(pool, acquire_timeout=settings.db_timeout)
+        self._unstarted_sampled_at: float | None = None
 
     async def setup(self) -> None:
         await self.out.open()
@@ -142,11 +148,25 @@ class Reconciler:
         if delay:
             return delay
         report = await self.reconcile_batch()
+        await self.sample_unstarted()
         if report.stalled >= self.config.batch_size and (
             report.republished or report.deferred or report.given_up
         ):
             return 0.0
         return self.config.interval
+
+    async def sample_unstarted(self) -> None:
+        """Set ``duetime_oldest_unstarted_seconds`` (at most every
+        ``UNSTARTED_SAMPLE_INTERVAL``): the jobs this duty would re-publish once silent for
+        the visibility timeout, seen before they are, so an alert can fire while no worker
+        consumes."""
+        now = self.clock.monotonic()
+        last = self._unstarted_sampled_at
+        if last is not None and now - last < UNSTARTED_SAMPLE_INTERVAL:
+            return
+        self._unstarted_sampled_at = now
+        ages = [u.oldest_age for u in await self._status.unstarted() if u.oldest_age is not None]
+        OLDEST_UNSTARTED.labels(self.shard).set(max(ages, default=0.0))
 
     async def reconcile_batch(self) -> ReconcileReport:
         """One fenced transaction: lock stalled jobs, re-publish, start new windows."""

@@ -13,6 +13,9 @@ What differs is only how the parts are read and reported:
   <node>``, one per live replica, on that replica's lease) and every shard's election
   key, with the seconds left on each lease. etcd being unreachable is one warning for
   the whole report, as it is for one database: each shard is then judged from its fence.
+- RabbitMQ, shared by the shards, is read once for the queues of every shard
+  (``scheduler.broker_view``) and each shard is judged against it; RabbitMQ being
+  unreachable is one problem for the whole report (every shard has it).
 
 The report is healthy when no shard has a problem; a shard's problems are listed
 together with the others', named by shard.
@@ -27,11 +30,13 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from scheduler import db
+from scheduler.broker_view import BrokerView, read_broker
 from scheduler.config import Settings
 from scheduler.errors import ServiceUnavailable
 from scheduler.log import scrub
 from scheduler.shards.leadership import member_key, shard_key
 from scheduler.status import (
+    DEFAULT_MAX_UNSTARTED_AGE,
     STALE_RENEWALS,
     EtcdUnanswered,
     EtcdView,
@@ -106,11 +111,14 @@ class ShardStatus:
             return None
         queues = self.report.snapshot.queues
         overdue = [q.oldest_overdue for q in queues if q.oldest_overdue is not None]
+        unstarted = [q.oldest_unstarted for q in queues if q.oldest_unstarted is not None]
         return {
             "pending": sum(q.pending for q in queues),
             "due_now": sum(q.due_now for q in queues),
             "oldest_overdue": max(overdue, default=None),
             "dispatched": sum(q.dispatched for q in queues),
+            "unstarted": sum(q.unstarted for q in queues),
+            "oldest_unstarted": max(unstarted, default=None),
             "dead_last_hour": sum(q.dead_last_hour for q in queues),
         }
 
@@ -143,12 +151,20 @@ class ShardedReport:
     checked_at: datetime | None
     max_backlog_age: float
     stale_after: float
+    broker: BrokerView | None = None
+    max_unstarted_age: float = DEFAULT_MAX_UNSTARTED_AGE
 
     def findings(self, kind: str) -> list[tuple[str | None, Finding]]:
         """``(shard or None, finding)`` for ``kind`` "problems" or "warnings"."""
         found: list[tuple[str | None, Finding]] = [
-            (s.name, f) for s in self.shards for f in getattr(s, kind)
+            (s.name, f)
+            for s in self.shards
+            for f in getattr(s, kind)
+            if f.code != "broker_unreachable"  # said once, below
         ]
+        if kind == "problems" and self.broker is not None and not self.broker.reachable:
+            text = f"RabbitMQ unreachable ({self.broker.error})"
+            found.insert(0, (None, Finding("broker_unreachable", text)))
         if kind == "warnings" and not self.etcd.reachable:
             text = (
                 f"etcd unreachable ({self.etcd.error}); leaders judged from each shard's "
@@ -159,7 +175,7 @@ class ShardedReport:
 
     @property
     def healthy(self) -> bool:
-        return not any(s.problems for s in self.shards)
+        return not self.findings("problems")
 
     @property
     def exit_code(self) -> int:
@@ -181,7 +197,9 @@ class ShardedReport:
                 "thresholds": {
                     "max_backlog_age": self.max_backlog_age,
                     "leader_stale_after": self.stale_after,
+                    "max_unstarted_age": self.max_unstarted_age,
                 },
+                "broker": asdict(self.broker) if self.broker is not None else None,
                 "etcd": {
                     "reachable": self.etcd.reachable,
                     "endpoint": self.etcd.endpoint,
@@ -277,6 +295,8 @@ async def collect_shard_status(
     max_backlog_age: float,
     etcd_timeout: float | None = None,
     snapshot: SnapshotReader | None = None,
+    max_unstarted_age: float = DEFAULT_MAX_UNSTARTED_AGE,
+    broker_timeout: float | None = None,
 ) -> ShardedReport:
     """Read every shard's database and etcd concurrently and judge each shard.
 
@@ -288,6 +308,11 @@ async def collect_shard_status(
     read = snapshot or _snapshot
     etcd_task = asyncio.create_task(read_shard_keys(settings, names, timeout=etcd_timeout))
     snapshots = await asyncio.gather(*(read(settings, n, urls[n]) for n in names))
+    broker = await read_broker(
+        settings,
+        {q.queue for snap in snapshots if not isinstance(snap, str) for q in snap.queues},
+        settings.amqp_timeout if broker_timeout is None else broker_timeout,
+    )
     etcd = await etcd_task
     shards: list[ShardStatus] = []
     for name, snap in zip(names, snapshots, strict=True):
@@ -297,7 +322,14 @@ async def collect_shard_status(
         if isinstance(snap, str):
             shards.append(ShardStatus(name, view, error=snap))
             continue
-        report = evaluate(snap, view, lease_ttl=settings.lease_ttl, max_backlog_age=max_backlog_age)
+        report = evaluate(
+            snap,
+            view,
+            lease_ttl=settings.lease_ttl,
+            max_backlog_age=max_backlog_age,
+            broker=broker,
+            max_unstarted_age=max_unstarted_age,
+        )
         shards.append(ShardStatus(name, view, report=report))
     checked = [s.report.snapshot.db_now for s in shards if s.report is not None]
     return ShardedReport(
@@ -306,4 +338,6 @@ async def collect_shard_status(
         max(checked, default=None),
         max_backlog_age,
         STALE_RENEWALS * settings.lease_ttl,
+        broker,
+        max_unstarted_age,
     )

@@ -78,18 +78,24 @@ SELECT duetime.finish_attempt({id}, {due_at}::timestamptz, {attempt}, {key}, {ta
 -- the table's CHECK). The delay is bounded by workers.retry.MAX_RETRY_DELAY before it gets
 -- here; least() is the second bound, so no value can overflow make_interval.
 -- dispatched_at/heartbeat_at are cleared so the reconciler's "no sign of life" clock
--- starts again at the next dispatch.
+-- starts again at the next dispatch. $6 is the worker's attempt budgets, a JSON object
+-- task -> max_attempts of the tasks registered with one (workers.registry): the budget
+-- that applied is written to max_attempts, so "attempt n of m" tells the truth (no entry:
+-- the row's own number applied and stays).
 UPDATE duetime.jobs
    SET status = 'pending', attempt = attempt + 1,
        run_at = greatest(now() + make_interval(secs => least($4::float8, 31622400)), due_at),
-       last_error = $5, dispatched_at = NULL, heartbeat_at = NULL, dispatch_epoch = NULL
+       last_error = $5, dispatched_at = NULL, heartbeat_at = NULL, dispatch_epoch = NULL,
+       max_attempts = coalesce(($6::text::jsonb ->> task)::int, max_attempts)
  WHERE id = $1 AND due_at = $2::timestamptz + interval '0'
    AND status = 'dispatched' AND attempt = $3
 RETURNING run_at;
 
 -- name: mark_dead
+-- $5: the attempt budgets, as in schedule_retry.
 UPDATE duetime.jobs
-   SET status = 'dead', finished_at = now(), last_error = $4, heartbeat_at = NULL
+   SET status = 'dead', finished_at = now(), last_error = $4, heartbeat_at = NULL,
+       max_attempts = coalesce(($5::text::jsonb ->> task)::int, max_attempts)
  WHERE id = $1 AND due_at = $2::timestamptz + interval '0'
    AND status = 'dispatched' AND attempt = $3
 RETURNING 1;

@@ -84,7 +84,7 @@ GRANT SELECT (id, due_at, run_at, status, attempt, max_attempts, queue, idempote
               task, payload)
     ON duetime.jobs TO "{worker}";
 GRANT UPDATE (status, attempt, run_at, last_error, dispatched_at, heartbeat_at,
-              dispatch_epoch, finished_at)
+              dispatch_epoch, finished_at, max_attempts)
     ON duetime.jobs TO "{worker}";
 GRANT INSERT (idempotency_key, job_id, attempt, task, worker)
     ON duetime.job_ledger TO "{worker}";

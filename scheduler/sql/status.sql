@@ -34,6 +34,20 @@ SELECT queue, count(*) AS dispatched
  WHERE status = 'dispatched'
  GROUP BY queue;
 
+-- name: unstarted_by_queue
+-- Dispatched jobs no worker has shown a sign of life for (heartbeat_at IS NULL), per
+-- queue, and how long ago the oldest of them was (last) dispatched. Served by the
+-- partial index jobs_dispatched_idx (status = 'dispatched'). A handler's first heartbeat
+-- comes visibility_timeout/3 after it started, so a job running for less than that is
+-- counted too; the reconciler's re-publish restarts dispatched_at, but it defers queues
+-- that still hold ready messages, which is the case when nobody consumes them.
+SELECT queue,
+       count(*) AS unstarted,
+       extract(epoch FROM now() - min(dispatched_at))::float8 AS oldest_unstarted
+  FROM duetime.jobs
+ WHERE status = 'dispatched' AND heartbeat_at IS NULL
+ GROUP BY queue;
+
 -- name: dead_by_queue
 -- Jobs that went dead within $1 seconds. Without an index on finished_at this reads
 -- every partition; a partial index (finished_at) WHERE status = 'dead' makes it cheap.

@@ -11,7 +11,8 @@ handler still runs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -50,8 +51,19 @@ def _columns(items: Sequence[Completion]) -> tuple[list[Any], ...]:
 
 
 class ExecutionStore:
-    def __init__(self, pool: asyncpg.Pool, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        timeout: float = 10.0,
+        budgets: Mapping[str, int] | None = None,
+    ) -> None:
+        """``budgets``: task -> max_attempts of the tasks registered with their own
+        (``Registry.budgets()``). A failure outcome writes the budget that applied into the
+        row's ``max_attempts`` (the registry's number replaces the row's), so the row says
+        what the worker decided with."""
         self._db = Pooled(pool, acquire_timeout=timeout)
+        self._budgets = json.dumps(dict(budgets or {}), sort_keys=True)
 
     async def begin(self, refs: Sequence[JobRef]) -> list[LockedJob | None]:
         """Read the rows of ``refs`` (one statement; waits for in-flight claims). The
@@ -122,14 +134,22 @@ class ExecutionStore:
         when a failure storm retries thousands of jobs (migrations/0004_wakeups.sql)."""
         async with self._db.acquire() as conn:
             run_at = await conn.fetchval(
-                Q["schedule_retry"], ref.job_id, ref.due_at, ref.attempt, float(delay), error
+                Q["schedule_retry"],
+                ref.job_id,
+                ref.due_at,
+                ref.attempt,
+                float(delay),
+                error,
+                self._budgets,
             )
         return run_at  # type: ignore[no-any-return, unused-ignore]
 
     async def mark_dead(self, ref: JobRef, error: str) -> bool:
         """dispatched → dead with ``error``; False if the row moved on meanwhile."""
         async with self._db.acquire() as conn:
-            value = await conn.fetchval(Q["mark_dead"], ref.job_id, ref.due_at, ref.attempt, error)
+            value = await conn.fetchval(
+                Q["mark_dead"], ref.job_id, ref.due_at, ref.attempt, error, self._budgets
+            )
         return value == 1
 
     async def heartbeat(self, job_id: int, due_at: datetime, attempt: int) -> bool:
@@ -152,8 +172,8 @@ async def prepare_store_connection(conn: asyncpg.Connection) -> None:
     job id 0, which matches nothing and changes nothing)."""
     await conn.fetch(Q["begin_deliveries"], [0], [_epoch()])
     await conn.fetchval(Q["complete_deliveries"], [0], [_epoch()], [0], [""], [""], "")
-    await conn.fetchval(Q["schedule_retry"], 0, _epoch(), 0, 0.0, "")
-    await conn.fetchval(Q["mark_dead"], 0, _epoch(), 0, "")
+    await conn.fetchval(Q["schedule_retry"], 0, _epoch(), 0, 0.0, "", "{}")
+    await conn.fetchval(Q["mark_dead"], 0, _epoch(), 0, "", "{}")
     await conn.fetchval(Q["heartbeat"], 0, _epoch(), 0)
 
 

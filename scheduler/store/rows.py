@@ -232,6 +232,18 @@ class QueueStatus:
     oldest_overdue: float | None = None  # seconds the oldest due pending job is late
     dispatched: int = 0
     dead_last_hour: int = 0
+    unstarted: int = 0  # dispatched jobs no worker has shown a sign of life for
+    oldest_unstarted: float | None = None  # seconds since the oldest of them was dispatched
+
+
+@dataclass(frozen=True, slots=True)
+class UnstartedJobs:
+    """Dispatched jobs of one queue without a sign of life from a worker (``heartbeat_at``
+    unset), and the seconds since the oldest of them was (last) dispatched."""
+
+    queue: str
+    count: int
+    oldest_age: float | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,14 @@ import asyncpg
 from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.sql import load
 from scheduler.store.conn import Conn, Pooled
-from scheduler.store.rows import DbSnapshot, FenceView, QueueStatus, ScheduleSummary, UpcomingFire
+from scheduler.store.rows import (
+    DbSnapshot,
+    FenceView,
+    QueueStatus,
+    ScheduleSummary,
+    UnstartedJobs,
+    UpcomingFire,
+)
 
 Q = load("status")
 
@@ -35,6 +42,13 @@ class StatusStore:
         async with self._db.acquire() as conn:
             await conn.fetchval(Q["ping"])
 
+    async def unstarted(self) -> tuple[UnstartedJobs, ...]:
+        """Per queue, the dispatched jobs no worker has shown a sign of life for
+        (``heartbeat_at`` unset) and the age of the oldest: work the broker was handed
+        that has not started."""
+        async with self._db.acquire() as conn:
+            return _unstarted(await conn.fetch(Q["unstarted_by_queue"]))
+
     async def snapshot(
         self, *, dead_window: float = DEAD_WINDOW_SECONDS, pending: bool = True
     ) -> DbSnapshot:
@@ -47,6 +61,7 @@ class StatusStore:
             fence_row = await conn.fetchrow(Q["fence"])
             pending_rows = await conn.fetch(Q["pending_by_queue"]) if pending else []
             dispatched = await conn.fetch(Q["dispatched_by_queue"])
+            unstarted = _unstarted(await conn.fetch(Q["unstarted_by_queue"]))
             dead = await conn.fetch(Q["dead_by_queue"], dead_window)
             schedules = None
             if await conn.fetchval(Q["schedules_table"]):
@@ -60,6 +75,10 @@ class StatusStore:
             )
         for row in dispatched:
             queues.setdefault(row["queue"], {})["dispatched"] = row["dispatched"]
+        for found in unstarted:
+            queues.setdefault(found.queue, {}).update(
+                unstarted=found.count, oldest_unstarted=found.oldest_age
+            )
         for row in dead:
             queues.setdefault(row["queue"], {})["dead_last_hour"] = row["dead"]
         return DbSnapshot(
@@ -81,3 +100,10 @@ class StatusStore:
                 UpcomingFire(r["name"], r["next_fire_at"], r["fires_in"]) for r in upcoming
             ),
         )
+
+
+def _unstarted(rows: list[Any]) -> tuple[UnstartedJobs, ...]:
+    return tuple(
+        UnstartedJobs(r["queue"], r["unstarted"], r["oldest_unstarted"])
+        for r in sorted(rows, key=lambda r: r["queue"])
+    )

@@ -16,8 +16,8 @@ import aio_pika
 import pytest
 
 from scheduler.broker import ClusterConnection, connect, declare_job_queue, queue_name
+from scheduler.broker_view import read_broker
 from scheduler.config import Settings
-from scheduler.dashboard.cluster import read_broker
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
 

@@ -131,7 +131,7 @@ async def test_list_table_json_filters_and_paging(env: dict[str, str], unique: s
     ]
     rows = [line.split() for line in lines[1:]]
     assert [r[0] for r in rows] == [str(a["id"]), str(b["id"]), str(c["id"])]
-    assert rows[0][1:5] == ["alpha", queue, "pending", "1"]
+    assert rows[0][1:5] == ["alpha", queue, "pending", "1/5"]
     assert rows[1][3] == "cancelled"
     assert rows[0][5:7] == ["2030-01-01", "00:00:00.000Z"]
 

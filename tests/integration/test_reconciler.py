@@ -308,3 +308,23 @@ async def test_republishing_is_capped_and_the_count_survives_failover(
 def test_max_republishes_is_validated() -> None:
     with pytest.raises(ValueError, match="max_republishes must be >= 1"):
         ReconcilerConfig(max_republishes=0)
+
+
+def oldest_unstarted() -> float | None:
+    return REGISTRY.get_sample_value("duetime_oldest_unstarted_seconds", {"shard": "main"})
+
+
+async def test_oldest_unstarted_gauge(env: Env) -> None:
+    """The leader's reconciler samples the age of the oldest dispatched job no worker
+    started (``heartbeat_at`` unset); a job with a heartbeat does not count."""
+    reconciler = make_reconciler(env)
+    await reconciler.sample_unstarted()
+    assert oldest_unstarted() == 0.0
+    [beating] = await insert_stalled(env.pool, env.queue, 1, silent=900.0)
+    await env.pool.execute("UPDATE duetime.jobs SET heartbeat_at = now() WHERE id = $1", beating)
+    await insert_stalled(env.pool, env.queue, 3, silent=300.0)
+    await reconciler.sample_unstarted()
+    assert oldest_unstarted() == 0.0  # sampled at most every UNSTARTED_SAMPLE_INTERVAL
+    reconciler._unstarted_sampled_at = None
+    await reconciler.sample_unstarted()
+    assert 300.0 <= (oldest_unstarted() or 0.0) < 360.0

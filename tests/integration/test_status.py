@@ -13,17 +13,25 @@ import contextlib
 import json
 import os
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aetcd
 import asyncpg
 import pytest
+from aio_pika.abc import AbstractChannel
 
 from scheduler import db
+from scheduler.broker import queue_name
 from scheduler.status import election_key
 from scheduler.store.status import StatusStore
+from tests.fixtures_tasks.jobs import declare
 from tests.support.cli import Run, run_duetime
+from tests.support.etcd import free_port
+from tests.support.procs import Processes, duetime_argv
+from tests.support.wait import wait_for
 
 
 @dataclass
@@ -142,7 +150,13 @@ async def test_status_json_reports_leader_queues_and_exit_0(cluster: Cluster) ->
     assert (emails["pending"], emails["due_now"], emails["dispatched"]) == (2, 1, 0)
     assert emails["dead_last_hour"] == 1
     assert 20 <= emails["oldest_overdue"] < 30  # the retried job is not due: run_at wins
-    assert report["thresholds"] == {"max_backlog_age": 60.0, "leader_stale_after": 6.0}
+    assert report["thresholds"] == {
+        "max_backlog_age": 60.0,
+        "leader_stale_after": 6.0,
+        "max_unstarted_age": 60.0,
+    }
+    assert report["broker"]["reachable"] is True
+    assert default["unstarted"] == 1 and default["oldest_unstarted"] < 10
 
 
 async def test_backlog_older_than_threshold_exits_1(cluster: Cluster) -> None:
@@ -167,7 +181,7 @@ async def test_never_elected_exits_1_with_human_output(cluster: Cluster) -> None
     code, out, _ = await cluster.run()
     assert code == 1
     assert "no leader has ever fenced the database" in out
-    assert out.rstrip().endswith("status: UNHEALTHY")
+    assert out.rstrip().splitlines()[-1].startswith("status: UNHEALTHY: no leader")
 
 
 async def test_stale_fence_exits_1_even_with_key_present(cluster: Cluster) -> None:
@@ -258,3 +272,106 @@ async def test_help_documents_exit_codes() -> None:
     assert "exit codes:" in out.out
     for line in ("0  healthy", "1  unhealthy", "2  bad flags"):
         assert line in out.out
+
+
+async def _dispatched_long_ago(pool: asyncpg.Pool, queue: str, count: int) -> None:
+    """``count`` jobs dispatched two minutes ago that no worker has started."""
+    await pool.execute(
+        "INSERT INTO duetime.jobs (task, queue, due_at, status, dispatched_at, dispatch_epoch) "
+        "SELECT 't', $1, now() - interval '3 minutes', 'dispatched', "
+        "now() - interval '2 minutes', (SELECT epoch FROM duetime.leader_fence WHERE shard = 0) "
+        "FROM generate_series(1, $2)",
+        queue,
+        count,
+    )
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def test_broker_unreachable_is_unhealthy_in_status_and_dashboard(
+    cluster: Cluster, procs: Processes, unique: str
+) -> None:
+    """RabbitMQ down and 14 jobs dispatched: nothing executes. ``duetime status`` exits 1
+    saying why in its last line, and the dashboard's cluster page does not say Healthy."""
+    await cluster.elect("node-a")
+    await _dispatched_long_ago(cluster.pool, f"q-{unique}", 14)
+    closed = f"amqp://guest:guest@127.0.0.1:{free_port()}/"
+    code, report = await cluster.status_json("--amqp-url", closed, "--broker-timeout", "2")
+    assert code == 1
+    assert [p["code"] for p in report["problems"]] == ["broker_unreachable"]
+    assert report["broker"]["reachable"] is False
+    assert _queues(report)[f"q-{unique}"]["unstarted"] == 14
+    await cluster.elect("node-a")  # the fence is stale after 3 x TTL = 6 s
+    code, out, _ = await cluster.run("--amqp-url", closed)
+    assert code == 1
+    assert out.rstrip().splitlines()[-1].startswith("status: UNHEALTHY: RabbitMQ unreachable (")
+    assert "broker     unreachable: " in out
+
+    port = free_port()
+    dashboard = procs.spawn(
+        duetime_argv("dashboard", "--listen", f"127.0.0.1:{port}"),
+        name="dashboard",
+        env={**cluster.env, "DUETIME_AMQP_URL": closed},
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    async def page() -> str | None:
+        try:
+            status, body = await asyncio.to_thread(_get, url + "/cluster")
+        except OSError:
+            return None  # not listening yet
+        return body if status == 200 else None
+
+    await wait_for(page, timeout=20, message=dashboard.tail())
+    await cluster.elect("node-a")
+    body = await page()
+    assert body is not None
+    assert "Unhealthy: RabbitMQ unreachable" in body
+    assert "Healthy:" not in body
+
+
+async def test_dispatched_jobs_nobody_consumes_are_unhealthy(
+    cluster: Cluster, channel: AbstractChannel, unique: str
+) -> None:
+    """Jobs dispatched 2 minutes ago that no worker started, on a queue without
+    consumers: exit 1 (``no_consumers``). With a consumer on the queue the same jobs are
+    only a warning (workers busy), and the consumer count is reported."""
+    queue = f"q-{unique}"
+    await cluster.elect("node-a")
+    await _dispatched_long_ago(cluster.pool, queue, 14)
+    code, report = await cluster.status_json()
+    assert code == 1, report
+    assert [p["code"] for p in report["problems"]] == ["no_consumers"]
+    assert f"queue {queue}: 14 dispatched job(s) not started" in report["problems"][0]["message"]
+    row = _queues(report)[queue]
+    assert row["unstarted"] == 14 and 110 <= row["oldest_unstarted"] < 200
+    assert {"queue": queue, "ready": None, "consumers": None} in report["broker"]["queues"]
+    await cluster.elect("node-a")
+    code, out, _ = await cluster.run()
+    assert code == 1
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith(f"status: UNHEALTHY: queue {queue}: 14 dispatched job(s) not started")
+    assert last.endswith("and no worker consumes it")
+
+    async def hold(message: object) -> None:
+        """Receive and never settle: a worker busy with its prefetch."""
+
+    await declare(channel, queue)
+    consumer = await (await channel.get_queue(queue_name(queue))).consume(hold)
+    try:
+        await cluster.elect("node-a")
+        code, report = await cluster.status_json()
+        assert code == 0, report["problems"]
+        assert [w["code"] for w in report["warnings"]] == ["unstarted_too_old"]
+        assert {"queue": queue, "ready": 0, "consumers": 1} in report["broker"]["queues"]
+        await cluster.elect("node-a")
+        code, report = await cluster.status_json("--max-unstarted-age", "300")
+        assert code == 0 and report["warnings"] == []
+    finally:
+        await (await channel.get_queue(queue_name(queue))).cancel(consumer)

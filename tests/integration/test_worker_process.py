@@ -7,8 +7,12 @@ handler is running with an uncommitted effect — then waits while a file exists
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -23,7 +27,9 @@ from tests.fixtures_tasks.jobs import (
     publish,
     queue_depth,
 )
+from tests.support.etcd import free_port
 from tests.support.procs import Processes, duetime_argv
+from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -193,3 +199,64 @@ def test_bad_import_is_one_clear_error(test_env: dict[str, str]) -> None:
     assert result.returncode == 2
     assert "--import tests.fixtures_tasks.no_such_module" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def _readyz(port: int) -> tuple[int, dict[str, Any]]:
+    async with asyncio.timeout(5):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            data = await reader.read()
+        finally:
+            writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+async def test_readyz_means_consuming_with_pools_open(
+    procs: Processes, test_env: dict[str, str], channel: AbstractChannel, queue: str
+) -> None:
+    """A worker whose broker is a closed port retries its start and is not ready (503,
+    ``amqp`` and ``consuming`` failing, never ``"checks": {}``); once the broker answers
+    it consumes and is ready (200); when the broker connection is lost it is not ready
+    again, until it has reconnected."""
+    amqp = urlsplit(test_env["DUETIME_AMQP_URL"])
+    proxy = FaultProxy(amqp.hostname or "127.0.0.1", amqp.port or 5672, listen_port=free_port())
+    metrics_port = free_port()
+    env = {
+        **worker_env(test_env, "w-ready"),
+        "DUETIME_AMQP_URL": proxy.route(test_env["DUETIME_AMQP_URL"]),
+        "DUETIME_METRICS_PORT": str(metrics_port),
+    }
+    worker = procs.spawn(worker_argv(queue, concurrency=2, grace=1), name="w-ready", env=env)
+
+    async def answer() -> tuple[int, dict[str, Any]] | None:
+        try:
+            return await _readyz(metrics_port)
+        except OSError:
+            return None  # not listening yet
+
+    async def status_is(code: int) -> tuple[int, dict[str, Any]] | None:
+        got = await answer()
+        return got if got is not None and got[0] == code else None
+
+    code, body = await wait_for(answer, timeout=20, message=worker.tail())
+    assert code == 503, body
+    assert {"amqp", "consuming"} <= set(body["failing"]), body
+    assert body["checks"]["amqp"]["error"].startswith("NotReady: no broker connection"), body
+    assert await consumers_are(channel, queue, 0)
+
+    async with proxy:  # the broker becomes reachable: the start retry succeeds
+        _, ready = await wait_for(lambda: status_is(200), timeout=30, message=worker.tail())
+        assert ready["status"] == "ready" and set(ready["checks"]) == {"amqp", "consuming", "db"}
+        await wait_for(lambda: consumers_are(channel, queue, 1), timeout=10)
+        proxy.refuse(True)
+        proxy.cut()  # the connection is lost and cannot come back yet
+        _, lost = await wait_for(lambda: status_is(503), timeout=10, message=worker.tail())
+        assert "amqp" in lost["failing"], lost
+        proxy.refuse(False)  # it reconnects (every second) and consumes again
+        await wait_for(lambda: status_is(200), timeout=30, message=worker.tail())
+        assert worker.running()
+        worker.sigterm()
+        assert await worker.wait(15) == 0

@@ -1,7 +1,8 @@
-"""The cluster page's outside views: etcd (as ``duetime status`` reads it) and RabbitMQ.
+"""What RabbitMQ says about the job queues, for ``duetime status`` and the dashboard.
 
-RabbitMQ: a passive ``queue.declare`` per job queue answers with its ready-message and
-consumer counts without the management plugin (which a deployment may not expose).
+A passive ``queue.declare`` per job queue answers with its ready-message and consumer
+counts without the management plugin (which a deployment may not expose), and never
+creates a queue. All on one connection (the first node of the cluster that answers).
 Unacknowledged messages are not in that answer; the jobs the database holds as
 ``dispatched`` are the closest figure (published, not yet finished) and are shown
 beside it. A passive declare of a missing queue closes the channel, so each queue gets
@@ -37,10 +38,20 @@ class BrokerView:
     queues: tuple[QueueDepth, ...] = ()
     error: str | None = None
 
+    def consumers(self, queue: str) -> int | None:
+        """Consumers of ``queue`` (0 when its broker queue does not exist); None when the
+        queue was not read."""
+        for depth in self.queues:
+            if depth.queue == queue:
+                return depth.consumers or 0
+        return None
+
 
 async def read_broker(
     settings: Settings, queues: Iterable[str], timeout: float = 3.0
 ) -> BrokerView:
+    """Connect, then read every queue of ``queues``; unreachable (with the error) when
+    that fails or the whole read outlives ``timeout``. Never raises."""
     try:
         async with asyncio.timeout(timeout):
             connection = await _connect_any(amqp_urls(settings.amqp_url), timeout)
@@ -60,10 +71,10 @@ async def _connect_any(urls: tuple[str, ...], timeout: float) -> aio_pika.abc.Ab
     for url in urls[:-1]:
         with contextlib.suppress(OSError, aio_pika.exceptions.AMQPError):
             return await aio_pika.connect(
-                url, timeout=timeout, client_properties={"connection_name": "duetime-dashboard"}
+                url, timeout=timeout, client_properties={"connection_name": "duetime-status"}
             )
     return await aio_pika.connect(
-        urls[-1], timeout=timeout, client_properties={"connection_name": "duetime-dashboard"}
+        urls[-1], timeout=timeout, client_properties={"connection_name": "duetime-status"}
     )
 
 
