@@ -288,7 +288,7 @@ async def test_worker_is_refused_everything_else(world: World) -> None:
     for sql in (
         "DELETE FROM duetime.jobs",
         "INSERT INTO duetime.jobs (task) VALUES ('x')",
-        "SELECT created_by FROM duetime.jobs",
+        "SELECT last_error FROM duetime.jobs",
         "UPDATE duetime.jobs SET payload = '{}'",
         "UPDATE duetime.leader_fence SET epoch = 999",
         "SELECT * FROM duetime.leader_fence",
