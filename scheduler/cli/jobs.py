@@ -19,6 +19,7 @@ from scheduler.cli._util import (
     positive_int,
     print_json,
     print_table,
+    say,
 )
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput
@@ -76,7 +77,7 @@ def _emit(job: Job, as_json: bool) -> None:
         return
     for key, value in job.to_dict().items():
         shown = json.dumps(value) if isinstance(value, dict) else value
-        print(f"{key:16} {'-' if value is None else shown}")
+        say(f"{key:16} {'-' if value is None else shown}")
 
 
 async def run_add(args: argparse.Namespace, settings: Settings) -> int:
@@ -124,7 +125,7 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     print_table([_row(j) for j in jobs], LIST_COLUMNS)
     if len(jobs) == args.limit:
-        print(f"... more: duetime jobs list --after {jobs[-1].id}")
+        say(f"... more: duetime jobs list --after {jobs[-1].id}")
     return 0
 
 
@@ -139,7 +140,7 @@ async def _single(args: argparse.Namespace, settings: Settings, action: str) -> 
     async with opened(settings, JobStore, shard=args.shard) as store:
         job = await getattr(store, action)(args.job_id)
     if action != "get" and not args.json:
-        print(f"job {job.id} is now {job.status}")
+        say(f"job {job.id} is now {job.status}")
     else:
         _emit(job, args.json)
     return 0

@@ -173,6 +173,7 @@ class Dashboard:
                 max_size=POOL_MAX,
                 timeout=self.settings.db_timeout,
                 application_name="duetime-dashboard",
+                display=True,  # any row the database accepts renders (deep JSON too)
                 server_settings={
                     "statement_timeout": str(STATEMENT_TIMEOUT_MS),
                     "idle_in_transaction_session_timeout": str(STATEMENT_TIMEOUT_MS * 2),
