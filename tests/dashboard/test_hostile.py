@@ -1,12 +1,14 @@
-"""Rows anyone can insert do not break the dashboard (security issue, item 3): a payload
-nested 3,000 deep renders as a bounded note on every page that shows its row; and the
-500 page, for whatever still fails, carries the same security headers as the rest."""
+"""Rows and requests anyone can send do not break the dashboard (security issue, items 3
+and 4): a payload nested 3,000 deep renders as a bounded note on every page that shows
+its row; a non-ASCII cookie or CSRF field is refused (401/403), never an HTTP 500; and
+the 500 page, for whatever still fails, carries the same security headers as the rest."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.timeout(90)
 
 #: 24 KB of JSON nested 3,000 deep: valid jsonb, deeper than Python's parser goes.
 DEEP = '{"key":' * 3000 + "1" + "}" * 3000
+TOKEN = "s3cret-dashboard-token"
 HEADERS = ("content-security-policy", "x-content-type-options", "x-frame-options")
 
 
@@ -74,6 +77,35 @@ async def test_a_payload_nested_3000_deep_renders_on_every_page(cluster: Cluster
         assert len(body) < 60_000
     finally:
         await pool.execute("DELETE FROM duetime.jobs WHERE id = ANY($1::bigint[])", [dead, overdue])
+
+
+async def test_non_ascii_cookies_and_csrf_fields_are_refused_not_500(cluster: Cluster) -> None:
+    served = await cluster.start_dashboard(env={"DUETIME_DASHBOARD_TOKEN": TOKEN})
+    url = served.url
+    for cookie in ("duetime_session=é.1.2", "duetime_session=1.2.é", "duetime_csrf=é"):
+        status, headers, body = await asyncio.to_thread(
+            request, url + "/jobs", headers={"Cookie": cookie}
+        )
+        assert status == 401, (cookie, status, body[:300])
+        assert "Traceback" not in body
+        assert all(name in headers for name in HEADERS)
+    # the login form's CSRF check, with a non-ASCII field and/or cookie
+    for cookie, field in (("duetime_csrf=abc", "é"), ("duetime_csrf=é", "é"), ("", "é")):
+        form = urllib.parse.urlencode({"csrf": field, "token": "x", "next": "/"}).encode()
+        status, headers, body = await asyncio.to_thread(
+            request,
+            url + "/login",
+            data=form,
+            headers={"Cookie": cookie, "Content-Type": "application/x-www-form-urlencoded"},
+        )
+        assert status == 403, (cookie, field, status, body[:300])
+        assert "Traceback" not in body
+        assert all(name in headers for name in HEADERS)
+    # a Bearer token that is not ASCII is a wrong token
+    status, _, _ = await asyncio.to_thread(
+        request, url + "/jobs", headers={"Authorization": "Bearer é"}
+    )
+    assert status == 401
 
 
 async def _get(app: Any, path: str) -> tuple[int, dict[str, str], str]:
