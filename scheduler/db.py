@@ -57,10 +57,53 @@ def decode_jsonb(text: str) -> Any:
     return json.loads(text, parse_int=_big_int)
 
 
-async def init_connection(conn: asyncpg.Connection) -> None:
-    await conn.set_type_codec(
-        "jsonb", encoder=json.dumps, decoder=decode_jsonb, schema="pg_catalog"
-    )
+#: Views (the CLI, the dashboard) show JSON nested at most this deep; deeper values are
+#: replaced by a note (``NOT_SHOWN``) carrying the first ``SHOWN_TEXT`` characters.
+SHOWN_DEPTH = 64
+SHOWN_TEXT = 2000
+NOT_SHOWN = "(duetime: not shown)"
+
+
+def json_depth(value: Any) -> int:
+    """How deep ``value`` nests (``{}``/``[]`` = 1, a scalar = 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def decode_jsonb_for_display(text: str) -> Any:
+    """``decode_jsonb`` for connections that only show rows (``create_pool(display=
+    True)``: the CLI, the dashboard). Any value the database accepts decodes: JSON nested
+    deeper than Python's parser goes (RecursionError), or deeper than ``SHOWN_DEPTH``
+    (every later step, ``dataclasses.asdict``, ``json.dumps``, a template, recurses), is
+    replaced by ``{NOT_SHOWN: "<why>; <n> characters of JSON, the first 2000: …"}``.
+    Workers and the leader keep the strict decoder: they park rows they cannot read."""
+    try:
+        value = decode_jsonb(text)
+    except (RecursionError, ValueError) as exc:
+        why = f"JSON the client cannot decode ({type(exc).__name__})"
+    else:
+        depth = json_depth(value)
+        if depth <= SHOWN_DEPTH:
+            return value
+        why = f"JSON nested {depth} levels deep (views show up to {SHOWN_DEPTH})"
+    cut = "the first " + str(SHOWN_TEXT) if len(text) > SHOWN_TEXT else "all"
+    return {NOT_SHOWN: f"{why}; {len(text)} characters of JSON, {cut}: {text[:SHOWN_TEXT]}"}
+
+
+async def init_connection(conn: asyncpg.Connection, *, display: bool = False) -> None:
+    decoder = decode_jsonb_for_display if display else decode_jsonb
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=decoder, schema="pg_catalog")
 
 
 async def keep_session(conn: asyncpg.Connection) -> None:
@@ -143,6 +186,7 @@ async def create_pool(
     prepare: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
     bound_statements: bool = True,
     pooler: str = "none",
+    display: bool = False,
     **kwargs: Any,
 ) -> asyncpg.Pool:
     """A pool whose connections get the codecs, then ``prepare`` (once per connection:
@@ -152,10 +196,11 @@ async def create_pool(
     ``bound_statements`` is False: the worker's handler pool, whose statements are
     bounded by each task's own timeout (a report that only ever runs for minutes must
     not fail at 30 s with a bare ``TimeoutError``), and whose worker statements pass
-    their own bound. ``pooler``: how the connections reach PostgreSQL (``POOLERS``)."""
+    their own bound. ``pooler``: how the connections reach PostgreSQL (``POOLERS``).
+    ``display``: a pool that only shows rows (``decode_jsonb_for_display``)."""
 
     async def init(conn: asyncpg.Connection) -> None:
-        await init_connection(conn)
+        await init_connection(conn, display=display)
         if prepare is not None:
             await prepare(conn)
 

@@ -111,12 +111,32 @@ def message_id(job_id: int, attempt: int) -> str:
     return f"{job_id}:{attempt}"
 
 
-def effective_key(job_id: int, idempotency_key: str | None) -> str:
-    """A job's idempotency key (contract): the row's own, else ``job:<id>``; an empty
-    key counts as none. The worker reads the same rule in SQL, in the statement that
-    locks the row (``begin_deliveries`` in scheduler/sql/execution.sql);
-    tests/integration/test_effective_key.py checks that the two agree."""
-    return idempotency_key or f"job:{job_id}"
+def effective_key(
+    job_id: int,
+    idempotency_key: str | None,
+    *,
+    schedule_id: int | None,
+    created_by: str | None,
+) -> str:
+    """A job's ledger key (contract, migration 0007), the twin of the SQL function
+    ``duetime.effective_key`` that the worker's ``begin_deliveries`` calls
+    (scheduler/sql/execution.sql); tests/integration/test_effective_key.py checks that
+    the two agree.
+
+    - no key (``None`` or empty) → ``job:<id>``;
+    - a schedule's own key (``schedule:<schedule_id>:…`` on a row carrying that
+      ``schedule_id``, which only the planner, ``schedules trigger`` and the owner can
+      set) → the key as written;
+    - any other key ``K`` → ``key:<n>:<created_by>:K``, ``n`` the length of
+      ``created_by``: a producer's key is scoped by the role that inserted it, so one
+      producer's key never deduplicates another's job (docs/security.md).
+    """
+    if not idempotency_key:
+        return f"job:{job_id}"
+    if schedule_id is not None and idempotency_key.startswith(f"schedule:{schedule_id}:"):
+        return idempotency_key
+    owner = created_by or ""
+    return f"key:{len(owner)}:{owner}:{idempotency_key}"
 
 
 def _shortstr(text: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import asyncpg
 
+from scheduler.cli._util import printable
 from scheduler.config import Settings, load_settings
 from scheduler.errors import DuetimeError
 from scheduler.log import configure_logging, scrub
@@ -122,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = asyncio.run(result)
         return int(result or 0)
     except DuetimeError as exc:
-        print(f"duetime: error: {scrub(str(exc))}", file=sys.stderr)
+        print(f"duetime: error: {printable(scrub(str(exc)))}", file=sys.stderr)
         return exc.exit_code
     except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError) as exc:
         print(
@@ -133,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except asyncpg.PostgresError as exc:
         print(
-            f"duetime: error: PostgreSQL: {type(exc).__name__}: {scrub(str(exc))}", file=sys.stderr
+            f"duetime: error: PostgreSQL: {type(exc).__name__}: {printable(scrub(str(exc)))}",
+            file=sys.stderr,
         )
         return 1
     except KeyboardInterrupt:

@@ -1,4 +1,11 @@
-"""Shared CLI helpers: argument parsers that give one-line errors, table/JSON output."""
+r"""Shared CLI helpers: argument parsers that give one-line errors, table/JSON output.
+
+Everything a command prints about rows goes through ``say``/``print_table`` (text, with
+``printable``) or ``print_json`` (JSON escapes control characters itself): a task name,
+queue, key, error or payload is data anyone who can insert a row chose, and raw terminal
+escapes in it (``\x1b]0;title\x07`` retitles the window, ``\x1b[2J`` clears the
+screen, OSC 52 writes the clipboard, bidi overrides reorder what the reader sees) must
+reach the terminal as visible text, never as control sequences."""
 
 from __future__ import annotations
 
@@ -20,6 +27,30 @@ from scheduler.errors import InvalidInput
 
 T = TypeVar("T", int, float)
 S = TypeVar("S")
+
+#: C0 and C1 controls, DEL, and the format characters that reorder or break lines.
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _NAMED.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def printable(text: str) -> str:
+    r"""``text`` with every control character written as an escape (``\x1b``, ``\n``,
+    ``\u202e``), so it prints as what it is."""
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def say(text: str = "") -> None:
+    """Print one line of a command's output, control characters escaped (``printable``)."""
+    print(printable(text))
+
 
 _DURATION = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h|d|w)")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -170,14 +201,15 @@ def _cell(value: Any) -> str:
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    cells = [[printable(_cell(r.get(c))) for c in columns] for r in rows]
     widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
-    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    say("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
 
 
 def print_json(value: Any) -> None:
+    r"""``value`` as indented JSON (ASCII: every control character is a ``\u`` escape)."""
     print(json.dumps(value, indent=2, default=str, sort_keys=True))
 
 
@@ -203,7 +235,7 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> int:
     if args.json:
         print_json(data)
     else:
-        print(text)
+        say(text)
     return 0
 
 
@@ -236,7 +268,7 @@ async def opened(
     """``store`` (``JobStore``, ``ScheduleStore``) on a pool of its own to ``shard``'s
     database (``shard_settings``), closed after: one command, a couple of statements."""
     settings = shard_settings(settings, shard)
-    pool: asyncpg.Pool = await db.pool_from_settings(settings, max_size=2)
+    pool: asyncpg.Pool = await db.pool_from_settings(settings, max_size=2, display=True)
     try:
         yield store(pool, acquire_timeout=settings.db_timeout)
     finally:

@@ -19,6 +19,7 @@ from scheduler.cli._util import (
     positive_int,
     print_json,
     print_table,
+    say,
 )
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput
@@ -78,7 +79,7 @@ def _emit(job: Job, as_json: bool) -> None:
         shown = json.dumps(value) if isinstance(value, dict) else value
         if key == "attempt":  # the budget that applied (a failure records the task's own)
             shown = f"{job.attempt} of {job.max_attempts}"
-        print(f"{key:16} {'-' if value is None else shown}")
+        say(f"{key:16} {'-' if value is None else shown}")
 
 
 async def run_add(args: argparse.Namespace, settings: Settings) -> int:
@@ -126,7 +127,7 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     print_table([_row(j) for j in jobs], LIST_COLUMNS)
     if len(jobs) == args.limit:
-        print(f"... more: duetime jobs list --after {jobs[-1].id}")
+        say(f"... more: duetime jobs list --after {jobs[-1].id}")
     return 0
 
 
@@ -142,7 +143,7 @@ async def _single(args: argparse.Namespace, settings: Settings, action: str) -> 
     async with opened(settings, JobStore, shard=args.shard) as store:
         job = await getattr(store, action)(args.job_id)
     if action != "get" and not args.json:
-        print(f"job {job.id} is now {job.status}")
+        say(f"job {job.id} is now {job.status}")
     else:
         _emit(job, args.json)
     return 0

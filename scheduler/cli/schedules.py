@@ -23,6 +23,7 @@ from scheduler.cli._util import (
     parse_when,
     print_json,
     print_table,
+    say,
 )
 from scheduler.config import Settings
 from scheduler.cron import ScheduleSpecError
@@ -175,7 +176,7 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
     upcoming = upcoming_fire_times(schedule, datetime.now(UTC), 1)
     first = f"; first fire {_utc(upcoming[0])}" if upcoming else ""
     state = " (paused)" if schedule.paused else ""
-    print(f"created schedule {schedule.id} {schedule.name!r}: {_describe(schedule)}{state}{first}")
+    say(f"created schedule {schedule.id} {schedule.name!r}: {_describe(schedule)}{state}{first}")
     return 0
 
 
@@ -189,7 +190,7 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     print_table([_row(s, LIST_COLUMNS) for s in schedules], LIST_COLUMNS)
     if len(schedules) == limit:
-        print(f"... more: duetime schedules list --after {schedules[-1].id}")
+        say(f"... more: duetime schedules list --after {schedules[-1].id}")
     return 0
 
 
@@ -220,22 +221,22 @@ async def run_show(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 0
     _print_schedule(schedule)
-    print()
+    say()
     note = " (paused: none will fire until resumed)" if schedule.paused else ""
-    print(f"next {UPCOMING} fire times ({schedule.timezone} / UTC){note}:")
+    say(f"next {UPCOMING} fire times ({schedule.timezone} / UTC){note}:")
     if problem:
-        print(f"  unavailable: {problem}")
+        say(f"  unavailable: {problem}")
     elif not upcoming:
-        print("  none (the schedule has ended)")
+        say("  none (the schedule has ended)")
     for t in upcoming:
         assert zone is not None
-        print(f"  {_local(t, zone):32}  {_utc(t)}")
-    print()
-    print(f"recent runs ({len(runs)}):")
+        say(f"  {_local(t, zone):32}  {_utc(t)}")
+    say()
+    say(f"recent runs ({len(runs)}):")
     if runs:
         print_table([_row(job, RUN_COLUMNS) for job in runs], RUN_COLUMNS)
     else:
-        print("  none yet")
+        say("  none yet")
     return 0
 
 
@@ -304,7 +305,7 @@ def _local(t: datetime, zone: ZoneInfo) -> str:
 def _print_schedule(s: Schedule) -> None:
     for key, value in s.to_dict().items():
         shown = json.dumps(value) if isinstance(value, dict) else value
-        print(f"{key:16} {'-' if value is None else shown}")
+        say(f"{key:16} {'-' if value is None else shown}")
 
 
 def _row(item: Schedule | Job, columns: tuple[str, ...]) -> dict[str, Any]:

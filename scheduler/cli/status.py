@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from scheduler import db
-from scheduler.cli._util import print_json, print_table
+from scheduler.cli._util import print_json, print_table, say
 from scheduler.config import Settings
 from scheduler.dashboard.present import age_parts
 from scheduler.errors import ServiceUnavailable
@@ -183,30 +183,30 @@ def _age(seconds: float | None) -> str:
 def render(report: StatusReport) -> None:
     snap, etcd, fence = report.snapshot, report.etcd, report.snapshot.fence
     if fence.epoch:
-        print(
+        say(
             f"leader     {fence.leader_node or '-'}  epoch {fence.epoch}  "
             f"since {_ts(fence.elected_at)} ({_age(fence.elected_age)} ago)  "
             f"last renew {_age(fence.renewed_age)} ago"
         )
     else:
-        print("leader     none has ever fenced the database")
+        say("leader     none has ever fenced the database")
     if not etcd.reachable:
-        print(f"etcd       unreachable: {etcd.error}")
+        say(f"etcd       unreachable: {etcd.error}")
     elif etcd.leader is None:
-        print(f"etcd       {etcd.key} absent (no leader) via {etcd.endpoint}")
+        say(f"etcd       {etcd.key} absent (no leader) via {etcd.endpoint}")
     else:
         lease = (
             f", lease {etcd.lease_remaining:g}s left" if etcd.lease_remaining is not None else ""
         )
-        print(
+        say(
             f"etcd       {etcd.key} = {etcd.leader} (epoch {etcd.epoch}{lease}) via {etcd.endpoint}"
         )
     broker = report.broker
     if broker is not None and not broker.reachable:
-        print(f"broker     unreachable: {broker.error}")
+        say(f"broker     unreachable: {broker.error}")
     elif broker is not None:
-        print(f"broker     reachable ({len(broker.queues)} queue(s) read)")
-    print()
+        say(f"broker     reachable ({len(broker.queues)} queue(s) read)")
+    say()
     if snap.queues:
         rows = [
             {
@@ -226,11 +226,11 @@ def render(report: StatusReport) -> None:
         ]
         print_table(rows, QUEUE_COLUMNS)
     else:
-        print("queues     no pending, dispatched or recently dead jobs")
-    print()
+        say("queues     no pending, dispatched or recently dead jobs")
+    say()
     sched = snap.schedules
     if sched is None:
-        print("schedules  (table duetime.schedules not present: run duetime migrate)")
+        say("schedules  (table duetime.schedules not present: run duetime migrate)")
     else:
         nxt = ""
         if sched.upcoming:
@@ -241,13 +241,13 @@ def render(report: StatusReport) -> None:
                 else f"{_age(-first.fires_in)} overdue"
             )
             nxt = f"; next fire {first.name} at {_ts(first.next_fire_at)} ({when})"
-        print(f"schedules  {sched.total} ({sched.paused} paused){nxt}")
-    print()
+        say(f"schedules  {sched.total} ({sched.paused} paused){nxt}")
+    say()
     for warning in report.warnings:
-        print(f"warning: {warning.message}")
+        say(f"warning: {warning.message}")
     for problem in report.problems:
-        print(f"PROBLEM: {problem.message}")
-    print("status: OK" if report.healthy else f"status: UNHEALTHY: {report.reason}")
+        say(f"PROBLEM: {problem.message}")
+    say("status: OK" if report.healthy else f"status: UNHEALTHY: {report.reason}")
 
 
 def _shard_row(shard: ShardStatus) -> dict[str, Any]:
@@ -276,35 +276,35 @@ def _shard_row(shard: ShardStatus) -> dict[str, Any]:
 
 def render_shards(report: ShardedReport) -> None:
     print_table([_shard_row(s) for s in report.shards], SHARD_COLUMNS)
-    print()
+    say()
     etcd = report.etcd
     if not etcd.reachable:
-        print(f"etcd       unreachable: {etcd.error}")
+        say(f"etcd       unreachable: {etcd.error}")
     else:
         members = ", ".join(
             m.node + (f" (lease {m.lease_remaining:g}s left)" if m.lease_remaining else "")
             for m in etcd.members
         )
         shown = members or "none registered"
-        print(f"members    {len(etcd.members)}: {shown} (via {etcd.endpoint})")
+        say(f"members    {len(etcd.members)}: {shown} (via {etcd.endpoint})")
     if report.broker is not None and not report.broker.reachable:
-        print(f"broker     unreachable: {report.broker.error}")
+        say(f"broker     unreachable: {report.broker.error}")
     elif report.broker is not None:
-        print(f"broker     reachable ({len(report.broker.queues)} queue(s) read)")
+        say(f"broker     reachable ({len(report.broker.queues)} queue(s) read)")
     for shard in report.shards:
         if shard.report is None:
-            print(f"shard {shard.name}: unreachable: {shard.error}")
-    print()
+            say(f"shard {shard.name}: unreachable: {shard.error}")
+    say()
     for shard_name, warning in report.findings("warnings"):
         where = "" if shard_name is None else f"shard {shard_name}: "
-        print(f"warning: {where}{warning.message}")
+        say(f"warning: {where}{warning.message}")
     problems = [
         ("" if shard_name is None else f"shard {shard_name}: ") + problem.message
         for shard_name, problem in report.findings("problems")
     ]
     for problem_text in problems:
-        print(f"PROBLEM: {problem_text}")
-    print(f"status: UNHEALTHY: {problems[0]}" if problems else "status: OK")
+        say(f"PROBLEM: {problem_text}")
+    say(f"status: UNHEALTHY: {problems[0]}" if problems else "status: OK")
 
 
 def _ts(value: Any) -> str:

@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -119,7 +119,28 @@ def _errors(dash: Dashboard) -> dict[Any, Callable[[Request, Exception], Awaitab
     async def duetime_error(request: Request, exc: Exception) -> Response:
         return dash.render(request, "error.html", 400, title="Error", message=str(exc))
 
+    async def internal(request: Request, exc: Exception) -> Response:
+        # Starlette answers unhandled errors outside every middleware, the Gate's
+        # security headers included: this page adds them itself, and names no detail
+        # (the traceback goes to the log, scrubbed of secrets).
+        log.error(
+            "dashboard_internal_error",
+            path=request.url.path,
+            error=scrub(f"{type(exc).__name__}: {exc}")[:500],
+            exc_info=exc,
+        )
+        response: Response
+        try:
+            response = dash.render(
+                request, "error.html", 500, title="Internal error",
+                message="The dashboard failed to build this page; the details are in its log.",
+            )  # fmt: skip
+        except Exception:  # the page itself could not be built (no request state, say)
+            response = PlainTextResponse("Internal error: the details are in the log.", 500)
+        return _harden(response)
+
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        Exception: internal,
         JobNotFound: not_found,
         ScheduleNotFound: not_found,
         UnknownShard: not_found,

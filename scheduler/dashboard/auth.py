@@ -91,14 +91,15 @@ class Auth:
         return self.token is not None
 
     def _sign(self, text: str) -> str:
-        return hmac.new(self.key, text.encode(), hashlib.sha256).hexdigest()
+        # any str a client sent (non-ASCII, even a lone surrogate) signs: never a 500
+        return hmac.new(self.key, text.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
     # -- credentials ---------------------------------------------------------------------
 
     def token_matches(self, offered: str | None) -> bool:
         if self.token is None or not offered:
             return False
-        return hmac.compare_digest(offered.encode(), self.token.encode())
+        return _same(offered, self.token)
 
     def bearer_ok(self, header: str | None) -> bool:
         if not header or not header.lower().startswith("bearer "):
@@ -114,7 +115,7 @@ class Auth:
         if not cookie or cookie.count(".") != 2:
             return False
         body, _, signature = cookie.rpartition(".")
-        if not hmac.compare_digest(signature, self._sign("session:" + body)):
+        if not _same(signature, self._sign("session:" + body)):
             return False
         issued = body.split(".", 1)[0]
         if not issued.isdigit():
@@ -134,4 +135,12 @@ class Auth:
     def csrf_ok(self, cookie: str | None, offered: str | None) -> bool:
         if not cookie or not offered:
             return False
-        return hmac.compare_digest(offered, self.csrf_token(cookie))
+        return _same(offered, self.csrf_token(cookie))
+
+
+def _same(offered: str, expected: str) -> bool:
+    """Constant-time equality of a client's string and ours. ``hmac.compare_digest``
+    raises TypeError on a str that is not ASCII (a cookie or form field anyone can send:
+    that was an HTTP 500 before login), so both are compared as UTF-8 bytes."""
+    encode = "utf-8", "surrogatepass"
+    return hmac.compare_digest(offered.encode(*encode), expected.encode(*encode))

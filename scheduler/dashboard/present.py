@@ -178,8 +178,13 @@ def utc(value: datetime | None) -> str:
 
 
 def pretty_json(value: Any, cap: int = PAYLOAD_CAP) -> tuple[str, bool]:
-    """Indented JSON, cut at ``cap`` characters; (text, was_cut)."""
-    text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+    """Indented JSON, cut at ``cap`` characters; (text, was_cut). The dashboard's pools
+    decode deep JSON to a note (``db.decode_jsonb_for_display``); a value that still
+    cannot be written out is shown as a note, never an error page."""
+    try:
+        text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+    except (RecursionError, ValueError) as exc:
+        return f"(not shown: the value cannot be written as JSON: {type(exc).__name__})", False
     if len(text) > cap:
         return text[:cap], True
     return text, False

@@ -174,6 +174,7 @@ class Dashboard:
                 timeout=self.settings.db_timeout,
                 application_name="duetime-dashboard",
                 pooler=self.settings.database_pooler,
+                display=True,  # any row the database accepts renders (deep JSON too)
                 server_settings={
                     "statement_timeout": str(STATEMENT_TIMEOUT_MS),
                     "idle_in_transaction_session_timeout": str(STATEMENT_TIMEOUT_MS * 2),

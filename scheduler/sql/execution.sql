@@ -15,9 +15,11 @@
 -- for the dispatcher's claim transaction (it publishes before it commits) and is released
 -- when this statement ends. The row is authoritative: task and payload are read here, in
 -- the statement that locks the row, never taken from the message. `key` is the job's
--- idempotency key, the row's else 'job:<id>': the rule of scheduler.messages.effective_key,
--- written here so the ledger check runs in this statement (the two are checked to agree by
--- tests/integration/test_effective_key.py). `done` says the ledger already holds it (the
+-- ledger key, duetime.effective_key() (migration 0007: a producer's key scoped by
+-- created_by, else 'job:<id>', a schedule's own key as written), the twin of
+-- scheduler.messages.effective_key, computed here so the ledger check runs in this
+-- statement (the two are checked to agree by tests/integration/test_effective_key.py).
+-- `done` says the ledger already holds it (the
 -- effect was applied by an earlier delivery). `i` is the position in the input arrays;
 -- missing jobs return no row.
 SELECT w.i, j.status, j.attempt, j.max_attempts, j.queue, j.task, j.payload,
@@ -29,7 +31,8 @@ SELECT w.i, j.status, j.attempt, j.max_attempts, j.queue, j.task, j.payload,
         -- LATERAL: one primary-key lookup per delivery, pruned to its partition at run
         -- time, whatever the statistics say (a join let the planner scan whole buckets)
         SELECT status, attempt, max_attempts, queue, task, payload,
-               coalesce(nullif(idempotency_key, ''), 'job:' || id) AS effective_key,
+               duetime.effective_key(id, idempotency_key, schedule_id, created_by)
+                   AS effective_key,
                coalesce(run_at, due_at) AS run_time
           FROM duetime.jobs
          WHERE id = w.id AND due_at = w.due_at

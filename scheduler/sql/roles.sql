@@ -78,11 +78,14 @@ CREATE POLICY "{producer}_own_schedules" ON duetime.schedules FOR SELECT TO "{pr
 -- execution.sql: begin_deliveries (SELECT ... FOR KEY SHARE, which needs UPDATE on a
 -- column; it reads task and payload: the row, not the message, says what runs),
 -- complete/finish, schedule_retry, mark_dead, heartbeat; the ledger insert. Not
--- DELETE, not the fence, not INSERT into jobs, not schedules, not created_by. Handlers'
--- own tables (ctx.db) are the application's to grant to the worker login user.
+-- DELETE, not the fence, not INSERT into jobs, not schedules. schedule_id and created_by
+-- are read only to compute the ledger key (duetime.effective_key, migration 0007: a
+-- producer's key is scoped by the role that inserted it). Handlers' own tables (ctx.db)
+-- are the application's to grant to the worker login user.
 GRANT SELECT (id, due_at, run_at, status, attempt, max_attempts, queue, idempotency_key,
-              task, payload)
+              task, payload, schedule_id, created_by)
     ON duetime.jobs TO "{worker}";
+GRANT EXECUTE ON FUNCTION duetime.effective_key(bigint, text, bigint, text) TO "{worker}";
 GRANT UPDATE (status, attempt, run_at, last_error, dispatched_at, heartbeat_at,
               dispatch_epoch, finished_at, max_attempts)
     ON duetime.jobs TO "{worker}";

@@ -55,11 +55,18 @@ class Job:
     dispatch_epoch: int | None
     last_error: str | None
     schedule_id: int | None
+    #: the role that inserted the row (migration 0005): scopes its idempotency key
+    created_by: str | None
 
     @property
     def effective_key(self) -> str:
         """The ledger key (``scheduler.messages.effective_key``)."""
-        return effective_key(self.id, self.idempotency_key)
+        return effective_key(
+            self.id,
+            self.idempotency_key,
+            schedule_id=self.schedule_id,
+            created_by=self.created_by,
+        )
 
     @property
     def next_run_at(self) -> datetime:
@@ -179,7 +186,7 @@ class LockedJob:
     queue: str
     task: str
     payload: dict[str, Any]
-    key: str  # the effective idempotency key: the row's, else job:<id>
+    key: str  # the ledger key: duetime.effective_key() of the row (migration 0007)
     run_time: datetime  # coalesce(run_at, due_at): when this attempt was meant to run
     done: bool  # the ledger already holds the key: the effect was applied before
 

@@ -61,7 +61,7 @@ async def dispatched_job(
     async with pool.acquire() as conn:
         row = await conn.fetchrow(
             "INSERT INTO duetime.jobs (task, payload, queue, max_attempts, idempotency_key) "
-            "VALUES ($1, $2, $3, $4, $5) RETURNING id, due_at",
+            "VALUES ($1, $2, $3, $4, $5) RETURNING id, due_at, created_by",
             task,
             payload,
             queue,
@@ -80,7 +80,9 @@ async def dispatched_job(
         task=task,
         queue=queue,
         payload=payload,
-        key=effective_key(row["id"], idempotency_key),
+        key=effective_key(
+            row["id"], idempotency_key, schedule_id=None, created_by=row["created_by"]
+        ),
     )
 
 

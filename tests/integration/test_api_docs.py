@@ -166,10 +166,14 @@ async def check_effects(conn: asyncpg.Connection) -> None:
     assert len(done) == 4
     receipts = await conn.fetch("SELECT order_id, sent_with FROM receipts ORDER BY order_id")
     assert [r["order_id"] for r in receipts] == [1, 2, 6]
-    assert receipts[1]["sent_with"] == "receipt:2"
+    # the producer's key scoped by the role that inserted it (migration 0007)
+    scoped = await conn.fetchval(
+        "SELECT 'key:' || length(current_user) || ':' || current_user || ':receipt:2'"
+    )
+    assert receipts[1]["sent_with"] == scoped
     assert receipts[0]["sent_with"] == f"job:{by_order[1][0]['id']}"
     ledger = await conn.fetchval(
-        "SELECT count(*) FROM duetime.job_ledger WHERE idempotency_key = 'receipt:2'"
+        "SELECT count(*) FROM duetime.job_ledger WHERE idempotency_key = $1", scoped
     )
     assert ledger == 1
     (missing,) = by_order[404]

@@ -332,3 +332,84 @@ async def test_unreachable_database_exits_1_with_one_line(env: dict[str, str]) -
         "cannot connect to PostgreSQL at postgresql://postgres:***@127.0.0.1:1/x"
     )
     assert "pw-s3cret" not in run.err
+
+
+# -- hostile rows (security issue, items 2 and 3) -----------------------------------------
+
+ESCAPES = "\x1b]0;title\x07\x1b[2J"
+#: 24 KB of JSON nested 3,000 deep: valid jsonb, deeper than Python's parser goes.
+DEEP = '{"key":' * 3000 + "1" + "}" * 3000
+
+
+async def test_terminal_escapes_in_rows_are_printed_escaped(
+    env: dict[str, str], pool: asyncpg.Pool
+) -> None:
+    """A task name, an error and a schedule name carrying OSC (window title) and CSI
+    (clear screen) sequences print as visible escapes in every listing."""
+    job_id = await pool.fetchval(
+        "INSERT INTO duetime.jobs (task, payload, due_at, status, last_error) "
+        "VALUES ($1, $2, now() + interval '1 day', 'dead', $3) RETURNING id",
+        f"evil{ESCAPES}",
+        {"note": f"p{ESCAPES}"},
+        f"boom{ESCAPES}\u202etxt.exe",
+    )
+    await pool.execute(
+        "INSERT INTO duetime.schedules (name, task, cron, paused) "
+        "VALUES ($1, $2, '0 0 1 1 *', true)",
+        f"sched{ESCAPES}",
+        f"stask{ESCAPES}",
+    )
+    shown = "\\x1b]0;title\\x07\\x1b[2J"
+    runs = {
+        "jobs list": await duetime(env, "jobs", "list", "--status", "dead"),
+        "jobs show": await duetime(env, "jobs", "show", str(job_id)),
+        "schedules list": await duetime(env, "schedules", "list"),
+        "schedules show": await duetime(env, "schedules", "show", f"sched{ESCAPES}"),
+    }
+    for name, run in runs.items():
+        assert run.code == 0, (name, run)
+        assert "\x1b" not in run.out and "\x07" not in run.out, (name, run.out)
+        assert "\u202e" not in run.out, (name, run.out)
+    assert f"evil{shown}" in runs["jobs list"].out
+    assert f"evil{shown}" in runs["jobs show"].out
+    assert f"boom{shown}\\u202etxt.exe" in runs["jobs show"].out
+    assert f"sched{shown}" in runs["schedules list"].out
+    assert f"stask{shown}" in runs["schedules show"].out
+    # --json stays JSON (its own escapes), the same text once decoded
+    run = await duetime(env, "jobs", "show", str(job_id), "--json")
+    assert run.code == 0 and "\x1b" not in run.out
+    assert run.json()["task"] == f"evil{ESCAPES}"  # type: ignore[index]
+
+
+async def test_a_payload_nested_3000_deep_is_shown_bounded(
+    env: dict[str, str], pool: asyncpg.Pool
+) -> None:
+    """Every view of a row survives any row the database accepts: the payload is shown
+    as a bounded note, never a traceback."""
+    job_id = await pool.fetchval(
+        "INSERT INTO duetime.jobs (task, payload, due_at, status) "
+        "VALUES ('deep', $1::text::jsonb, now() + interval '1 day', 'dead') RETURNING id",
+        DEEP,
+    )
+    await pool.execute(
+        "INSERT INTO duetime.schedules (name, task, cron, paused, payload) "
+        "VALUES ('deep-schedule', 'deep', '0 0 1 1 *', true, $1::text::jsonb)",
+        DEEP,
+    )
+    for args in (
+        ("jobs", "show", str(job_id)),
+        ("jobs", "show", str(job_id), "--json"),
+        ("jobs", "list", "--status", "dead"),
+        ("jobs", "list", "--status", "dead", "--json"),
+        ("schedules", "list"),
+        ("schedules", "show", "deep-schedule"),
+        ("schedules", "show", "deep-schedule", "--json"),
+    ):
+        run = await duetime(env, *args)
+        assert run.code == 0, (args, run)
+        assert "Traceback" not in run.err and "RecursionError" not in run.err, (args, run.err)
+    run = await duetime(env, "jobs", "show", str(job_id))
+    assert "(duetime: not shown)" in run.out
+    assert "JSON the client cannot decode (RecursionError); " in run.out
+    assert "characters of JSON, the first 2000: {" in run.out
+    assert len(run.out) < 5000

@@ -92,7 +92,9 @@ async def test_enqueue_defaults_and_values(store: JobStore, pool: asyncpg.Pool) 
         9,
         "report:2031-07-01",
     )
-    assert full.effective_key == "report:2031-07-01"
+    # the ledger key: the producer's key scoped by the role that inserted it
+    owner = full.created_by or ""
+    assert full.effective_key == f"key:{len(owner)}:{owner}:report:2031-07-01"
     assert await store.get(full.id) == full
 
 

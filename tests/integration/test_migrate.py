@@ -14,6 +14,8 @@ from scheduler import db
 from scheduler.migrate import MigrationError, migrate
 from scheduler.sql import migrations
 from scheduler.store.dispatch import DispatchStore
+from scheduler.store.execution import ExecutionStore
+from scheduler.store.rows import JobRef
 from tests.support.cli import run_duetime
 
 LATEST = max(version for version, _, _ in migrations())
@@ -138,26 +140,31 @@ async def test_unreachable_database_is_one_line(test_env: dict[str, str]) -> Non
     assert "pw-s3cret" not in err
 
 
+async def _migrate_before(conn: asyncpg.Connection, version: int) -> None:
+    """Apply the migrations before ``version`` as ``migrate`` would have."""
+    await conn.execute(
+        "CREATE SCHEMA duetime; CREATE TABLE duetime.schema_migrations ("
+        "version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL, "
+        "applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    for number, name, sql in migrations():
+        if number < version:
+            await conn.execute(sql)
+            await conn.execute(
+                "INSERT INTO duetime.schema_migrations VALUES ($1, $2, $3)",
+                number,
+                name,
+                hashlib.sha256(sql.encode()).hexdigest()[:16],
+            )
+
+
 async def test_0006_parks_existing_rows_it_would_refuse(fresh_dsn: str) -> None:
     """Rows written before the date bounds existed do not fail the migration: jobs go
     dead, schedules are paused, each with last_error naming the value, and afterwards
     every row can be read by the client and claimed past."""
     conn = await asyncpg.connect(fresh_dsn, timeout=10)
     try:
-        await conn.execute(
-            "CREATE SCHEMA duetime; CREATE TABLE duetime.schema_migrations ("
-            "version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL, "
-            "applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        for version, name, sql in migrations():
-            if version < 6:
-                await conn.execute(sql)
-                await conn.execute(
-                    "INSERT INTO duetime.schema_migrations VALUES ($1, $2, $3)",
-                    version,
-                    name,
-                    hashlib.sha256(sql.encode()).hexdigest()[:16],
-                )
+        await _migrate_before(conn, 6)
         await conn.execute(
             "INSERT INTO duetime.jobs (task, due_at) VALUES ('bc', '0044-03-15 BC'), "
             "('far', '20000-01-01 00:00:00+00'), ('ok', now())"
@@ -200,5 +207,87 @@ async def test_0006_parks_existing_rows_it_would_refuse(fresh_dsn: str) -> None:
         async with pool.acquire() as conn, conn.transaction():
             claimed = await DispatchStore(pool).claim(conn, 10)
         assert [job.task for job in claimed] == ["ok"]
+    finally:
+        await pool.close()
+
+
+async def test_0007_scopes_existing_ledger_keys_and_parks_reserved_ones(fresh_dsn: str) -> None:
+    """Upgrading keeps what the ledger knew (a producer's completed key still dedupes its
+    duplicate, now under the scoped key) and undoes a plant made before the upgrade: the
+    ledger row `job:<victim>` of mallory's job moves to mallory's scope, so the victim
+    runs; a reserved key still on a job parks it."""
+    conn = await asyncpg.connect(fresh_dsn, timeout=10)
+    try:
+        await _migrate_before(conn, 7)
+
+        async def job(key: str | None, created_by: str, status: str, schedule: int | None) -> int:
+            return int(
+                await conn.fetchval(
+                    "INSERT INTO duetime.jobs (task, idempotency_key, created_by, status, "
+                    "schedule_id) VALUES ('t', $1, $2, $3, $4) RETURNING id",
+                    key,
+                    created_by,
+                    status,
+                    schedule,
+                )
+            )
+
+        async def ledger(key: str, job_id: int) -> None:
+            await conn.execute(
+                "INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task) "
+                "VALUES ($1, $2, 1, 't')",
+                key,
+                job_id,
+            )
+
+        victim = await job(None, "alice", "pending", None)
+        planter = await job(f"job:{victim}", "mallory", "succeeded", None)
+        await ledger(f"job:{victim}", planter)
+        order = await job("order:1", "alice", "succeeded", None)
+        await ledger("order:1", order)
+        duplicate = await job("order:1", "alice", "pending", None)
+        fire = "schedule:5:2031-01-01T00:00:00Z"
+        planned = await job(fire, "duetime_s1", "succeeded", 5)
+        await ledger(fire, planned)
+        planted_fire = await job("schedule:9:2031-01-01T00:00:00Z", "mallory", "pending", None)
+    finally:
+        await conn.close()
+
+    assert (await migrate(fresh_dsn)).applied == [a for a in ALL_APPLIED if a >= "0007"]
+
+    pool = await db.create_pool(fresh_dsn, max_size=2)
+    try:
+        keys = {
+            r["job_id"]: r["idempotency_key"]
+            for r in await pool.fetch("SELECT * FROM duetime.job_ledger")
+        }
+        assert keys == {
+            planter: f"key:7:mallory:job:{victim}",
+            order: "key:5:alice:order:1",
+            planned: fire,
+        }
+        rows = await pool.fetch(
+            "SELECT id, due_at, status, idempotency_key, last_error FROM duetime.jobs"
+        )
+        by_id = {r["id"]: r for r in rows}
+        parked = by_id[planted_fire]
+        assert (parked["status"], parked["idempotency_key"]) == ("dead", None)
+        assert parked["last_error"].startswith(
+            "idempotency key 'schedule:9:2031-01-01T00:00:00Z' uses a prefix reserved"
+        )
+        assert by_id[planter]["idempotency_key"] is None  # terminal: only the key cleared
+        assert by_id[planter]["status"] == "succeeded"
+        await pool.execute(
+            "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+            "dispatch_epoch = (SELECT epoch FROM duetime.leader_fence WHERE shard = 0) "
+            "WHERE status = 'pending'"
+        )
+        locked = await ExecutionStore(pool).begin(
+            [JobRef(i, by_id[i]["due_at"], 1) for i in (victim, duplicate)]
+        )
+        assert [(j.key, j.done) for j in locked if j is not None] == [
+            (f"job:{victim}", False),  # the plant no longer settles it
+            ("key:5:alice:order:1", True),  # the ledger still knows alice's key
+        ]
     finally:
         await pool.close()

@@ -37,6 +37,7 @@ from scheduler.planning import ScheduleSpec
 from scheduler.roles import RoleNames, apply_roles, drop_roles_connection
 from scheduler.store import DispatchStore, ExecutionStore, JobStore, ScheduleStore
 from scheduler.store.fence import FenceStore
+from scheduler.store.rows import JobRef
 from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
@@ -189,6 +190,36 @@ async def test_producer_is_refused_everything_else(world: World) -> None:
         await FenceStore(p).advance(10**9, "evil")
 
 
+async def test_producers_keys_are_their_own(world: World) -> None:
+    """Migration 0007 through the real roles: a producer cannot write the system's key
+    forms nor set schedule_id, and two producers' equal keys are two ledger keys, which
+    the worker role computes (it reads created_by and schedule_id for that)."""
+    for key in ("job:1", "schedule:1:2031-01-01T00:00:00Z", "key:5:alice:x"):
+        with pytest.raises(asyncpg.CheckViolationError, match="jobs_idempotency_key_reserved"):
+            await JobStore(world.producer).enqueue("p.key", idempotency_key=key)
+    with pytest.raises(DENIED):
+        await world.producer.execute(
+            "INSERT INTO duetime.jobs (task, idempotency_key, schedule_id) "
+            "VALUES ('p.key', 'schedule:1:x', 1)"
+        )
+    one = await JobStore(world.producer).enqueue("p.key", idempotency_key="order:1")
+    two = await JobStore(world.producer2).enqueue("p.key", idempotency_key="order:1")
+    assert one.effective_key != two.effective_key
+    assert one.effective_key.endswith(":order:1") and one.created_by
+    assert one.effective_key == f"key:{len(one.created_by)}:{one.created_by}:order:1"
+    await world.owner.execute(
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+        f"dispatch_epoch = {FENCE_EPOCH} WHERE id = ANY($1::bigint[])",
+        [one.id, two.id],
+    )
+    refs = [JobRef(job.id, job.due_at, 1) for job in (one, two)]
+    locked = await ExecutionStore(world.worker).begin(refs)
+    assert [(j.key, j.done) for j in locked if j is not None] == [
+        (one.effective_key, False),
+        (two.effective_key, False),
+    ]
+
+
 async def test_producer_bulk_copy_is_refused_by_row_level_security(world: World) -> None:
     """Known limitation (docs/security.md): PostgreSQL refuses COPY FROM into a table
     with row-level security for roles subject to it; producers batch with INSERT."""
@@ -288,7 +319,7 @@ async def test_worker_is_refused_everything_else(world: World) -> None:
     for sql in (
         "DELETE FROM duetime.jobs",
         "INSERT INTO duetime.jobs (task) VALUES ('x')",
-        "SELECT created_by FROM duetime.jobs",
+        "SELECT last_error FROM duetime.jobs",
         "UPDATE duetime.jobs SET payload = '{}'",
         "UPDATE duetime.leader_fence SET epoch = 999",
         "SELECT * FROM duetime.leader_fence",

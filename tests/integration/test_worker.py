@@ -340,7 +340,8 @@ async def test_the_rows_own_key_is_the_ledger_key_and_dedupes_across_jobs(
     effects_table: str,
 ) -> None:
     """The key comes from the locked row (the message's is only the fallback): two jobs a
-    producer gave the same key run once; the second is settled as already done."""
+    producer gave the same key run once; the second is settled as already done. The
+    ledger key is the producer's key scoped by the inserting role (migration 0007)."""
     registry = recording_registry()
     seen: list[str] = []
 
@@ -362,12 +363,12 @@ async def test_the_rows_own_key_is_the_ledger_key_and_dedupes_across_jobs(
         await wait_for(lambda: status_is(db_pool, first, "succeeded", 1), timeout=10)
         await publish(channel, queue, second.message(1))
         await wait_for(lambda: status_is(db_pool, second, "succeeded", 1), timeout=10)
-    assert seen == [key]
+    assert seen == [first.key] and first.key == second.key and first.key.endswith(f":{key}")
     ledger = await db_pool.fetch(
         "SELECT idempotency_key, job_id FROM duetime.job_ledger WHERE job_id = ANY($1::bigint[])",
         [first.id, second.id],
     )
-    assert [(r["idempotency_key"], r["job_id"]) for r in ledger] == [(key, first.id)]
+    assert [(r["idempotency_key"], r["job_id"]) for r in ledger] == [(first.key, first.id)]
     assert await effects(db_pool, first, effects_table) == 1
     assert await effects(db_pool, second, effects_table) == 0
 
