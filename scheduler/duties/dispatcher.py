@@ -182,8 +182,7 @@ class Dispatcher:
     async def teardown(self) -> None:
         await self._wakeups.close()
         await self.out.close()
-        self.pacing.reset()
-        self.unsettled.clear()
+        self.pacing.reset()  # ``unsettled`` is kept: a failed pass tears down too
 
     @property
     def listening(self) -> bool:

@@ -21,8 +21,9 @@ two: the one from the first failed claim and the one after the commit.
 
 Bounded: an entry lives ``ttl`` seconds (a job claimed again later simply takes the
 ordinary path), and at most ``capacity`` entries are kept, the oldest dropped first. The
-memory belongs to one dispatcher object; a new leader starts without it, which costs at
-most the duplicates the old path made.
+memory belongs to one dispatcher object and outlives its ``teardown`` (the duty loop
+tears down after every failed pass, which is exactly when it is needed); a new leader
+starts without it, which costs at most the duplicates the old path made.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import statistics
@@ -599,8 +598,12 @@ async def test_repeated_commit_failures_publish_each_job_at_most_twice(env: Env)
             for _ in range(50):
                 if await status_counts(env.pool) == {"dispatched": jobs}:
                     break
-                with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+                try:
                     await dispatcher.dispatch_batch()
+                except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+                    # what the duty loop does after a failed pass
+                    await dispatcher.teardown()
+                    await dispatcher.setup()
             assert await status_counts(env.pool) == {"dispatched": jobs}
             assert publisher.killed == kills
             await c.wait(jobs + publisher.uncommitted, timeout=20)
