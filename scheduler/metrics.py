@@ -66,6 +66,17 @@ PUBLISH_FAILURES = Counter(
     "publishes not confirmed (jobs returned to pending)",
     ["shard"],
 )
+DISPATCH_UNCOMMITTED = Counter(
+    "duetime_dispatch_uncommitted_jobs_total",
+    "jobs confirmed by RabbitMQ whose claim then failed to commit (copies a worker skips)",
+    ["shard"],
+)
+DISPATCH_AFTER_COMMIT = Counter(
+    "duetime_dispatch_after_commit_total",
+    "jobs published after their claim committed, since an uncommitted claim had already "
+    "published them, by outcome (confirmed, failed: left to the reconciler)",
+    ["shard", "outcome"],
+)
 DISPATCH_LAG = Histogram(
     "duetime_dispatch_lag_seconds", "dispatched_at minus run time", ["shard"], buckets=LAG_BUCKETS
 )

@@ -68,7 +68,7 @@ from scheduler.messages import JobMessage
 from scheduler.metrics import FIRE_LAG, JOB_DURATION, JOBS_FINISHED, MESSAGE_ROW_MISMATCH
 from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.execution import ExecutionStore
-from scheduler.store.rows import Completion, JobRef, LockedJob
+from scheduler.store.rows import UNREADABLE, Completion, JobRef, LockedJob
 from workers.batching import Coalescer
 from workers.context import JobContext
 from workers.errors import CONNECTION_ERRORS, DatabaseUnavailable
@@ -120,6 +120,16 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.InsufficientResourcesError,
     asyncpg.InsufficientPrivilegeError,
 )
+
+
+def _row_unreadable(exc: BaseException) -> bool:
+    """Whether ``begin`` failed because the client could not decode a row the server
+    returned (``UNREADABLE``), the one failure that may be blamed on a row. asyncpg's
+    own errors are excluded even where they subclass ``ValueError`` (its client-side
+    ``DataError``): they speak of the connection or of arguments, never of a row."""
+    return isinstance(exc, UNREADABLE) and not isinstance(
+        exc, (*_UNAVAILABLE, *CONNECTION_ERRORS, asyncpg.PostgresError, asyncpg.InterfaceError)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,14 +268,26 @@ class Executor:
         """``begin`` for a batch. A row the client cannot read (a payload nested deeper
         than the JSON parser goes, a value Python cannot hold) would fail every batch it
         is in, and requeue them all forever: such a batch is read again row by row, and
-        the unreadable row alone is parked."""
+        the unreadable row alone is parked.
+
+        Only a decode error (``_row_unreadable``) leads there: any other failure (the
+        connection closed or broken under the statement, asyncpg's client state machine,
+        a timeout, any server error) proves nothing about a row, so it propagates and the
+        whole batch is requeued (``DatabaseUnavailable``); nothing is re-read on the
+        connection that failed."""
         try:
             return list(await self._store.begin(refs))
-        except _UNAVAILABLE:
-            raise
         except Exception as exc:
+            if not _row_unreadable(exc):
+                raise
             if len(refs) == 1:
                 return [Unreadable(f"{type(exc).__name__}: {str(exc)[:300]}")]
+            log.warning(
+                "begin_batch_unreadable",
+                deliveries=len(refs),
+                error=f"{type(exc).__name__}: {str(exc)[:300]}",
+                next_step="read the batch row by row and park the unreadable rows",
+            )
         found: list[LockedJob | Unreadable | None] = []
         for ref in refs:
             found.extend(await self._begin([ref]))

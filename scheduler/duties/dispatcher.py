@@ -14,8 +14,13 @@ row ``pending`` and the next claim publishes it again. What a crash can leave is
 *duplicate* message (confirmed, then the commit failed); a worker that receives it
 reads the row ``FOR KEY SHARE`` — which waits for this transaction's row locks — sees
 it is not dispatched, and acks it without running, and the ledger absorbs any other
-duplicate. The transaction stays short because the batch's confirms share one
-deadline (``publish_timeout``, a few seconds); the replica's connections carry
+duplicate. Such copies are bounded: a job published by a claim that did not commit is
+remembered (``scheduler.duties.unsettled``), and when it is claimed again at the same
+attempt it is marked with the others but published only after the commit, so a storm of
+failed commits cannot publish it over and over.
+
+The transaction stays short because the batch's confirms share one deadline
+(``publish_timeout``, a few seconds); the replica's connections carry
 ``idle_in_transaction_session_timeout`` so a frozen zombie cannot hold locks forever,
 and a newer leader's ``advance`` waits for an in-flight claim before fencing.
 
@@ -68,9 +73,12 @@ from scheduler.duties.base import (
 )
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.duties.pacing import BatchReport, DispatchPacing
+from scheduler.duties.unsettled import Unsettled
 from scheduler.metrics import (
     BACKLOG,
+    DISPATCH_AFTER_COMMIT,
     DISPATCH_LAG,
+    DISPATCH_UNCOMMITTED,
     JOBS_CLAIMED,
     JOBS_PUBLISHED,
     PUBLISH_FAILURES,
@@ -137,6 +145,7 @@ class Dispatcher:
         self.clock = clock
         # a 0 sample from the start, so the first failure shows as an increase
         PUBLISH_FAILURES.labels(shard)
+        DISPATCH_UNCOMMITTED.labels(shard)
         self.loop, self.writes, self.out = publishing_parts(
             self,
             settings,
@@ -154,6 +163,7 @@ class Dispatcher:
             backlog_interval=config.backlog_interval,
             clock=clock,
         )
+        self.unsettled = Unsettled(clock=clock)
         self._wakeups = duty_listener(
             settings,
             JOBS_CHANNEL,
@@ -172,7 +182,7 @@ class Dispatcher:
     async def teardown(self) -> None:
         await self._wakeups.close()
         await self.out.close()
-        self.pacing.reset()
+        self.pacing.reset()  # ``unsettled`` is kept: a failed pass tears down too
 
     @property
     def listening(self) -> bool:
@@ -205,10 +215,12 @@ class Dispatcher:
         return self.pacing.idle(await self.store.next_run_in())
 
     async def dispatch_batch(self) -> BatchReport:
-        """One claim transaction: claim, publish with confirms, mark confirmed, commit."""
+        """One claim transaction: claim, publish with confirms, mark confirmed, commit;
+        then publish the jobs an uncommitted claim had published already."""
         epoch = self.loop.term.epoch
         started = self.clock.monotonic()
         jobs: list[ClaimedJob] = []
+        later: list[ClaimedJob] = []
         result: PublishResult | None = None
         lags: dict[int, float] = {}
         try:
@@ -217,14 +229,18 @@ class Dispatcher:
                 if not jobs:
                     return BatchReport()
                 claimed_at = self.clock.monotonic()
-                result = await self.publisher.publish(jobs, epoch)
+                fresh, later = self.unsettled.split(jobs)
+                result = await self.publisher.publish(fresh, epoch)
                 published_at = self.clock.monotonic()
-                lags = await self.store.mark_dispatched(conn, result.confirmed, epoch)
+                lags = await self.store.mark_dispatched(conn, [*result.confirmed, *later], epoch)
         except BaseException as exc:
             if result is not None and result.confirmed:
                 # published but not committed: the rows stay pending and are claimed
                 # again; workers skip these copies (row not dispatched) or the ledger
-                # absorbs them
+                # absorbs them, and the next claim of these jobs publishes after its
+                # commit (``unsettled``)
+                self.unsettled.remember(result.confirmed)
+                DISPATCH_UNCOMMITTED.labels(self.shard).inc(len(result.confirmed))
                 ids = [job.id for job in result.confirmed]
                 cancelled = isinstance(exc, asyncio.CancelledError)  # stop() mid-batch
                 (self.loop.log.warning if cancelled else self.loop.log.error)(
@@ -232,21 +248,58 @@ class Dispatcher:
                     error=f"{type(exc).__name__}: {exc}",
                     published=len(ids),
                     job_ids=ids[:MAX_IDS_LOGGED],
+                    remembered=len(self.unsettled),
+                    next_step="publish these jobs after the commit of their next claim",
                 )
             raise
         committed_at = self.clock.monotonic()
         assert result is not None
+        later = [job for job in later if job.id in lags]  # marked by this commit
+        if later:
+            result = await self._publish_after_commit(later, result, epoch)
         self._account(jobs, result, lags)
         self.loop.log.debug(
             "dispatch_batch",
             claimed=len(jobs),
             published=len(result.confirmed),
             failed=len(result.failed),
+            after_commit=len(later),
             claim_ms=round((claimed_at - started) * 1000, 2),
             publish_ms=round((published_at - claimed_at) * 1000, 2),
             commit_ms=round((committed_at - published_at) * 1000, 2),
         )
         return BatchReport(len(jobs), len(result.confirmed), len(result.failed))
+
+    async def _publish_after_commit(
+        self, jobs: list[ClaimedJob], result: PublishResult, epoch: int
+    ) -> PublishResult:
+        """Publish ``jobs`` (committed ``dispatched`` just now, published once before by a
+        claim that did not commit); returns ``result`` with their outcomes added. One
+        that is not confirmed stays dispatched for the reconciler: its row is no longer
+        ``pending``, so nothing else would send it."""
+        self.unsettled.forget(jobs)
+        after = await self.publisher.publish(jobs, epoch)
+        counter = DISPATCH_AFTER_COMMIT.labels(self.shard, "confirmed")
+        counter.inc(len(after.confirmed))
+        if after.failed:
+            DISPATCH_AFTER_COMMIT.labels(self.shard, "failed").inc(len(after.failed))
+            self.loop.log.error(
+                "dispatch_after_commit_unconfirmed",
+                **some_ids([f.job.id for f in after.failed]),
+                detail=after.failed[0].detail,
+                outcome="left dispatched: the reconciler re-publishes after visibility_timeout",
+            )
+        self.loop.log.info(
+            "dispatch_after_commit",
+            published=len(after.confirmed),
+            failed=len(after.failed),
+            reason="an earlier claim of these attempts published them and did not commit",
+        )
+        return PublishResult(
+            confirmed=[*result.confirmed, *after.confirmed],
+            failed=result.failed,
+            seconds=result.seconds + after.seconds,
+        )
 
     async def _claim(self, conn: Conn) -> list[ClaimedJob]:
         """The batch's claim; row by row, parking what cannot be read, if it must be."""
@@ -274,8 +327,8 @@ class Dispatcher:
         dispatch_lag = DISPATCH_LAG.labels(self.shard)
         for lag in lags.values():
             dispatch_lag.observe(max(0.0, lag))
-        if len(lags) != len(result.confirmed):
-            missing = sorted({job.id for job in result.confirmed} - set(lags))
+        missing = sorted({job.id for job in result.confirmed} - set(lags))
+        if missing:
             self.loop.log.error(
                 "dispatch_mark_mismatch", missing=len(missing), job_ids=missing[:MAX_IDS_LOGGED]
             )

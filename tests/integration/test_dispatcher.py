@@ -8,6 +8,7 @@ epoch the test's dispatcher uses.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import statistics
@@ -547,6 +548,70 @@ async def test_commit_failure_after_confirms_loses_nothing(
         assert sorted(set(ids)) == sorted(ids[:20]) and len(ids) == 40
         message_ids = [m.message_id for _, m in c.got]
         assert all(message_ids.count(mid) == 2 for mid in message_ids)
+    finally:
+        await dispatcher.teardown()
+        await publisher.close()
+
+
+class StormPublisher(Publisher):
+    """Kills the claim transaction's session after the publish step of each of its first
+    ``kills`` batches (a storm of ``pg_terminate_backend``), counting the jobs confirmed
+    by the claims it killed."""
+
+    def __init__(self, *args: Any, pool: asyncpg.Pool, kills: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.pool, self.left, self.killed, self.uncommitted = pool, kills, 0, 0
+
+    async def publish(self, jobs: Any, epoch: int) -> PublishResult:
+        result = await super().publish(jobs, epoch)
+        if self.left > 0:
+            killed = await self.pool.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND state = 'idle in transaction'"
+            )
+            if killed:
+                self.left -= 1
+                self.killed += 1
+                self.uncommitted += len(result.confirmed)
+        return result
+
+
+async def test_repeated_commit_failures_publish_each_job_at_most_twice(env: Env) -> None:
+    """The claim transaction dies after the confirms, batch after batch. The rows stay
+    pending and are claimed again, earliest first; a job whose claim already published it
+    is published again only after a commit, so no job has more than two copies in the
+    queue however many claims die (before: one more copy per failed claim, here 9)."""
+    jobs, kills = 300, 8
+    await insert_jobs(env.pool, env.queue, jobs)
+    publisher = StormPublisher(
+        env.settings.amqp_url,
+        delivery_limit=env.settings.delivery_limit,
+        pool=env.pool,
+        kills=kills,
+    )
+    config = config_from_settings(DispatcherConfig, env.settings, batch_size=100)
+    dispatcher = Dispatcher(env.settings, env.pool, publisher=publisher, config=config)
+    await dispatcher.setup()
+    dispatcher.loop.bind(term(1))
+    try:
+        async with Collector(env.settings.amqp_url, env.queue, env.settings.delivery_limit) as c:
+            for _ in range(50):
+                if await status_counts(env.pool) == {"dispatched": jobs}:
+                    break
+                try:
+                    await dispatcher.dispatch_batch()
+                except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+                    # what the duty loop does after a failed pass
+                    await dispatcher.teardown()
+                    await dispatcher.setup()
+            assert await status_counts(env.pool) == {"dispatched": jobs}
+            assert publisher.killed == kills
+            await c.wait(jobs + publisher.uncommitted, timeout=20)
+            await asyncio.sleep(0.3)  # nothing more arrives
+        copies = collections.Counter(c.job_ids())
+        assert len(copies) == jobs
+        assert max(copies.values()) <= 2, copies.most_common(3)
+        assert sum(copies.values()) == jobs + publisher.uncommitted <= 2 * jobs
     finally:
         await dispatcher.teardown()
         await publisher.close()
