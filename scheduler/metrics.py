@@ -90,6 +90,11 @@ JOBS_PARKED = Counter(
     ["shard", "reason"],
 )
 BACKLOG = Gauge("duetime_backlog_jobs", "pending jobs whose run time has passed", ["shard"])
+JOBS_HELD = Gauge(
+    "duetime_jobs_held",
+    "due pending jobs the dispatcher holds back (reason queue_undeclared: no duetime queues add)",
+    ["shard", "reason"],
+)
 SCHEDULE_FIRES = Counter(
     "duetime_schedule_fires_total", "fire times materialized as jobs", ["shard"]
 )

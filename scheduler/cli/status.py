@@ -40,7 +40,15 @@ warnings (each naming its shard), etcd, members, and shards (one object per shar
 name, reachable, error, healthy, etcd, leader, backlog, queues, schedules).
 """
 
-QUEUE_COLUMNS = ("queue", "pending", "due_now", "oldest_overdue", "dispatched", "dead_1h")
+QUEUE_COLUMNS = (
+    "queue",
+    "pending",
+    "due_now",
+    "oldest_overdue",
+    "dispatched",
+    "dead_1h",
+    "held",
+)
 SHARD_COLUMNS = ("shard", "leader", "epoch", "fence_epoch", "renewed", "pending", "due_now",
                  "oldest_overdue", "dispatched", "dead_1h", "state")  # fmt: skip
 
@@ -166,6 +174,7 @@ def render(report: StatusReport) -> None:
                 "oldest_overdue": _age(q.oldest_overdue) if q.oldest_overdue is not None else None,
                 "dispatched": q.dispatched,
                 "dead_1h": q.dead_last_hour,
+                "held": "" if q.declared else f"{q.held} (queue not declared)",
             }
             for q in snap.queues
         ]

@@ -232,6 +232,23 @@ class QueueStatus:
     oldest_overdue: float | None = None  # seconds the oldest due pending job is late
     dispatched: int = 0
     dead_last_hour: int = 0
+    #: False: not in duetime.queues, so its pending jobs are held, never dispatched
+    declared: bool = True
+
+    @property
+    def held(self) -> int:
+        """Due pending jobs the dispatcher holds back because the queue is undeclared."""
+        return 0 if self.declared else self.due_now
+
+
+@dataclass(frozen=True, slots=True)
+class HeldQueues:
+    """Due pending jobs held because their queue is not declared (``DispatchStore.held``):
+    the first few queue names with their counts, and the totals over every name."""
+
+    queues: tuple[tuple[str, int], ...] = ()
+    total_jobs: int = 0
+    total_queues: int = 0
 
 
 @dataclass(frozen=True, slots=True)

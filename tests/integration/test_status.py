@@ -24,6 +24,7 @@ from scheduler import db
 from scheduler.status import election_key
 from scheduler.store.status import StatusStore
 from tests.support.cli import Run, run_duetime
+from tests.support.helpers import declare_queues
 
 
 @dataclass
@@ -85,7 +86,8 @@ async def cluster(
 
 
 async def _seed_jobs(pool: asyncpg.Pool) -> None:
-    """Jobs in every state, over two queues, with known ages."""
+    """Jobs in every state, over two queues (both declared), with known ages."""
+    await declare_queues(pool, "emails")
     await pool.execute(
         """
         INSERT INTO duetime.jobs (task, queue, due_at, status, dispatched_at, finished_at,
