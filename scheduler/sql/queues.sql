@@ -9,6 +9,13 @@ VALUES ($1)
 ON CONFLICT (name) DO NOTHING
 RETURNING name;
 
+-- name: add_many
+-- The queues of the `queues` setting, declared by `duetime migrate`; returns those new.
+INSERT INTO duetime.queues (name)
+SELECT unnest($1::text[])
+ON CONFLICT (name) DO NOTHING
+RETURNING name;
+
 -- name: remove
 DELETE FROM duetime.queues WHERE name = $1 RETURNING name;
 

@@ -6,10 +6,12 @@ queues: a producer writing a new ``queue`` value cannot make RabbitMQ create any
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from scheduler import db
 from scheduler.jobspec import validate_queue
 from scheduler.sql import load
 from scheduler.store.conn import PooledStore
@@ -40,6 +42,21 @@ class QueueRow:
             "dispatched": self.dispatched,
             "held": self.held,
         }
+
+
+async def declare_queues(url: str, names: Sequence[str], *, timeout: float) -> int:
+    """Declare ``names`` in the database at ``url`` (``duetime migrate`` with the
+    ``queues`` setting, as the schema owner); returns how many were new."""
+    for name in names:
+        validate_queue(name)
+    conn = await db.connect(url, timeout=timeout, application_name="duetime:migrate")
+    try:
+        added = await conn.fetch(Q["add_many"], list(names))
+        if added:
+            await conn.execute(Q["wake"])
+    finally:
+        await conn.close()
+    return len(added)
 
 
 class QueueStore(PooledStore):

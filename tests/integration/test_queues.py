@@ -309,3 +309,51 @@ async def test_worker_warns_at_start_about_an_undeclared_queue(
     await wait_for(lambda: warning in worker.output(), timeout=20, message=worker.tail())
     assert f"queue {declared} is not declared" not in worker.output()
     await worker.stop()
+
+
+async def test_dashboard_overview_says_the_queue_is_not_declared(
+    procs: Processes, pool: asyncpg.Pool, migrated_dsn: str, test_env: dict[str, str], unique: str
+) -> None:
+    import urllib.request
+
+    from tests.dashboard.conftest import free_port
+
+    await insert_job(pool, f"undecl-{unique}")
+    port = free_port()
+    env = {**test_env, "DUETIME_DATABASE_URL": migrated_dsn}
+    served = procs.spawn(
+        duetime_argv("dashboard", "--listen", f"127.0.0.1:{port}"), name="dashboard", env=env
+    )
+
+    def overview() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
+            return str(response.read().decode())
+
+    async def up() -> bool:
+        try:
+            await asyncio.to_thread(overview)
+        except OSError:
+            return False
+        return True
+
+    await wait_for(up, timeout=20, message=served.tail())
+    page = await asyncio.to_thread(overview)
+    assert f"held: queue undecl-{unique} is not declared" in page
+    await served.stop()
+
+
+async def test_migrate_declares_the_configured_queues(
+    migrated_dsn: str, test_env: dict[str, str]
+) -> None:
+    env = {**test_env, "DUETIME_DATABASE_URL": migrated_dsn, "DUETIME_QUEUES": "emails,reports.eu"}
+    run = await run_duetime(env, "migrate")
+    assert run.code == 0, run.err
+    assert "queues declared from the configuration: emails, reports.eu (2 new)" in run.out
+    conn = await asyncpg.connect(migrated_dsn, timeout=10)
+    try:
+        names = {r["name"] for r in await conn.fetch("SELECT name FROM duetime.queues")}
+    finally:
+        await conn.close()
+    assert names == {"default", "emails", "reports.eu"}
+    bad = await run_duetime({**env, "DUETIME_QUEUES": "a b"}, "migrate")
+    assert bad.code == 2 and "'a b' is invalid" in bad.error_line()
