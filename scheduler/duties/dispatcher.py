@@ -44,6 +44,11 @@ this is the backstop for what a CHECK cannot see.
 
 Pipelining (claiming the next batch while the previous commits) was measured as not
 worth it: the commit is ~1-2 % of a batch's time (bench/dispatch_rate.py).
+
+Only declared queues (``duetime.queues``, migration 0008) are claimed, probed and so
+published: a producer's new ``queue`` value cannot make the broker create a queue. Jobs
+of other names stay pending, *held*: sampled with the backlog into ``JOBS_HELD`` and
+logged once per name (``queue_undeclared``), dispatched as soon as the name is declared.
 """
 
 from __future__ import annotations
