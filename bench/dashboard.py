@@ -26,7 +26,7 @@ from bench.harness import Sandbox, Services
 from bench.report import load_average, now_iso
 from scheduler.jobspec import JobSpec
 from scheduler.sql import load
-from scheduler.store import JobStore
+from scheduler.store import JobStore, QueueStore
 from scheduler.store.dashboard import (
     DEAD_WINDOW,
     LAG_SAMPLE,
@@ -109,6 +109,8 @@ async def run(services: Services, params: DashboardParams) -> dict[str, Any]:
     async with Sandbox(services, "dashboard") as sb:
         now = datetime.now(UTC)
         store = JobStore(sb.db)
+        for queue in ("q0", "q1", "q2"):  # declared, as a real cluster's queues are
+            await QueueStore(sb.db).add(queue)
         began = time.perf_counter()
         specs = _specs(params, now)
         for start in range(0, len(specs), CHUNK):

@@ -53,6 +53,7 @@ from scheduler.migrate import migrate
 from scheduler.publisher import Publisher
 from scheduler.store.dispatch import DispatchStore
 from scheduler.store.fence import FenceStore
+from scheduler.store.queues import QueueStore
 from scheduler.store.rows import ClaimedJob
 
 T = TypeVar("T")
@@ -268,6 +269,7 @@ async def main() -> None:
         )
         pool = await db.create_pool(dsn, max_size=4)
         try:
+            await QueueStore(pool).add(queue)  # only declared queues are claimed
             out["machine"]["postgresql"] = await pool.fetchval("SHOW server_version")
             out["machine"]["synchronous_commit"] = await pool.fetchval("SHOW synchronous_commit")
             await FenceStore(pool).advance(EPOCH, "bench")

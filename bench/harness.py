@@ -28,6 +28,7 @@ from bench.tasks import STARTS_DDL, STARTS_TABLE
 from scheduler import broker, db
 from scheduler.config import Settings, load_settings
 from scheduler.migrate import migrate
+from scheduler.store.queues import QueueStore
 from tests.support.procs import ChildProcess, Processes, duetime_argv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,6 +85,7 @@ class Sandbox:
             await migrate(self.dsn)
             self.pool = await db.create_pool(self.dsn, min_size=1, max_size=4, timeout=30)
             await self.pool.execute(STARTS_DDL)
+            await QueueStore(self.pool).add(self.queue)  # only declared queues dispatch
         except BaseException:
             await self._drop()
             raise

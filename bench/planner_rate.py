@@ -193,6 +193,9 @@ async def recurring(url: str, args: argparse.Namespace) -> dict[str, Any]:
     queue = f"brec-{tag}"
     conn = await asyncpg.connect(url, timeout=10)
     try:
+        await conn.execute(  # declare the queue: only declared queues are dispatched
+            "INSERT INTO duetime.queues (name) VALUES ($1) ON CONFLICT DO NOTHING", queue
+        )
         await conn.execute(
             "INSERT INTO duetime.schedules (name, task, queue, cron) "
             "SELECT 'rec-' || i, 'bench.noop', $1, '* * * * * *' FROM generate_series(1, $2) i",

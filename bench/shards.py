@@ -65,6 +65,7 @@ from scheduler.migrate import migrate
 from scheduler.shards.leadership import member_key, shard_key
 from scheduler.status import election_key
 from scheduler.store.fence import FenceStore
+from scheduler.store.queues import QueueStore
 from tests.support.procs import Processes, duetime_argv
 
 INSERT_AT = (
@@ -156,6 +157,8 @@ class ShardBench:
         for name in names:
             await FenceStore(self.pools[name]).advance(EPOCH, "bench")
         queue = f"bench-claim-{self.token}"
+        for name in names:
+            await QueueStore(self.pools[name]).add(queue)  # only declared queues are claimed
         started = time.perf_counter()
         parts = await asyncio.gather(
             *(bench_claim_only(self.pools[s], queue, n // k, batch) for s in names)
@@ -256,6 +259,7 @@ class ShardBench:
         prefix, queue = f"duetime-bench/shards-{tag}", f"bench-shards-{tag}"
         for name in names:
             await self.pools[name].execute("TRUNCATE duetime.jobs")
+            await QueueStore(self.pools[name]).add(queue)  # only declared queues dispatch
         per_shard = p.jobs // k
         n = per_shard * k
         procs = Processes(self.log_dir)

@@ -2,7 +2,8 @@
 
 Topology (declared idempotently by whoever connects first):
 
-- one durable **quorum** queue per job queue, named ``duetime.<queue>`` (contract),
+- one durable **quorum** queue per *declared* job queue (``duetime.queues``: the
+  dispatcher claims nothing else), named ``duetime.<queue>`` (contract),
   with ``x-delivery-limit`` (a message redelivered that often is poison) and a
   dead-letter exchange;
 - ``duetime.dlx`` (fanout) → ``duetime.dead-letter`` (quorum): unparseable messages and

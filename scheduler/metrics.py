@@ -106,6 +106,11 @@ OLDEST_UNSTARTED = Gauge(
     "seconds since the oldest dispatched job no worker has started was dispatched (0: none)",
     ["shard"],
 )
+JOBS_HELD = Gauge(
+    "duetime_jobs_held",
+    "due pending jobs the dispatcher holds back (reason queue_undeclared: no duetime queues add)",
+    ["shard", "reason"],
+)
 SCHEDULE_FIRES = Counter(
     "duetime_schedule_fires_total", "fire times materialized as jobs", ["shard"]
 )

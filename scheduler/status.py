@@ -57,6 +57,9 @@ STALE_RENEWALS = 3  # fence renewals a leader may miss before status calls it go
 #: consumers is a problem (``no_consumers``).
 DEFAULT_MAX_UNSTARTED_AGE = 60.0
 
+#: Undeclared queues named one by one in the warnings; the rest are summed up.
+MAX_HELD_FINDINGS = 5
+
 
 @dataclass(frozen=True, slots=True)
 class EtcdView:
@@ -268,8 +271,25 @@ def evaluate(
                 f"for epoch {fence.epoch}",
             )
         )
+    held = [q for q in snapshot.queues if not q.declared and q.pending]
+    for q in held[:MAX_HELD_FINDINGS]:
+        warnings.append(
+            Finding(
+                "queue_undeclared",
+                f"held: queue {q.queue} is not declared ({q.pending} pending, {q.held} due); "
+                f"`duetime queues add {q.queue}` releases them",
+            )
+        )
+    if len(held) > MAX_HELD_FINDINGS:
+        warnings.append(
+            Finding(
+                "queue_undeclared",
+                f"held: {len(held) - MAX_HELD_FINDINGS} more undeclared queues hold jobs "
+                "(duetime queues list)",
+            )
+        )
     worst = max(
-        (q for q in snapshot.queues if q.oldest_overdue is not None),
+        (q for q in snapshot.queues if q.oldest_overdue is not None and q.declared),
         key=lambda q: q.oldest_overdue or 0.0,
         default=None,
     )

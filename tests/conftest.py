@@ -38,6 +38,7 @@ from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from tests.fixtures_tasks.basic import EFFECTS_DDL, EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import declare
+from tests.support.helpers import declare_queues
 from tests.support.procs import Processes
 
 configure_logging("warning", "console")
@@ -327,9 +328,13 @@ async def effects_table(db_pool: asyncpg.Pool) -> str:
 
 
 @pytest.fixture
-async def queue(channel: AbstractChannel, effects_table: str, unique: str) -> AsyncIterator[str]:
-    """A job queue of this test's own (declared with duetime's arguments), deleted after."""
+async def queue(
+    channel: AbstractChannel, db_pool: asyncpg.Pool, effects_table: str, unique: str
+) -> AsyncIterator[str]:
+    """A job queue of this test's own (declared in duetime.queues of the session database
+    and on the broker with duetime's arguments), deleted from the broker after."""
     name = f"q-{unique}"
+    await declare_queues(db_pool, name)
     await declare(channel, name)
     yield name
     with contextlib.suppress(Exception):

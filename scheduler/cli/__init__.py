@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "migrate",
     "jobs",
     "schedules",
+    "queues",
     "scheduler_cmd",
     "worker_cmd",
     "status",

@@ -13,6 +13,7 @@ from scheduler.config import Settings
 from scheduler.errors import InvalidInput
 from scheduler.migrate import MigrationResult, migrate, migrate_shards
 from scheduler.roles import DEFAULT_PREFIX, RoleNames, apply_roles
+from scheduler.store.queues import declare_queues
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -52,6 +53,14 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
             timeout=settings.db_timeout,
             on_migrated=lambda shard, result: print(_summary(shard, result), flush=True),
         )
+    if settings.queues:
+        for shard, url in urls.items():
+            added = await declare_queues(url, settings.queues, timeout=settings.db_timeout)
+            where = f"shard {shard}: " if settings.shards is not None else ""
+            print(
+                f"{where}queues declared from the configuration: {', '.join(settings.queues)}"
+                f" ({added} new)"
+            )
     if getattr(args, "roles", False):
         for url in urls.values():
             names = await apply_roles(

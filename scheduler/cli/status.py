@@ -62,7 +62,7 @@ backlog, queues, schedules).
 """
 
 QUEUE_COLUMNS = ("queue", "pending", "due_now", "oldest_overdue", "dispatched", "unstarted",
-                 "oldest_unstarted", "consumers", "dead_1h")  # fmt: skip
+                 "oldest_unstarted", "consumers", "dead_1h", "held")  # fmt: skip
 SHARD_COLUMNS = ("shard", "leader", "epoch", "fence_epoch", "renewed", "pending", "due_now",
                  "oldest_overdue", "dispatched", "unstarted", "oldest_unstarted", "dead_1h",
                  "state")  # fmt: skip
@@ -221,6 +221,7 @@ def render(report: StatusReport) -> None:
                 else None,
                 "consumers": broker.consumers(q.queue) if broker and broker.reachable else None,
                 "dead_1h": q.dead_last_hour,
+                "held": "" if q.declared else f"{q.held} (queue not declared)",
             }
             for q in snap.queues
         ]

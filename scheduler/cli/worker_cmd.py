@@ -9,15 +9,22 @@ imported. As with ``python -m``, the current directory is importable, so
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import os
 import sys
 from typing import Any
 
+import asyncpg
+
+from scheduler import db
 from scheduler.cli._util import SettingOverride, add_command, positive_int
 from scheduler.config import Settings
-from scheduler.errors import InvalidInput
+from scheduler.errors import DuetimeError, InvalidInput
 from scheduler.jobspec import validate_queue
+from scheduler.log import get_logger
+
+log = get_logger(__name__)
 
 
 def _csv(text: str) -> list[str]:
@@ -96,4 +103,37 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         raise InvalidInput(
             f"--import {','.join(modules)} registered no tasks (use @workers.task(...))"
         )
+    await warn_undeclared(settings, queues)
     return await run_worker(settings, queues=queues, registry=default_registry)
+
+
+async def warn_undeclared(settings: Settings, queues: list[str], timeout: float = 5.0) -> None:
+    """Say at start which ``--queue`` names are not declared (``duetime queues add``):
+    the dispatcher holds their jobs, so this worker would wait for nothing. A warning, not
+    an error (the operator may declare it next); skipped quietly when the database does
+    not answer within ``timeout`` (the worker's own start retries it)."""
+    from scheduler.store.queues import QueueStore
+
+    missing: set[str] = set()
+    for shard, url in settings.shard_urls.items():
+        try:
+            async with asyncio.timeout(timeout):
+                pool = await db.create_pool(url, max_size=1, timeout=timeout)
+                try:
+                    store = QueueStore(pool, acquire_timeout=timeout)
+                    missing |= {q for q in queues if not await store.declared(q)}
+                finally:
+                    await pool.close()
+        except (OSError, TimeoutError, asyncpg.PostgresError, DuetimeError) as exc:
+            log.debug("queue_check_skipped", shard=shard, error=f"{type(exc).__name__}: {exc}")
+    for queue in sorted(missing):
+        log.warning(
+            "queue_undeclared",
+            queue=queue,
+            detail="its jobs are held, not dispatched, until `duetime queues add` declares it",
+        )
+        print(
+            f"duetime: warning: queue {queue} is not declared: its jobs are held and this "
+            f"worker gets none of them until `duetime queues add {queue}`",
+            file=sys.stderr,
+        )

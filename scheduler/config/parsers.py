@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from scheduler.errors import ConfigError
+from scheduler.jobspec import QUEUE_NAME
 from scheduler.shards.config import Shard, host_list_problem, parse_shards_env, parse_shards_table
 
 # A comma that starts another URL ("...,amqps://..."): the commas of a libpq multi-host
@@ -86,6 +87,27 @@ def url_list(schemes: tuple[str, ...]) -> Callable[[Any], str]:
         return ",".join(urls)
 
     return parse
+
+
+def queue_names(value: Any) -> tuple[str, ...]:
+    """Job queue names, comma-separated (TOML: a list), each ``[A-Za-z0-9][A-Za-z0-9_.-]{0,99}``
+    (the rule of ``jobs.queue``); empty: none."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be a comma-separated list of queue names")
+    out: list[str] = []
+    for raw in items:
+        item = raw.strip() if isinstance(raw, str) else raw
+        if item == "":
+            continue
+        if not isinstance(item, str) or not QUEUE_NAME.match(item):
+            raise ValueError(
+                f"queue name {raw!r} is invalid: 1-100 characters, letters, digits, '_', '.', "
+                "'-', starting with a letter or digit"
+            )
+        if item not in out:
+            out.append(item)
+    return tuple(out)
 
 
 def endpoints(value: Any) -> tuple[str, ...]:

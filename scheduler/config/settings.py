@@ -73,6 +73,7 @@ class Settings:
     scheduler_tcp_user_timeout: float | None = None
     fence_takeover_grace: float = 1.0
     shards: tuple[Shard, ...] | None = None
+    queues: tuple[str, ...] = ()
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict safe to log or print (no passwords)."""
@@ -232,6 +233,12 @@ FIELDS: dict[str, Field] = {
             "shards as name=postgresql-url,... (TOML: a [shards] table); unset: one shard "
             "'main' at database_url",
             secret=True,
+        ),
+        Field(
+            "queues",
+            p.queue_names,
+            "job queues `duetime migrate` declares (comma-separated; TOML: a list), besides "
+            "those added with `duetime queues add`; only declared queues are dispatched",
         ),
     ]
 }

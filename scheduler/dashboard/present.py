@@ -46,9 +46,11 @@ def queue_counts(
     rows: dict[str, dict[str, Any]] = {}
     for q in live:
         rows[q.queue] = {"queue": q.queue, **{k: getattr(q, k) for k in LIVE}}
+        # an undeclared queue's pending jobs are held, never dispatched (migration 0008)
+        rows[q.queue]["declared"] = getattr(q, "declared", True)
     if exact:
         for queue, _ in terminal:
-            rows.setdefault(queue, {"queue": queue, **dict.fromkeys(LIVE, 0)})
+            rows.setdefault(queue, {"queue": queue, "declared": True, **dict.fromkeys(LIVE, 0)})
     for row in rows.values():
         for state in TERMINAL:
             row[state] = terminal.get((row["queue"], state), 0) if exact else None

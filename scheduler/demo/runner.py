@@ -1,7 +1,8 @@
 """One demo run, start to finish (``duetime demo``).
 
 1. Check etcd and RabbitMQ answer (else say how to start them: ``make services``).
-2. Drop and re-create the demo database, migrate it, create ``demo_effects``.
+2. Drop and re-create the demo database, migrate it, create ``demo_effects``, declare
+   the run's queue (``duetime queues add``: only declared queues are dispatched).
 3. Start ``--replicas`` ``duetime scheduler`` and ``--workers`` ``duetime worker``
    children (logs under ``--log-dir``), with an etcd prefix and a queue unique to this
    run, and a short lease TTL so the failover is quick to watch; wait until a leader
@@ -66,6 +67,7 @@ from scheduler.migrate import migrate
 from scheduler.status import read_election_key
 from scheduler.store.demo import DemoStore, recreate_database
 from scheduler.store.jobs import JobStore
+from scheduler.store.queues import QueueStore
 from scheduler.store.rows import Progress
 
 
@@ -146,6 +148,7 @@ class Demo:
         )
         self.store = DemoStore(pool, queue=self.queue, job_task=JOB_TASK)
         await self.store.create_effects_table()
+        await QueueStore(pool).add(self.queue)  # only declared queues are dispatched
         self.log_dir.mkdir(parents=True, exist_ok=True)
         listen = _dashboard_listen() if self.cfg.dashboard else None
         if listen is not None:

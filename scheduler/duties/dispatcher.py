@@ -49,6 +49,11 @@ this is the backstop for what a CHECK cannot see.
 
 Pipelining (claiming the next batch while the previous commits) was measured as not
 worth it: the commit is ~1-2 % of a batch's time (bench/dispatch_rate.py).
+
+Only declared queues (``duetime.queues``, migration 0008) are claimed, probed and so
+published: a producer's new ``queue`` value cannot make the broker create a queue. Jobs
+of other names stay pending, *held*: sampled with the backlog into ``JOBS_HELD`` and
+logged once per name (``queue_undeclared``), dispatched as soon as the name is declared.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ from scheduler.metrics import (
     DISPATCH_LAG,
     DISPATCH_UNCOMMITTED,
     JOBS_CLAIMED,
+    JOBS_HELD,
     JOBS_PUBLISHED,
     PUBLISH_FAILURES,
 )
@@ -92,9 +98,12 @@ from scheduler.publisher import (
 from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
-from scheduler.store.rows import UNREADABLE, ClaimedJob
+from scheduler.store.rows import UNREADABLE, ClaimedJob, HeldQueues
 
 __all__ = ["RETRYABLE", "BatchReport", "Dispatcher", "DispatcherConfig"]
+
+#: Undeclared queue names remembered as already logged (a producer may write many).
+MAX_HELD_LOGGED = 1000
 
 #: Errors after which a claim is simply tried again (another transaction won a race).
 RETRYABLE = (
@@ -157,6 +166,7 @@ class Dispatcher:
             shard=shard,
         )
         self.store, self.publisher = self.out.store, self.out.publisher
+        self._held_logged: set[str] = set()  # undeclared queues already logged
         self.pacing = DispatchPacing(
             batch_size=config.batch_size,
             probe_interval=config.probe_interval,
@@ -196,6 +206,7 @@ class Dispatcher:
         if self.pacing.backlog_sample_due():
             with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
                 BACKLOG.labels(self.shard).set(await self.store.backlog())
+                self._report_held(await self.store.held())
         delay: float | None = await self.out.gate.delay()
         if delay:
             return delay
@@ -344,6 +355,27 @@ class Dispatcher:
                 **some_ids(ids),
                 detail=details[ids[0]],
                 outcome="kept pending",
+            )
+
+    def _report_held(self, held: HeldQueues) -> None:
+        """Gauge the jobs held for undeclared queues; log each such queue once (while
+        it stays held), never per job."""
+        JOBS_HELD.labels(self.shard, "queue_undeclared").set(held.total_jobs)
+        current = {name for name, _ in held.queues}
+        if held.total_queues <= len(held.queues):  # every held name is in the sample
+            self._held_logged &= current
+        for name, count in held.queues:
+            if name in self._held_logged or len(self._held_logged) >= MAX_HELD_LOGGED:
+                continue
+            self._held_logged.add(name)
+            self.loop.log.warning(
+                "queue_undeclared",
+                queue=name,
+                held=count,
+                held_total=held.total_jobs,
+                undeclared_queues=held.total_queues,
+                outcome="held pending, not published",
+                fix=f"duetime queues add {name}",
             )
 
     # -- wake-ups --------------------------------------------------------------------

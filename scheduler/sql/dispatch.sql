@@ -22,11 +22,17 @@ id, task, queue, due_at, run_at, attempt
 -- value outside what Python holds, JSON nested deeper than its parser goes): the same
 -- rows, locked the same way, each then read alone (claimed_row) and the unreadable ones
 -- parked. The id-only form runs only after the full one failed, never on the hot path.
+-- Only jobs of a declared queue (duetime.queues, migration 0008): a producer's queue name
+-- never reaches the broker until an operator declared it; the others are held (counted
+-- by `held`). EXISTS plans as a Nested Loop (Memoize over queues_pkey) above the same
+-- Merge Append of index scans, so the claim stays ordered by the index; held rows due
+-- earlier are stepped over, one memoized lookup each (docs/operations.md, "Queues").
 SELECT {columns}
-  FROM duetime.jobs
+  FROM duetime.jobs AS j
  WHERE status = 'pending'
    AND coalesce(run_at, due_at) <= now()
    AND due_at <= now()
+   AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
  ORDER BY coalesce(run_at, due_at)
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED;
@@ -70,10 +76,19 @@ RETURNING j.id,
 -- Seconds from now until the earliest pending run time (negative when overdue, NULL when
 -- nothing is pending), computed on the database clock so host clock skew cannot make
 -- the dispatcher wake early or late. Plans as a Limit over the per-partition partial
--- indexes.
-SELECT extract(epoch FROM min(coalesce(run_at, due_at)) - clock_timestamp())::float8
-  FROM duetime.jobs
- WHERE status = 'pending';
+-- indexes. Held jobs (queue not declared) do not count: they must not wake the loop.
+-- Written as ORDER BY ... LIMIT 1, not min(): with the EXISTS, min() is no longer turned
+-- into an index probe and planned as a scan of every pending row; this form stays the
+-- ordered index scan, stopping at the first job of a declared queue (it steps over the
+-- held rows due before it, ~1 us each measured).
+SELECT extract(epoch FROM (
+           SELECT coalesce(run_at, due_at)
+             FROM duetime.jobs AS j
+            WHERE status = 'pending'
+              AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
+            ORDER BY coalesce(run_at, due_at)
+            LIMIT 1
+       ) - clock_timestamp())::float8;
 
 -- name: backlog
 -- Pending jobs whose run time has passed (sampled for the BACKLOG gauge, not per pass).
@@ -83,6 +98,21 @@ SELECT count(*)
    AND coalesce(run_at, due_at) <= now()
    AND due_at <= now();
 
+-- name: held
+-- Due pending jobs held because their queue is not declared (sampled with the backlog):
+-- per queue name, the most held first, at most $1 names (a producer may write many), and
+-- over every name the total of jobs and of names.
+SELECT j.queue, count(*) AS jobs,
+       sum(count(*)) OVER ()::bigint AS total_jobs, count(*) OVER () AS total_queues
+  FROM duetime.jobs AS j
+ WHERE status = 'pending'
+   AND coalesce(run_at, due_at) <= now()
+   AND due_at <= now()
+   AND NOT EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
+ GROUP BY j.queue
+ ORDER BY jobs DESC, j.queue
+ LIMIT $1;
+
 -- name: stalled_columns
 -- What the stalled statements return: claimed_columns and the reconciler's bookkeeping.
 id, task, queue, due_at, run_at, attempt,
@@ -91,17 +121,19 @@ extract(epoch FROM now() - coalesce(heartbeat_at, dispatched_at))::float8 AS sil
 
 -- name: lock_stalled
 -- Reconciler, inside its fenced transaction: dispatched jobs with no sign of life for
--- $1 seconds, except in the queues $3 (deferred: they still hold a backlog of messages).
+-- $1 seconds, except in the queues $3 (deferred: they still hold a backlog of messages)
+-- and in queues no longer declared (a re-publish would declare the broker queue again).
 -- A job a worker is executing is kept out of it by its heartbeats (every
 -- visibility_timeout / 3); a re-publish that still happens is a duplicate delivery,
 -- which the worker's ledger absorbs. Columns: `stalled_columns`, or only `id` when a
 -- row of it cannot be read by the client (as for `claim`; each then read by stalled_row).
 SELECT {columns}
-  FROM duetime.jobs
+  FROM duetime.jobs AS j
  WHERE status = 'dispatched'
    AND coalesce(heartbeat_at, dispatched_at) < now() - make_interval(secs => $1)
    AND due_at <= now()
    AND queue <> ALL($3::text[])
+   AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
  ORDER BY coalesce(heartbeat_at, dispatched_at)
  LIMIT $2
    FOR UPDATE SKIP LOCKED;

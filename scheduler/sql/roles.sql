@@ -93,6 +93,8 @@ GRANT INSERT (idempotency_key, job_id, attempt, task, worker)
     ON duetime.job_ledger TO "{worker}";
 -- ON CONFLICT (idempotency_key) needs SELECT on the conflict target: the key only.
 GRANT SELECT (idempotency_key) ON duetime.job_ledger TO "{worker}";
+-- `duetime worker --queue NAME` warns at start when NAME is not declared.
+GRANT SELECT ON duetime.queues TO "{worker}";
 CREATE POLICY "{worker}_jobs" ON duetime.jobs FOR ALL TO "{worker}"
     USING (true) WITH CHECK (true);
 GRANT EXECUTE ON FUNCTION duetime.finish_attempt(bigint, timestamptz, integer, text, text, text)
@@ -114,6 +116,9 @@ GRANT INSERT (id, task, payload, queue, max_attempts, due_at, idempotency_key, s
     ON duetime.jobs TO "{scheduler}";
 GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{scheduler}";
 GRANT SELECT ON duetime.schedules TO "{scheduler}";
+-- The claim dispatches only jobs of declared queues (dispatch.sql). Declaring one is an
+-- operator's act (`duetime queues add`, as the schema owner): no role here may insert.
+GRANT SELECT ON duetime.queues TO "{scheduler}";
 GRANT UPDATE (next_fire_at, plan_at, buffered_fire_at, paused, last_error, fired_count,
               skipped_count, missed_count, last_fired_at, last_job_id, last_job_due_at)
     ON duetime.schedules TO "{scheduler}";

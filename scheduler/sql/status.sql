@@ -56,6 +56,13 @@ SELECT queue, count(*) AS dead
  WHERE status = 'dead' AND finished_at >= now() - make_interval(secs => $1)
  GROUP BY queue;
 
+-- name: queues_table
+SELECT to_regclass('duetime.queues') IS NOT NULL AS present;
+
+-- name: declared_queues
+-- The queues an operator declared (migration 0008; check queues_table first).
+SELECT coalesce(array_agg(name), '{}') AS names FROM duetime.queues;
+
 -- name: schedules_table
 SELECT to_regclass('duetime.schedules') IS NOT NULL AS present;
 

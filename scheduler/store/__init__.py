@@ -3,8 +3,9 @@
 ``conn`` holds what every store shares (the ``Conn`` type, a pool with its acquire
 timeout); ``rows`` every row type a store returns. One store per area: ``jobs``
 (producers), ``dispatch`` (dispatcher, reconciler), ``execution`` (workers),
-``schedules`` (users, planner), ``maintenance``, ``fence``, ``status``, ``dashboard``,
-``demo``, and ``listener`` (the LISTEN connections that wake the duties).
+``schedules`` (users, planner), ``queues`` (declared queues), ``maintenance``,
+``fence``, ``status``, ``dashboard``, ``demo``, and ``listener`` (the LISTEN
+connections that wake the duties).
 """
 
 from scheduler.store.dashboard import DashboardStore
@@ -14,6 +15,7 @@ from scheduler.store.fence import FenceStore
 from scheduler.store.jobs import JobFilter, JobStore
 from scheduler.store.listener import ChannelListener, KeptListener
 from scheduler.store.maintenance import MaintenanceStore
+from scheduler.store.queues import QueueStore
 from scheduler.store.rows import BulkPreview, Job, LockedJob, StalledJob
 from scheduler.store.schedules import ScheduleStore
 from scheduler.store.status import StatusStore
@@ -31,6 +33,7 @@ __all__ = [
     "KeptListener",
     "LockedJob",
     "MaintenanceStore",
+    "QueueStore",
     "ScheduleStore",
     "StalledJob",
     "StatusStore",

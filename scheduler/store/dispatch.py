@@ -24,7 +24,7 @@ import asyncpg
 from scheduler.log import get_logger
 from scheduler.sql import compose, fragment, load
 from scheduler.store.conn import Conn, PooledStore
-from scheduler.store.rows import UNREADABLE, ClaimedJob, StalledJob, UnreadableRow
+from scheduler.store.rows import UNREADABLE, ClaimedJob, HeldQueues, StalledJob, UnreadableRow
 
 Q = load("dispatch")
 T = TypeVar("T")
@@ -126,6 +126,19 @@ class DispatchStore(PooledStore):
         """Pending jobs whose run time has passed."""
         async with self._db.acquire() as conn:
             return int(await conn.fetchval(Q["backlog"]))
+
+    async def held(self, names: int = 20) -> HeldQueues:
+        """Due pending jobs held because their queue is not declared: the ``names``
+        queues holding most, and the totals over all of them."""
+        async with self._db.acquire() as conn:
+            records = await conn.fetch(Q["held"], names)
+        if not records:
+            return HeldQueues()
+        return HeldQueues(
+            queues=tuple((r["queue"], int(r["jobs"])) for r in records),
+            total_jobs=int(records[0]["total_jobs"]),
+            total_queues=int(records[0]["total_queues"]),
+        )
 
     # -- reconciler (inside its fenced transaction) ----------------------------------
 

@@ -241,6 +241,13 @@ class QueueStatus:
     dead_last_hour: int = 0
     unstarted: int = 0  # dispatched jobs no worker has shown a sign of life for
     oldest_unstarted: float | None = None  # seconds since the oldest of them was dispatched
+    #: False: not in duetime.queues, so its pending jobs are held, never dispatched
+    declared: bool = True
+
+    @property
+    def held(self) -> int:
+        """Due pending jobs the dispatcher holds back because the queue is undeclared."""
+        return 0 if self.declared else self.due_now
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +258,16 @@ class UnstartedJobs:
     queue: str
     count: int
     oldest_age: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldQueues:
+    """Due pending jobs held because their queue is not declared (``DispatchStore.held``):
+    the first few queue names with their counts, and the totals over every name."""
+
+    queues: tuple[tuple[str, int], ...] = ()
+    total_jobs: int = 0
+    total_queues: int = 0
 
 
 @dataclass(frozen=True, slots=True)

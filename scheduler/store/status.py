@@ -63,6 +63,7 @@ class StatusStore:
             dispatched = await conn.fetch(Q["dispatched_by_queue"])
             unstarted = _unstarted(await conn.fetch(Q["unstarted_by_queue"]))
             dead = await conn.fetch(Q["dead_by_queue"], dead_window)
+            declared = await self._declared(conn)
             schedules = None
             if await conn.fetchval(Q["schedules_table"]):
                 schedules = await self._schedules(conn)
@@ -81,12 +82,21 @@ class StatusStore:
             )
         for row in dead:
             queues.setdefault(row["queue"], {})["dead_last_hour"] = row["dead"]
+        if declared is not None:
+            for name, counts in queues.items():
+                counts["declared"] = name in declared
         return DbSnapshot(
             db_now=db_now,
             fence=fence,
             queues=tuple(QueueStatus(queue=q, **queues[q]) for q in sorted(queues)),
             schedules=schedules,
         )
+
+    async def _declared(self, conn: Conn) -> set[str] | None:
+        """Declared queue names; None when the schema predates them (all count as declared)."""
+        if not await conn.fetchval(Q["queues_table"]):
+            return None
+        return set(await conn.fetchval(Q["declared_queues"]))
 
     async def _schedules(self, conn: Conn) -> ScheduleSummary:
         summary = await conn.fetchrow(Q["schedules_summary"])

@@ -40,6 +40,7 @@ import asyncpg
 from tests.chaos.chaos_tasks import RECORD_DSN_ENV, TASK
 from tests.chaos.check import SETUP_SQL, TERMINAL, Report, verify
 from tests.chaos.cluster import Node, SchedulerCluster
+from tests.support.helpers import declare_queues
 from tests.support.procs import ChildProcess, Processes, duetime_argv
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
@@ -123,6 +124,7 @@ class ChaosCluster:
         try:
             self.pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=3, timeout=10)
             await self.pool.execute(SETUP_SQL)
+            await declare_queues(self.pool, self.queue)
             for side in SIDES:
                 if self.proxy_pg:
                     self.proxies[(side, "pg")] = await self._proxy(self.dsn)

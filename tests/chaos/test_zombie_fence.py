@@ -40,6 +40,7 @@ from scheduler.broker import queue_name
 from scheduler.leadership.replica import DUTY_STOP_TIMEOUT
 from tests.chaos.cluster import Node, SchedulerCluster, parse_ts
 from tests.chaos.harness import TTL
+from tests.support.helpers import declare_queues
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.chaos
@@ -155,6 +156,7 @@ async def test_zombie_blocked_sending_a_claim_does_not_hold_the_fence(
     standby = cluster.spawn(f"{unique}-z2", **env)
     await cluster.wait_all_up(START_TIMEOUT)
     db = await asyncpg.connect(cluster.dsn, timeout=5)
+    await declare_queues(db, queue)
     resumed = False
     try:
         stopped, pid, claim, attempts = await freeze_mid_claim(db, zombie, queue)

@@ -30,6 +30,7 @@ import pytest
 from scheduler import db
 from tests.conftest import own_database
 from tests.fixtures_tasks.basic import EFFECTS_DDL
+from tests.support.helpers import declare_queues
 from tests.support.procs import ChildProcess, Processes, duetime_argv
 from tests.support.wait import wait_for
 
@@ -114,6 +115,7 @@ async def cluster(
     )
     pool = await db.create_pool(dash_dsn, max_size=4)
     await pool.execute(EFFECTS_DDL)
+    await declare_queues(pool, f"dash-{token}")
     with Processes(tmp_path_factory.mktemp("dash-procs")) as procs:
         yield Cluster(dash_dsn, env, f"dash-{token}", pool, procs)
         await procs.stop_all(timeout=10)

@@ -32,6 +32,7 @@ from scheduler.publisher import Publisher, PublishResult
 from scheduler.store.fence import FenceStore
 from scheduler.store.jobs import JobStore
 from scheduler.store.rows import ClaimedJob
+from tests.support.helpers import declare_queues
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
 
@@ -54,6 +55,7 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
     try:
         fence = FenceStore(pool)
         assert await fence.advance(1, "test-node")
+        await declare_queues(pool, unique)
         yield Env(dataclasses.replace(settings, database_url=migrated_dsn), pool, fence, unique)
     finally:
         await pool.close()

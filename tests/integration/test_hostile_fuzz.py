@@ -45,6 +45,7 @@ from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
 from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare
+from tests.support.helpers import declare_queues
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
 
@@ -228,6 +229,7 @@ async def fuzz(settings: Settings, migrated_dsn: str, unique: str) -> AsyncItera
     queue = f"fuzz-{unique}"
     local = dataclasses.replace(settings, database_url=migrated_dsn)
     pool = await db.create_pool(migrated_dsn, max_size=8)
+    await declare_queues(pool, queue)
     seen: set[int] = set()
     registry = Registry()
 

@@ -33,6 +33,7 @@ from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler, ReconcilerConfig
 from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare, dispatched_job, job_row, publish, queue_depth
+from tests.support.helpers import declare_queues
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
 
@@ -162,6 +163,7 @@ async def test_unreadable_rows_are_parked_and_the_others_dispatched(
     """Before: one such row sorted into every claim and every dispatch_batch raised
     (OverflowError / RecursionError), so ordinary jobs stayed pending forever."""
     queue = f"unreadable-{unique}"
+    await declare_queues(pool, queue)
     # a BC row as it could exist before migration 0006 (the bound taken away again)
     await pool.execute("ALTER TABLE duetime.jobs DROP CONSTRAINT jobs_due_at_out_of_range")
     bc = await pool.fetchval(
@@ -219,6 +221,7 @@ async def test_an_unreadable_stalled_job_is_parked_and_the_others_republished(
     """A dispatched row nobody can decode (marked by hand, or by a path that never read
     it) would fail every reconciler pass; it goes dead and the others are rescued."""
     queue = f"stalled-{unique}"
+    await declare_queues(pool, queue)
     assert await FenceStore(pool).advance(1, "n")
     # the reconciler reads no payload (the message is a pointer: the worker parks a deep
     # one, test_executor.py); a BC due_at as it could exist before migration 0006 is
@@ -408,6 +411,7 @@ async def test_one_poisonous_payload_does_not_stop_dispatch(
     settings: Settings, migrated_dsn: str, pool: asyncpg.Pool, unique: str
 ) -> None:
     queue = f"poison-{unique}"
+    await declare_queues(pool, queue)
     await pool.execute(
         "INSERT INTO duetime.jobs (task, payload, queue, due_at) "
         "VALUES ('t', '{\"a\": 1e5000}', $1, now() - interval '1 minute')",

@@ -27,6 +27,7 @@ from scheduler.duties.reconciler import Reconciler, ReconcilerConfig, ReconcileR
 from scheduler.errors import Fenced
 from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, drain
+from tests.support.helpers import declare_queues
 from tests.support.wait import wait_for
 
 
@@ -44,6 +45,7 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
     try:
         fence = FenceStore(pool)
         assert await fence.advance(1, "test-node")
+        await declare_queues(pool, unique, f"{unique}-other")
         yield Env(dataclasses.replace(settings, database_url=migrated_dsn), pool, fence, unique)
     finally:
         await pool.close()

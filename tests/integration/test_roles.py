@@ -39,6 +39,7 @@ from scheduler.store import DispatchStore, ExecutionStore, JobStore, ScheduleSto
 from scheduler.store.fence import FenceStore
 from scheduler.store.rows import JobRef
 from tests.fixtures_tasks.jobs import FENCE_EPOCH
+from tests.support.helpers import declare_queues
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
 from workers.executor import Executor, Outcome
@@ -414,6 +415,7 @@ async def test_end_to_end_as_least_privilege_roles(world: World, unique: str) ->
     try:
         channel = await connection.channel()
         await declare_job_queue(channel, queue, delivery_limit=world.settings.delivery_limit)
+        await declare_queues(world.owner, queue)
         job = await JobStore(world.producer).enqueue("w.ok", {"n": 1}, queue=queue)
         assert await FenceStore(world.scheduler).advance(9, "leader")
         dispatcher = Dispatcher(world.as_role("scheduler"), world.scheduler)

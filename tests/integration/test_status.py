@@ -30,6 +30,7 @@ from scheduler.store.status import StatusStore
 from tests.fixtures_tasks.jobs import declare
 from tests.support.cli import Run, run_duetime
 from tests.support.etcd import free_port
+from tests.support.helpers import declare_queues
 from tests.support.procs import Processes, duetime_argv
 from tests.support.wait import wait_for
 
@@ -93,7 +94,8 @@ async def cluster(
 
 
 async def _seed_jobs(pool: asyncpg.Pool) -> None:
-    """Jobs in every state, over two queues, with known ages."""
+    """Jobs in every state, over two queues (both declared), with known ages."""
+    await declare_queues(pool, "emails")
     await pool.execute(
         """
         INSERT INTO duetime.jobs (task, queue, due_at, status, dispatched_at, finished_at,

@@ -29,3 +29,18 @@ async def prune_fires(pool: asyncpg.Pool, older_than: datetime) -> int:
 def should_throttle(publisher: Publisher) -> bool:
     """Whether the publisher asks its caller to wait before the next batch."""
     return publisher.throttle_delay() > 0
+
+
+async def declare_queues(db: asyncpg.Pool | asyncpg.Connection | str, *names: str) -> None:
+    """Declare job queues in duetime.queues (what ``duetime queues add`` does), so the
+    dispatcher claims their jobs: only declared queues are dispatched (migration 0008).
+    ``db``: a pool, a connection or a database URL."""
+    sql = "INSERT INTO duetime.queues (name) SELECT unnest($1::text[]) ON CONFLICT DO NOTHING"
+    if isinstance(db, str):
+        conn = await asyncpg.connect(db, timeout=10)
+        try:
+            await conn.execute(sql, list(names))
+        finally:
+            await conn.close()
+        return
+    await db.execute(sql, list(names))

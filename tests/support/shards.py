@@ -36,6 +36,7 @@ from scheduler.broker import queue_name
 from tests.conftest import own_database
 from tests.fixtures_tasks.shards import EFFECTS_DDL, EFFECTS_TABLE, TASK
 from tests.support.etcd import free_port
+from tests.support.helpers import declare_queues
 from tests.support.procs import ChildProcess, Processes, duetime_argv
 from tests.support.wait import wait_for
 
@@ -144,6 +145,7 @@ class ShardCluster:
                 pool = await asyncpg.create_pool(url, min_size=1, max_size=2, timeout=10)
                 self._stack.push_async_callback(pool.close)
                 await pool.execute(EFFECTS_DDL)
+                await declare_queues(pool, self.queue)
                 self.urls[name], self.pools[name] = url, pool
         except BaseException:
             await self._stack.aclose()

@@ -238,3 +238,15 @@ def test_max_republishes_default_and_validation() -> None:
     assert load_settings(env={"DUETIME_MAX_REPUBLISHES": "3"}).max_republishes == 3
     message = _error(env={"DUETIME_MAX_REPUBLISHES": "0"})
     assert "DUETIME_MAX_REPUBLISHES" in message and ">= 1" in message
+
+
+def test_queues_from_env_and_toml(tmp_path: Path) -> None:
+    """DUETIME_QUEUES / TOML ``queues``: the queues ``duetime migrate`` declares."""
+    assert load_settings(env={}).queues == ()
+    env = {"DUETIME_QUEUES": "emails, reports.eu,emails"}
+    assert load_settings(env=env).queues == ("emails", "reports.eu")
+    path = tmp_path / "duetime.toml"
+    path.write_text('queues = ["a", "b-c"]\n')
+    assert load_settings(config_file=path, env={}).queues == ("a", "b-c")
+    error = _error(env={"DUETIME_QUEUES": "ok,bad name"})
+    assert "DUETIME_QUEUES" in error and "'bad name' is invalid" in error

@@ -124,7 +124,18 @@ def test_queue_counts_merge_live_and_terminal_states() -> None:
     rows, totals = present.queue_counts(live, {("a", "succeeded"): 5, ("b", "dead"): 2}, exact=True)
     assert [r["queue"] for r in rows] == ["a", "b"]
     assert rows[0] == {"queue": "a", "pending": 0, "due_now": 0, "dispatched": 0,
-                       "dead_last_hour": 0, "succeeded": 5, "dead": 0, "cancelled": 0}  # fmt: skip
+                       "dead_last_hour": 0, "succeeded": 5, "dead": 0, "cancelled": 0,
+                       "declared": True}  # fmt: skip
     assert totals["pending"] == 3 and totals["dead"] == 2 and totals["succeeded"] == 5
     rows, totals = present.queue_counts(live, {("*", "succeeded"): 10**7}, exact=False)
     assert rows[0]["succeeded"] is None and totals["succeeded"] == 10**7
+
+
+def test_queue_counts_mark_an_undeclared_queue_held() -> None:
+    """The overview's row of a queue not in duetime.queues says its jobs are held."""
+    from scheduler.store.rows import QueueStatus
+
+    live = [QueueStatus("x", pending=2, due_now=1), QueueStatus("y", pending=2, declared=False)]
+    rows, _ = present.queue_counts(live, {}, exact=True)
+    assert [(r["queue"], r["declared"]) for r in rows] == [("x", True), ("y", False)]
+    assert live[1].held == 0 and QueueStatus("z", due_now=4, declared=False).held == 4
