@@ -19,6 +19,7 @@ from scheduler import db
 from scheduler.store import JobStore
 from tests.conftest import own_database
 from tests.fixtures_tasks.basic import EFFECTS_DDL, EFFECTS_TABLE
+from tests.support.helpers import declare_queues
 from tests.support.pgbouncer import PGBOUNCER, PrivatePgBouncer
 from tests.support.procs import Processes, duetime_argv
 from tests.support.wait import wait_for
@@ -57,6 +58,7 @@ async def test_workers_and_producers_run_through_a_transaction_pooler(
         direct = await db.connect(direct_url)
         try:
             await direct.execute(EFFECTS_DDL)
+            await declare_queues(direct, queue)
             refused = procs.spawn(duetime_argv("scheduler"), name="refused", env=pooled_env)
             assert await refused.wait(30) != 0
             said = refused.output() + refused.errors()
