@@ -4,8 +4,9 @@ One replica and one worker (``--workers``/``--concurrency``) start first; then t
 inserted with one COPY (``JobStore.bulk_enqueue``) and the scenario waits until every job
 has recorded its handler start. Reported: insert rate, completed, duplicates, lag
 p50/p95/p99/max (handler start − due), drain (last start − window end), end-to-end
-jobs/s = N / (last start − first due), and its ratio to the bare claim→publish→consume
-pipeline of the baseline.
+jobs/s = N / (last start − first due), its ratio to the bare claim→publish→consume
+pipeline of the baseline, and the CPU per job of the scheduler, the workers, PostgreSQL
+and RabbitMQ (``bench.cpu``: from the insert to the last start).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.cpu import CpuMeter
 from bench.harness import Sandbox, Services
 from bench.lag import summarize
 from bench.report import load_average, now_iso, plot_lag, ratio
@@ -43,9 +45,9 @@ async def run(
 ) -> dict[str, Any]:
     load_start = load_average()
     async with Sandbox(services, "storm") as sb:
-        await sb.start_scheduler()
-        for _ in range(params.workers):
-            await sb.start_worker(params.concurrency)
+        scheduler = await sb.start_scheduler()
+        workers = [await sb.start_worker(params.concurrency) for _ in range(params.workers)]
+        meter = CpuMeter({"scheduler": [scheduler.pid], "workers": [w.pid for w in workers]})
         n = params.jobs
         window_start = time.time() + params.start_in
         step = params.window / n
@@ -58,12 +60,15 @@ async def run(
             )
             for i in range(n)
         ]
+        meter.start()
         began = time.perf_counter()
         inserted = await JobStore(sb.db).bulk_enqueue(specs)
         insert_s = time.perf_counter() - began
         window_end = window_start + params.window
         timeout = params.start_in + params.window + max(30.0, n / 500)
         await sb.wait_started(n, timeout)
+        cores = meter.stop()
+        wall = time.perf_counter() - began
         summary = summarize(await sb.starts(), origin=window_start)
         counts = await sb.status_counts()
     completed = counts.get("succeeded", 0)
@@ -87,6 +92,11 @@ async def run(
         "baseline_pipeline_jobs_per_s": pipeline,
         "ratio_e2e_to_pipeline": ratio(e2e, pipeline),
         "ratio_arrival_to_pipeline": ratio(n / params.window, pipeline),
+        "cpu_ms_per_job": {
+            group: round(cores[f"{group}_cores"] * wall * 1000 / n, 3)
+            for group in ("scheduler", "workers", "postgres", "rabbitmq")
+        },
+        "cpu": cores,
         "load_avg_start": load_start,
         "load_avg_end": load_average(),
     }  # fmt: skip

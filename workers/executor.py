@@ -11,9 +11,10 @@ A delivery's way through the worker (DESIGN §6)::
                                                       deploys), dead when attempts run out
     handler(ctx, payload)   under the task's timeout (else the worker's task_timeout)
       used ctx.db   → in that transaction, the attempt's own: UPDATE succeeded +
-                      INSERT ledger (one statement, ``finish``), COMMIT — effects, ledger
-                      row and status, all or nothing; a key that another delivery
-                      recorded first rolls the effects back. Only attempts of tasks that
+                      INSERT ledger (``duetime.finish_attempt``) sent with the COMMIT in
+                      one round trip — effects, ledger row and status, all or nothing;
+                      a key that another delivery recorded first rolls the effects
+                      back. Only attempts of tasks that
                       opted in (``share_transaction=True``) that use ctx.db at the same
                       time share one transaction (``workers.groups``): one
                       ``finish_group``, one COMMIT; a failing member sends the others to
@@ -33,8 +34,8 @@ the row says, never as the message says.
 
 Round trips per delivery (counted in docs/benchmarks.md): a handler without ctx.db pays
 its share of two batched statements and of one multiple-ack (0.35 + 0.18 writes); one
-with a ctx.db statement pays BEGIN, that statement, ``finish`` and COMMIT in its own
-transaction, or, when its task shares transactions, that statement and its share of its
+with a ctx.db statement pays BEGIN, that statement, and ``finish_attempt`` + COMMIT (one
+round trip) in its own transaction, or, when its task shares transactions, that statement and its share of its
 group's BEGIN, ``finish_group`` and COMMIT (1.38 + 0.10).
 
 This module is over 400 lines on purpose: it is one delivery's whole way (read, run,
