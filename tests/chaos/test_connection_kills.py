@@ -8,9 +8,10 @@ baseline rate, dead jobs, the copies the dispatcher published by claims that did
 commit, and the deliveries workers skipped. Asserted: recovery within ``RECOVERY_S``,
 zero dead jobs, and the guarantees of ``tests/chaos/check.py`` (no job lost, one effect
 per job, no stale claim). The figures go to docs/benchmarks.md ("Connection-kill storm")
-and, one JSON line per run, to tests/chaos/results.jsonl.
+and, one JSON line per ``make chaos`` run, to tests/chaos/results.jsonl.
 
-``CHAOS_KILL_RATE`` (default 600 jobs/s, the outside harness's rate) must be a rate the
+``CHAOS_KILL_RATE`` (default 600 jobs/s under ``make chaos``, the outside harness's rate;
+100 in ``make test``) must be a rate the
 machine sustains without kills, or there is no recovery to see: above it the backlog
 grows and completions fall from the first second, kills or not (``CHAOS_KILL_STORM=0``
 runs that control; docs/benchmarks.md has both on the shared 2-core VM, where 150/s is
@@ -33,9 +34,13 @@ from tests.chaos.harness import RESULTS, ChaosCluster, Plan
 
 pytestmark = pytest.mark.chaos
 
-RATE = int(os.environ.get("CHAOS_KILL_RATE", "600"))  # jobs due per second
-BASELINE_S = 15.0
-STORM_S = 40.0
+#: ``make chaos`` (``DUETIME_TEST_SOAK=1``) runs the outside harness's storm: 600 jobs/s,
+#: kills for 40 s. ``make test`` runs a CI-sized one (100 jobs/s, kills for 10 s), which
+#: still shows both defects on the old code (parked jobs, stale copies, a stall after).
+SOAK = os.environ.get("DUETIME_TEST_SOAK") == "1"
+RATE = int(os.environ.get("CHAOS_KILL_RATE", "600" if SOAK else "100"))  # jobs due per second
+BASELINE_S = 15.0 if SOAK else 8.0
+STORM_S = 40.0 if SOAK else 10.0
 KILL_EVERY_S = 0.5
 #: ``CHAOS_KILL_STORM=0``: the same run without a kill (the control for the figures)
 KILLING = os.environ.get("CHAOS_KILL_STORM", "1") != "0"
@@ -75,7 +80,7 @@ async def test_connection_kill_storm_recovers(
     c = ChaosCluster(
         scenario="kill_storm",
         seed=SEED,
-        soak=True,
+        soak=SOAK,
         tmp_path=tmp_path,
         base_env=test_env,
         dsn=migrated_dsn,
@@ -157,8 +162,9 @@ async def test_connection_kill_storm_recovers(
         ))  # fmt: skip
         if os.environ.get("CHAOS_TIMELINE") == "1":
             print(await lag_timeline(c.db))
-        with RESULTS.open("a") as out:
-            out.write(json.dumps(figures, default=str) + "\n")
+        if SOAK:
+            with RESULTS.open("a") as out:
+                out.write(json.dumps(figures, default=str) + "\n")
         assert dead == 0, f"{dead} dead jobs\n{c.describe()}"
         assert recovered_after is not None, (
             f"no {WINDOW_S}s window at >= 90% of {baseline:.0f}/s within {RECOVERY_S:.0f}s "
