@@ -205,6 +205,16 @@ def listen_address(value: Any) -> str:
     return text
 
 
+def listen_host(value: Any) -> str:
+    """An address (or name) to bind, IPv6 with or without brackets: ``0.0.0.0``, ``::1``."""
+    text = str(value).strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    if not text or any(c.isspace() or c in "/[]" for c in text) or len(text) > 253:
+        raise ValueError(f"must be an address to listen on, e.g. 127.0.0.1 (got {value!r})")
+    return text
+
+
 def shards(value: Any) -> tuple[Shard, ...] | None:
     """``DUETIME_SHARDS`` (``name=url,...``) or a TOML ``[shards]`` table; unset or empty:
     None, the single shard ``main`` at ``database_url`` (``Settings.shard_urls``)."""

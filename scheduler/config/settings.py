@@ -49,6 +49,7 @@ class Settings:
     lease_safety_margin: float | None = None
     etcd_timeout: float = 2.0
     metrics_port: int | None = None
+    metrics_listen: str = "127.0.0.1"
     dashboard_listen: str = "127.0.0.1:8089"
     dashboard_token: str | None = None
     log_level: str = "info"
@@ -154,6 +155,11 @@ FIELDS: dict[str, Field] = {
         Field("etcd_timeout", p.number(float, minimum=0.0, exclusive=True), "etcd call timeout"),
         Field("metrics_port", p.optional_port, "Prometheus /metrics port (off when unset)"),
         Field("dashboard_listen", p.listen_address, "host:port of `duetime dashboard`"),
+        Field(
+            "metrics_listen",
+            p.listen_host,
+            "address the metrics port binds (0.0.0.0: every interface, for a remote scraper)",
+        ),
         Field(
             "dashboard_token",
             p.optional_text,

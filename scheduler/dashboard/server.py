@@ -75,7 +75,9 @@ async def serve(settings: Settings, *, read_only: bool) -> int:
     )
     server = _Server(config)
     shown = f"[{host}]" if ":" in host else host
-    async with Service("dashboard", metrics_port=settings.metrics_port) as service:
+    async with Service(
+        "dashboard", metrics_port=settings.metrics_port, metrics_host=settings.metrics_listen
+    ) as service:
         task = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
         serving = asyncio.create_task(server.serving.wait())
         await asyncio.wait({task, serving}, return_when=asyncio.FIRST_COMPLETED)
