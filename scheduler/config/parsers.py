@@ -215,6 +215,37 @@ def listen_host(value: Any) -> str:
     return text
 
 
+def host_names(value: Any) -> tuple[str, ...]:
+    """Host names, comma-separated (TOML: a list), each ``name`` or ``name:port``
+    (``[v6]:port``), as a browser sends them in ``Host``; lower-cased; empty: none."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be a comma-separated list of host names")
+    out: list[str] = []
+    for raw in items:
+        item = str(raw).strip().lower()
+        if not item:
+            continue
+        if item.startswith("["):  # [v6] or [v6]:port
+            name, closed, rest = item[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else rest
+            good = bool(closed and name) and (not rest or rest.startswith(":"))
+        else:
+            name, colon, port = item.partition(":")
+            good = bool(name) and ":" not in port and (not colon or bool(port))
+        if port and (not port.isdigit() or not 0 < int(port) < 65536):
+            good = False
+        if not good or any(c.isspace() or c in "/\\@?#" for c in item):
+            raise ValueError(
+                f"host {raw!r} is not a host name: give the name a browser uses "
+                "(duetime.internal), name:port (duetime.internal:8443) or [::1]:8089, "
+                "no scheme or path"
+            )
+        if item not in out:
+            out.append(item)
+    return tuple(out)
+
+
 def shards(value: Any) -> tuple[Shard, ...] | None:
     """``DUETIME_SHARDS`` (``name=url,...``) or a TOML ``[shards]`` table; unset or empty:
     None, the single shard ``main`` at ``database_url`` (``Settings.shard_urls``)."""
