@@ -44,6 +44,7 @@ from scheduler.health import Check, CheckResult, LoopWatch, Readiness, Readiness
 from scheduler.log import get_logger
 
 __all__ = [
+    "DEFAULT_HOST",
     "Check",
     "CheckResult",
     "Observability",
@@ -56,7 +57,7 @@ __all__ = [
 
 log = get_logger(__name__)
 
-DEFAULT_HOST = "0.0.0.0"  # Prometheus scrapes from another machine
+DEFAULT_HOST = "127.0.0.1"  # metrics_listen: 0.0.0.0 for a scraper on another machine
 MAX_HEAD_BYTES = 8192
 HARD_CONNECTION_FACTOR = 4  # beyond max_connections x this, connections are dropped unread
 JSON_TYPE = "application/json"
@@ -346,14 +347,20 @@ async def start_observability(
     settings: Settings,
     checks: Mapping[str, Check] | None = None,
     *,
-    host: str = DEFAULT_HOST,
+    host: str | None = None,
     **options: Any,
 ) -> Observability:
-    """Serve the endpoints on ``settings.metrics_port``; inert when it is unset.
+    """Serve the endpoints on ``settings.metrics_listen``:``settings.metrics_port``;
+    inert when the port is unset.
 
     ``checks`` maps a dependency name to its readiness check; more can be added later
     with ``handle.add_check``. Call ``handle.set_draining()`` when shutdown begins and
     ``await handle.close()`` last. Raises ``ConfigError`` when the port is taken.
     """
-    handle = Observability(port=settings.metrics_port, host=host, checks=checks, **options)
+    handle = Observability(
+        port=settings.metrics_port,
+        host=settings.metrics_listen if host is None else host,
+        checks=checks,
+        **options,
+    )
     return await handle.start()

@@ -4,18 +4,21 @@ endpoints, and systemd notify.
 
 Why one place: every service must behave the same way under systemd and to operators.
 ``/metrics``, ``/healthz`` and ``/readyz`` come from ``scheduler.observability`` (served
-on ``metrics_port``; readiness turns 503 as soon as shutdown begins). SIGTERM or SIGINT
-asks for a graceful stop (the ``stop`` event the command's main loop watches); a second
-signal means "now": it is logged and the process exits at once with status 130, without
-running any more cleanup (an operator pressing Ctrl-C twice, or a stuck shutdown). The
-systemd protocol is a datagram to ``$NOTIFY_SOCKET`` (``READY=1`` once serving,
-``WATCHDOG=1`` periodically, ``STOPPING=1`` on the way out); the watchdog ping is sent
-from a task on the event loop, so a blocked loop stops the pings and systemd's
-``WatchdogSec=`` notices the hang — the same symptom the loop monitor logs.
+on ``metrics_listen``:``metrics_port``, loopback unless configured; readiness turns 503
+as soon as shutdown begins). SIGTERM or SIGINT asks for a graceful stop (the ``stop``
+event the command's main loop watches); a second signal means "now": it is logged and
+the process exits at once with status 130, without running any more cleanup (an
+operator pressing Ctrl-C twice, or a stuck shutdown). The systemd protocol is a datagram
+to ``$NOTIFY_SOCKET`` (``READY=1`` once serving, ``WATCHDOG=1`` periodically,
+``STOPPING=1`` on the way out); the watchdog ping is sent from a task on the event loop,
+so a blocked loop stops the pings and systemd's ``WatchdogSec=`` notices the hang — the
+same symptom the loop monitor logs.
 
 Usage::
 
-    async with Service("scheduler", metrics_port=settings.metrics_port) as service:
+    async with Service(
+        "scheduler", metrics_port=settings.metrics_port, metrics_host=settings.metrics_listen
+    ) as service:
         service.ready()
         await main_loop(service.stop_event)
 """
@@ -32,7 +35,7 @@ from types import TracebackType
 
 from scheduler.log import get_logger
 from scheduler.loopmon import DEFAULT_THRESHOLD, LoopMonitor
-from scheduler.observability import Check, Observability
+from scheduler.observability import DEFAULT_HOST, Check, Observability
 
 log = get_logger(__name__)
 
@@ -93,6 +96,7 @@ class Service:
         name: str,
         *,
         metrics_port: int | None = None,
+        metrics_host: str = DEFAULT_HOST,
         checks: Mapping[str, Check] | None = None,
         loop_lag_threshold: float = DEFAULT_THRESHOLD,
         environ: Mapping[str, str] | None = None,
@@ -102,9 +106,10 @@ class Service:
         self.stop_event = asyncio.Event()
         self.signals_received = 0
         self.monitor = LoopMonitor(threshold=loop_lag_threshold)
-        # /metrics, /healthz, /readyz on metrics_port (inert when None); add readiness
-        # checks with ``service.observability.add_check`` once connections exist.
-        self.observability = Observability(port=metrics_port, checks=checks)
+        # /metrics, /healthz, /readyz on metrics_host:metrics_port (inert when the port
+        # is None; the host is settings.metrics_listen, loopback unless configured); add
+        # readiness checks with ``service.observability.add_check`` once connections exist.
+        self.observability = Observability(port=metrics_port, host=metrics_host, checks=checks)
         self._watchdog: asyncio.Task[None] | None = None
         self._installed: list[signal.Signals] = []
 

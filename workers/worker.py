@@ -217,7 +217,10 @@ class Worker:
         from scheduler.service import Service
 
         async with Service(
-            "worker", metrics_port=self.settings.metrics_port, checks=self.readiness_checks()
+            "worker",
+            metrics_port=self.settings.metrics_port,
+            metrics_host=self.settings.metrics_listen,
+            checks=self.readiness_checks(),
         ) as service:
             try:
                 # a broker or database blip at start is retried, not fatal (scheduler.startup)

@@ -40,7 +40,9 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         )
     log = get_logger("duetime.scheduler", node_id=settings.node_id, epoch=None)
     log.info("scheduler_starting", config=settings.redacted())
-    async with Service("scheduler", metrics_port=settings.metrics_port) as service:
+    async with Service(
+        "scheduler", metrics_port=settings.metrics_port, metrics_host=settings.metrics_listen
+    ) as service:
         replica: Replica | ShardedReplica
         if settings.shards is not None:
             replica = ShardedReplica(settings, default_duties)

@@ -205,6 +205,47 @@ def listen_address(value: Any) -> str:
     return text
 
 
+def listen_host(value: Any) -> str:
+    """An address (or name) to bind, IPv6 with or without brackets: ``0.0.0.0``, ``::1``."""
+    text = str(value).strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    if not text or any(c.isspace() or c in "/[]" for c in text) or len(text) > 253:
+        raise ValueError(f"must be an address to listen on, e.g. 127.0.0.1 (got {value!r})")
+    return text
+
+
+def host_names(value: Any) -> tuple[str, ...]:
+    """Host names, comma-separated (TOML: a list), each ``name`` or ``name:port``
+    (``[v6]:port``), as a browser sends them in ``Host``; lower-cased; empty: none."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be a comma-separated list of host names")
+    out: list[str] = []
+    for raw in items:
+        item = str(raw).strip().lower()
+        if not item:
+            continue
+        if item.startswith("["):  # [v6] or [v6]:port
+            name, closed, rest = item[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else rest
+            good = bool(closed and name) and (not rest or rest.startswith(":"))
+        else:
+            name, colon, port = item.partition(":")
+            good = bool(name) and ":" not in port and (not colon or bool(port))
+        if port and (not port.isdigit() or not 0 < int(port) < 65536):
+            good = False
+        if not good or any(c.isspace() or c in "/\\@?#" for c in item):
+            raise ValueError(
+                f"host {raw!r} is not a host name: give the name a browser uses "
+                "(duetime.internal), name:port (duetime.internal:8443) or [::1]:8089, "
+                "no scheme or path"
+            )
+        if item not in out:
+            out.append(item)
+    return tuple(out)
+
+
 def shards(value: Any) -> tuple[Shard, ...] | None:
     """``DUETIME_SHARDS`` (``name=url,...``) or a TOML ``[shards]`` table; unset or empty:
     None, the single shard ``main`` at ``database_url`` (``Settings.shard_urls``)."""

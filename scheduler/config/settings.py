@@ -49,8 +49,10 @@ class Settings:
     lease_safety_margin: float | None = None
     etcd_timeout: float = 2.0
     metrics_port: int | None = None
+    metrics_listen: str = "127.0.0.1"
     dashboard_listen: str = "127.0.0.1:8089"
     dashboard_token: str | None = None
+    dashboard_hosts: tuple[str, ...] = ()
     log_level: str = "info"
     log_format: str = "auto"
     db_timeout: float = DEFAULT_DB_TIMEOUT
@@ -153,12 +155,22 @@ FIELDS: dict[str, Field] = {
         ),
         Field("etcd_timeout", p.number(float, minimum=0.0, exclusive=True), "etcd call timeout"),
         Field("metrics_port", p.optional_port, "Prometheus /metrics port (off when unset)"),
+        Field(
+            "metrics_listen",
+            p.listen_host,
+            "address the metrics port binds (0.0.0.0: every interface, for a remote scraper)",
+        ),
         Field("dashboard_listen", p.listen_address, "host:port of `duetime dashboard`"),
         Field(
             "dashboard_token",
             p.optional_text,
             "token the dashboard asks for (login form or Bearer); unset: loopback only",
             secret=True,
+        ),
+        Field(
+            "dashboard_hosts",
+            p.host_names,
+            "host names the dashboard answers to besides its address (a proxy's name)",
         ),
         Field("log_level", p.choice("debug", "info", "warning", "error"), "log level"),
         Field("log_format", p.choice("auto", "json", "console"), "auto: JSON unless a TTY"),

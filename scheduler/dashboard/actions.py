@@ -3,21 +3,23 @@ the one store method the CLI uses for the same thing, and redirects (303) back w
 one-shot message. No transition is written here.
 
 Refusals: read-only → 403; a missing or wrong CSRF token, or an ``Origin`` that is not
-this host → 403; a transition the state does not allow → the store's reason, shown.
-Every action and refusal is logged with the client's address: the audit trail.
+a host the dashboard answers to → 403; a transition the state does not allow → the
+store's reason, shown. Every action and refusal is logged with the client's address:
+the audit trail.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Awaitable, Callable
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 
-from scheduler.dashboard.auth import SESSION_COOKIE, SESSION_TTL, local_path
+from scheduler.dashboard.auth import CSRF_COOKIE, SESSION_COOKIE, SESSION_TTL, local_path
 from scheduler.dashboard.pages import filter_fields, parse_filter
 from scheduler.dashboard.site import FLASH_COOKIE, Dashboard
 from scheduler.errors import InvalidInput
@@ -40,9 +42,9 @@ def redirect(url: str, message: str | None = None) -> RedirectResponse:
     return response
 
 
-def _client(request: Request) -> str | None:
+def client_of(request: Request) -> str:
     """The client's address (the proxy's X-Forwarded-For when uvicorn trusts it)."""
-    return request.client.host if request.client else None
+    return request.client.host if request.client else "unknown"
 
 
 class Refused(Exception):
@@ -52,12 +54,13 @@ class Refused(Exception):
         self.reason = reason
 
 
-def _same_origin(request: Request) -> bool:
+def _same_origin(dash: Dashboard, request: Request) -> bool:
+    """The POST's ``Origin`` names a host the dashboard answers to (not merely the
+    ``Host`` it was sent with: under DNS rebinding the two agree)."""
     origin = request.headers.get("origin")
     if origin is None:  # same-origin form posts from older browsers, API clients
         return True
-    host = request.headers.get("host", "")
-    return urlsplit(origin).netloc == host
+    return dash.allowed_hosts.allows_origin(origin)
 
 
 async def checked_form(dash: Dashboard, request: Request, *, action: bool = True) -> FormData:
@@ -67,11 +70,14 @@ async def checked_form(dash: Dashboard, request: Request, *, action: bool = True
     form = await request.form()
     if request.state.bearer:
         return form  # not an ambient credential: a cross-site page cannot send it
-    if not _same_origin(request):
+    if not _same_origin(dash, request):
         raise Refused(403, "cross-origin request refused")
     offered = form.get("csrf") or request.headers.get("x-csrf-token")
-    cookie = request.cookies.get("duetime_csrf")
-    if not dash.auth.csrf_ok(cookie, offered if isinstance(offered, str) else None):
+    # logged in: bound to the session; else to the duetime_csrf cookie the browser sent
+    binding = request.state.csrf_binding
+    if request.state.session is None and CSRF_COOKIE not in request.cookies:
+        binding = None
+    if not dash.auth.csrf_ok(binding, offered if isinstance(offered, str) else None):
         raise Refused(403, "missing or invalid CSRF token: reload the page and try again")
     return form
 
@@ -79,7 +85,7 @@ async def checked_form(dash: Dashboard, request: Request, *, action: bool = True
 def _refused(request: Request, exc: Refused) -> Response:
     log.warning(
         "dashboard_action_refused", path=request.url.path, reason=exc.reason,
-        client=_client(request),
+        client=client_of(request),
     )  # fmt: skip
     return PlainTextResponse(exc.reason, status_code=exc.status)
 
@@ -115,9 +121,17 @@ async def login(dash: Dashboard, request: Request) -> Response:
     except Refused as exc:
         return _refused(request, exc)
     target = local_path(str(form.get("next") or "/"))
-    if not dash.auth.token_matches(str(form.get("token") or "")):
-        log.warning("dashboard_login_failed", client=_client(request))
+    client = client_of(request)
+    verdict = dash.auth.try_token(str(form.get("token") or ""), client, via="login")
+    if verdict.retry_after:
+        seconds = max(1, math.ceil(verdict.retry_after))
+        page = dash.render(request, "login.html", 429, next=target, wait=seconds)
+        page.headers["Retry-After"] = str(seconds)
+        return page
+    if not verdict.ok:
+        log.warning("dashboard_login_failed", client=client)
         return dash.render(request, "login.html", 401, next=target, failed=True)
+    dash.auth.end_session(request.state.session)
     response = redirect(target)
     response.set_cookie(
         SESSION_COOKIE, dash.auth.new_session(), max_age=int(SESSION_TTL), path="/",
@@ -128,6 +142,8 @@ async def login(dash: Dashboard, request: Request) -> Response:
 
 @posted(action=False)
 async def logout(dash: Dashboard, request: Request, form: FormData) -> Response:
+    if dash.auth.end_session(request.state.session):
+        log.info("dashboard_logout", client=client_of(request))
     response = redirect("/login" if dash.auth.required else "/")
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response
@@ -149,7 +165,7 @@ async def job_action(dash: Dashboard, request: Request, form: FormData) -> Respo
         job = await store.run_now(job_id)
     log.info(
         "dashboard_job_action", action=action, job_id=job_id, status=job.status,
-        shard=site.name, client=_client(request),
+        shard=site.name, client=client_of(request),
     )  # fmt: skip
     return redirect(site.url(f"/jobs/{job_id}"), f"{action}: job {job_id} is now {job.status}")
 
@@ -171,7 +187,7 @@ async def bulk(dash: Dashboard, request: Request, form: FormData) -> Response:
         raise InvalidInput(f"unknown bulk action {action!r}")
     log.info(
         "dashboard_bulk_action", action=action, changed=changed, up_to_id=int(up_to),
-        filter=filter_fields(fields), shard=site.name, client=_client(request),
+        filter=filter_fields(fields), shard=site.name, client=client_of(request),
     )  # fmt: skip
     return redirect(
         site.url("/jobs", **filter_fields(fields)), f"{action}: {changed} job(s) changed"
@@ -197,6 +213,6 @@ async def schedule_action(dash: Dashboard, request: Request, form: FormData) -> 
         message = f"triggered {name}: job {job.id} due now"
     log.info(
         "dashboard_schedule_action", action=action, schedule=name, shard=site.name,
-        client=_client(request),
+        client=client_of(request),
     )  # fmt: skip
     return redirect(site.url(f"/schedules/{quote(name, safe='')}"), message)

@@ -8,6 +8,7 @@ wires them to routes behind the auth gate.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Any
@@ -41,7 +42,8 @@ CSP = (
 
 
 class Gate(BaseHTTPMiddleware):
-    """Authentication, the CSRF cookie and security headers for every response."""
+    """Host check, authentication, the CSRF binding and security headers for every
+    response."""
 
     def __init__(self, app: Any, dash: Dashboard) -> None:
         super().__init__(app)
@@ -49,16 +51,39 @@ class Gate(BaseHTTPMiddleware):
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
         auth = self.dash.auth
+        host = request.headers.get("host")
+        if not self.dash.allowed_hosts.allows(host):
+            log.warning(
+                "dashboard_host_refused", host=(host or "")[:100], client=actions.client_of(request)
+            )
+            return _harden(
+                PlainTextResponse(
+                    "this dashboard does not answer to that host name (Host header); "
+                    "add it to DUETIME_DASHBOARD_HOSTS if it is yours",
+                    status_code=421,
+                )
+            )
         request.state.bearer = False
         cookie = request.cookies.get(CSRF_COOKIE)
         fresh_cookie = cookie is None
         request.state.csrf_cookie = cookie or auth.new_csrf_cookie()
+        session = request.cookies.get(SESSION_COOKIE)
+        request.state.session = session if auth.session_ok(session) else None
+        request.state.csrf_binding = (
+            f"session:{session}" if request.state.session else f"cookie:{request.state.csrf_cookie}"
+        )
         path = request.url.path
         public = path in PUBLIC_PATHS or path.startswith("/static/")
         if auth.required and not public:
-            if auth.bearer_ok(request.headers.get("authorization")):
+            offered = auth.bearer(request.headers.get("authorization"))
+            if offered is not None:
+                verdict = auth.try_token(offered, actions.client_of(request), via="bearer")
+                if verdict.retry_after:
+                    return _harden(_throttled(verdict.retry_after))
+                if not verdict.ok:
+                    return _harden(_unauthenticated())
                 request.state.bearer = True
-            elif not auth.session_ok(request.cookies.get(SESSION_COOKIE)):
+            elif request.state.session is None:
                 response: Response
                 if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
                     target = path + (f"?{request.url.query}" if request.url.query else "")
@@ -66,8 +91,7 @@ class Gate(BaseHTTPMiddleware):
                         f"/login?next={quote(target, safe='')}", status_code=303
                     )
                 else:
-                    response = JSONResponse({"error": "authentication required"}, 401)
-                    response.headers["WWW-Authenticate"] = 'Bearer realm="duetime"'
+                    response = _unauthenticated()
                 return _harden(response)
         response = await call_next(request)
         if fresh_cookie:
@@ -76,6 +100,21 @@ class Gate(BaseHTTPMiddleware):
                 samesite="strict", secure=request.url.scheme == "https",
             )  # fmt: skip
         return _harden(response)
+
+
+def _unauthenticated() -> Response:
+    response = JSONResponse({"error": "authentication required"}, 401)
+    response.headers["WWW-Authenticate"] = 'Bearer realm="duetime"'
+    return response
+
+
+def _throttled(retry_after: float) -> Response:
+    seconds = max(1, math.ceil(retry_after))
+    response = JSONResponse(
+        {"error": f"too many wrong tokens from this address: retry in {seconds} s"}, 429
+    )
+    response.headers["Retry-After"] = str(seconds)
+    return response
 
 
 def _harden(response: Response) -> Response:

@@ -21,6 +21,7 @@ import uvicorn
 from scheduler.config import Settings
 from scheduler.dashboard.app import Dashboard, create_app
 from scheduler.dashboard.auth import Auth, check_listen
+from scheduler.dashboard.hosts import Hosts
 from scheduler.errors import ConfigError
 from scheduler.log import get_logger
 from scheduler.service import Service
@@ -63,7 +64,10 @@ async def serve(settings: Settings, *, read_only: bool) -> int:
     host, port = check_listen(settings.dashboard_listen, settings.dashboard_token)
     sock = bind(host, port)
     actual = sock.getsockname()[1]
-    dash = Dashboard(settings, Auth.create(settings.dashboard_token), read_only=read_only)
+    hosts = Hosts.for_listen(host, actual, settings.dashboard_hosts)
+    dash = Dashboard(
+        settings, Auth.create(settings.dashboard_token), read_only=read_only, hosts=hosts
+    )
     config = uvicorn.Config(
         create_app(dash),
         log_config=None,
@@ -75,7 +79,9 @@ async def serve(settings: Settings, *, read_only: bool) -> int:
     )
     server = _Server(config)
     shown = f"[{host}]" if ":" in host else host
-    async with Service("dashboard", metrics_port=settings.metrics_port) as service:
+    async with Service(
+        "dashboard", metrics_port=settings.metrics_port, metrics_host=settings.metrics_listen
+    ) as service:
         task = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
         serving = asyncio.create_task(server.serving.wait())
         await asyncio.wait({task, serving}, return_when=asyncio.FIRST_COMPLETED)

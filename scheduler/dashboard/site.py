@@ -34,7 +34,8 @@ from starlette.responses import HTMLResponse
 from scheduler import db
 from scheduler.config import Settings
 from scheduler.dashboard import present
-from scheduler.dashboard.auth import Auth
+from scheduler.dashboard.auth import Auth, split_listen
+from scheduler.dashboard.hosts import Hosts
 from scheduler.errors import DuetimeError
 from scheduler.store import DashboardStore, JobStore, ScheduleStore
 from scheduler.store.status import StatusStore
@@ -131,8 +132,17 @@ class Dashboard:
     settings: Settings
     auth: Auth
     read_only: bool = False
+    hosts: Hosts | None = None  # None: from settings (the listening port as configured)
     templates: jinja2.Environment = field(default_factory=_templates)
     pools: dict[str, asyncpg.Pool] = field(default_factory=dict)
+
+    @property
+    def allowed_hosts(self) -> Hosts:
+        """The ``Host`` names this dashboard answers to (``scheduler.dashboard.hosts``)."""
+        if self.hosts is None:
+            host, port = split_listen(self.settings.dashboard_listen)
+            self.hosts = Hosts.for_listen(host, port, self.settings.dashboard_hosts)
+        return self.hosts
 
     @property
     def shard_names(self) -> list[str]:
@@ -199,7 +209,7 @@ class Dashboard:
             request=request,
             read_only=self.read_only,
             auth_required=self.auth.required,
-            csrf=self.auth.csrf_token(request.state.csrf_cookie),
+            csrf=self.auth.csrf_token(request.state.csrf_binding),
             flash=unquote(flash)[:500] if flash else None,
             nav=path,
             url=site.url,

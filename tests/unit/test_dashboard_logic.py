@@ -12,7 +12,16 @@ import pytest
 from scheduler.config import load_settings
 from scheduler.cron import parse_cron
 from scheduler.dashboard import charts, present
-from scheduler.dashboard.auth import SESSION_TTL, Auth, check_listen, is_loopback, local_path
+from scheduler.dashboard.auth import (
+    SESSION_TTL,
+    Auth,
+    Sessions,
+    check_listen,
+    is_loopback,
+    local_path,
+)
+from scheduler.dashboard.hosts import Hosts
+from scheduler.dashboard.throttle import Throttle
 from scheduler.errors import ConfigError
 from scheduler.planning import CronTiming
 
@@ -68,25 +77,61 @@ def test_payloads_and_errors_are_capped() -> None:
     assert present.capped("e" * 5000)[1] and present.capped(None) == ("", False)
 
 
-def test_session_cookie_is_signed_and_expires() -> None:
+def test_sessions_are_remembered_expire_and_end_at_logout() -> None:
     auth = Auth.create("tok")
     cookie = auth.new_session(now=1000.0)
+    assert "tok" not in cookie and len(cookie) >= 40  # a random id, nothing derived
     assert auth.session_ok(cookie, now=1000.0 + SESSION_TTL - 1)
-    assert not auth.session_ok(cookie, now=1000.0 + SESSION_TTL + 1)
-    issued, nonce, sig = cookie.split(".")
-    assert not auth.session_ok(f"{int(issued) + 1}.{nonce}.{sig}", now=1001.0)  # tampered
-    assert not Auth.create("rotated").session_ok(cookie, now=1000.0)
+    assert not auth.session_ok(cookie + "x", now=1001.0)  # tampered
+    assert not Auth.create("tok").session_ok(cookie, now=1000.0)  # another process
+    assert auth.end_session(cookie) and not auth.session_ok(cookie, now=1001.0)
+    later = auth.new_session(now=1000.0)
+    assert not auth.session_ok(later, now=1000.0 + SESSION_TTL + 1)
     assert auth.bearer_ok("Bearer tok") and not auth.bearer_ok("Bearer to")
     assert not Auth.create(None).bearer_ok("Bearer tok")
 
 
-def test_csrf_token_is_bound_to_the_cookie() -> None:
+def test_sessions_and_the_throttle_are_bounded() -> None:
+    sessions = Sessions(limit=3)
+    ids = [sessions.issue(0.0) for _ in range(5)]
+    assert len(sessions) == 3 and not sessions.valid(ids[0], 1.0) and sessions.valid(ids[4], 1.0)
+    throttle = Throttle(limit=3)
+    for n in range(10):
+        throttle.failed(f"10.0.0.{n}", 0.0)
+    assert len(throttle) == 3
+
+
+def test_the_throttle_backs_off_exponentially_and_forgives() -> None:
+    throttle = Throttle(free=2, base=1.0, ceiling=8.0, forget=100.0)
+    locks = [throttle.failed("a", 0.0)[1] for _ in range(7)]
+    assert locks == [0.0, 0.0, 1.0, 2.0, 4.0, 8.0, 8.0]
+    assert throttle.retry_after("a", 3.0) == 5.0 and throttle.retry_after("b", 3.0) == 0.0
+    assert throttle.retry_after("a", 200.0) == 0.0  # silent for longer than forget
+    throttle.failed("c", 0.0)
+    throttle.succeeded("c")
+    assert throttle.retry_after("c", 0.0) == 0.0
+
+
+def test_csrf_token_is_bound_to_its_binding() -> None:
     auth = Auth.create(None)
     cookie = auth.new_csrf_cookie()
-    token = auth.csrf_token(cookie)
-    assert auth.csrf_ok(cookie, token)
-    assert not auth.csrf_ok(auth.new_csrf_cookie(), token)
-    assert not auth.csrf_ok(cookie, None) and not auth.csrf_ok(None, token)
+    token = auth.csrf_token(f"cookie:{cookie}")
+    assert auth.csrf_ok(f"cookie:{cookie}", token)
+    assert not auth.csrf_ok(f"cookie:{auth.new_csrf_cookie()}", token)
+    assert not auth.csrf_ok(f"session:{cookie}", token)
+    assert not auth.csrf_ok(f"cookie:{cookie}", None) and not auth.csrf_ok(None, token)
+
+
+def test_host_names_the_dashboard_answers_to() -> None:
+    loop = Hosts.for_listen("127.0.0.1", 8089)
+    assert all(loop.allows(h) for h in ("127.0.0.1:8089", "localhost:8089", "[::1]:8089"))
+    assert not any(loop.allows(h) for h in ("evil:8089", "localhost", "", None, "a b:8089"))
+    wild = Hosts.for_listen("0.0.0.0", 8089, ("duetime.internal", "ops.internal:8443"))
+    assert wild.allows("10.1.2.3:8089") and wild.allows("duetime.internal")
+    assert wild.allows("ops.internal:8443") and not wild.allows("ops.internal:9000")
+    assert not wild.allows("evil.example:8089") and not wild.allows("localhost:8089")
+    assert wild.allows_origin("https://duetime.internal") and not wild.allows_origin("null")
+    assert Hosts.for_listen("10.0.0.5", 80).allows("10.0.0.5")  # port 80 implied
 
 
 def test_non_loopback_needs_a_token() -> None:
@@ -95,7 +140,10 @@ def test_non_loopback_needs_a_token() -> None:
     assert is_loopback("localhost") and not is_loopback("10.0.0.5")
     with pytest.raises(ConfigError, match="without a token"):
         check_listen("0.0.0.0:8089", None)
-    assert check_listen("0.0.0.0:8089", "tok") == ("0.0.0.0", 8089)
+    with pytest.raises(ConfigError, match="at least 16"):
+        check_listen("0.0.0.0:8089", "tok")
+    assert check_listen("0.0.0.0:8089", "t" * 16) == ("0.0.0.0", 8089)
+    assert check_listen("127.0.0.1:8089", "a") == ("127.0.0.1", 8089)  # loopback: any
 
 
 def test_dashboard_token_is_a_redacted_secret_and_a_credential(tmp_path: Path) -> None:
