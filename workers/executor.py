@@ -35,8 +35,8 @@ the row says, never as the message says.
 Round trips per delivery (counted in docs/benchmarks.md): a handler without ctx.db pays
 its share of two batched statements and of one multiple-ack (0.35 + 0.18 writes); one
 with a ctx.db statement pays BEGIN, that statement, and ``finish_attempt`` + COMMIT (one
-round trip) in its own transaction, or, when its task shares transactions, that statement and its share of its
-group's BEGIN, ``finish_group`` and COMMIT (1.38 + 0.10).
+round trip) in its own transaction, or, when its task shares transactions, that statement
+and its share of its group's BEGIN, ``finish_group`` and COMMIT (1.38 + 0.10).
 
 This module is over 400 lines on purpose: it is one delivery's whole way (read, run,
 settle, record a failure), in the order it happens. Connections are not reset between jobs
