@@ -80,6 +80,8 @@ LOCK_ERRORS = (
     asyncpg.exceptions.DeadlockDetectedError,
 )
 DAY = 86400.0
+#: The furthest day ``duetime.create_bucket`` creates (migration 0011).
+MAX_DAYS_AHEAD = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,11 @@ class MaintainerConfig:
 
     def __post_init__(self) -> None:
         check_knobs(self)
+        if self.days_ahead > MAX_DAYS_AHEAD:
+            raise ValueError(
+                f"days_ahead must be <= {MAX_DAYS_AHEAD} (duetime.create_bucket refuses "
+                "days further ahead)"
+            )
         if self.ddl_timeout < self.lock_timeout:
             raise ValueError("ddl_timeout must be >= lock_timeout")
 

@@ -46,11 +46,13 @@ SELECT c.relname AS name
 -- name: create_bucket
 -- (fenced) Creates the bucket of day $1 (moving that day's rows out of DEFAULT, then
 -- ATTACH); false if it exists. ATTACH holds ACCESS EXCLUSIVE on DEFAULT while it scans
--- it, which is why DEFAULT must stay small (buckets ahead; prune_default).
-SELECT duetime.ensure_partition($1::date);
+-- it, which is why DEFAULT must stay small (buckets ahead; prune_default). Refused for a
+-- day before today or more than 100 days ahead (migration 0011).
+SELECT duetime.create_bucket($1::date);
 
 -- name: detach_bucket
--- (fenced) 'detached' | 'live' | 'missing' (migration 0003).
+-- (fenced) 'detached' | 'live' | 'missing' (migration 0003); refused for a day whose
+-- range has not ended (migration 0011).
 SELECT duetime.detach_terminal_partition($1::date);
 
 -- name: drop_detached
@@ -101,18 +103,8 @@ SELECT count(*) FROM gone;
 
 -- name: prune_default
 -- (fenced) One batch of terminal rows in DEFAULT that were due and finished more than
--- $1 seconds ago: rows inserted into the range of a bucket already dropped (or before
--- the first one) land there, and would otherwise stay forever. The outer WHERE repeats
--- the conditions, so a row changed since the inner scan (retried) is not deleted.
--- Pending and dispatched rows are never touched: they are claimed from DEFAULT.
-DELETE FROM duetime.jobs_default
- WHERE ctid = ANY(ARRAY(
-           SELECT ctid
-             FROM duetime.jobs_default
-            WHERE status IN ('succeeded', 'dead', 'cancelled')
-              AND due_at < now() - make_interval(secs => $1::float8)
-              AND coalesce(finished_at, due_at) < now() - make_interval(secs => $1::float8)
-            LIMIT $2))
-   AND status IN ('succeeded', 'dead', 'cancelled')
-   AND due_at < now() - make_interval(secs => $1::float8)
-   AND coalesce(finished_at, due_at) < now() - make_interval(secs => $1::float8);
+-- $1 seconds ago, at most $2 (duetime.prune_default, migration 0011): rows inserted into
+-- the range of a bucket already dropped (or before the first one) land there, and would
+-- otherwise stay forever. Pending and dispatched rows are never touched: they are
+-- claimed from DEFAULT. Returns how many went.
+SELECT duetime.prune_default($1::float8, $2::int);

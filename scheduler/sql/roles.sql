@@ -75,35 +75,30 @@ CREATE POLICY "{producer}_own_schedules" ON duetime.schedules FOR SELECT TO "{pr
     USING (created_by = current_user);
 
 -- name: grant_worker
--- execution.sql: begin_deliveries (SELECT ... FOR KEY SHARE, which needs UPDATE on a
--- column; it reads task and payload: the row, not the message, says what runs),
--- complete/finish, schedule_retry, mark_dead, heartbeat; the ledger insert. Not
--- DELETE, not the fence, not INSERT into jobs, not schedules. schedule_id and created_by
--- are read only to compute the ledger key (duetime.effective_key, migration 0007: a
--- producer's key is scoped by the role that inserted it). Handlers' own tables (ctx.db)
--- are the application's to grant to the worker login user.
-GRANT SELECT (id, due_at, run_at, status, attempt, max_attempts, queue, idempotency_key,
-              task, payload, schedule_id, created_by)
-    ON duetime.jobs TO "{worker}";
-GRANT EXECUTE ON FUNCTION duetime.effective_key(bigint, text, bigint, text) TO "{worker}";
-GRANT UPDATE (status, attempt, run_at, last_error, dispatched_at, heartbeat_at,
-              dispatch_epoch, finished_at, max_attempts)
-    ON duetime.jobs TO "{worker}";
-GRANT INSERT (idempotency_key, job_id, attempt, task, worker)
-    ON duetime.job_ledger TO "{worker}";
--- ON CONFLICT (idempotency_key) needs SELECT on the conflict target: the key only.
-GRANT SELECT (idempotency_key) ON duetime.job_ledger TO "{worker}";
+-- No privilege on duetime.jobs or duetime.job_ledger: handlers run ctx.db as the
+-- worker's login, so a table grant here would be the handler's too. Every statement of
+-- execution.sql calls one of migration 0010's SECURITY DEFINER functions, which settle
+-- only a row that is `dispatched` at the attempt named (succeeded with its ledger row,
+-- pending at attempt + 1, dead, or a heartbeat) and read a batch of deliveries' rows
+-- (worker_begin). Not DELETE, not the fence, not INSERT into jobs, not schedules.
+-- Handlers' own tables (ctx.db) are the application's to grant to the worker login user.
+GRANT EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[]),
+                          duetime.worker_complete(bigint[], timestamptz[], integer[], text),
+                          duetime.worker_finish_group(bigint[], timestamptz[], integer[],
+                                                      text, timestamptz, timestamptz),
+                          duetime.finish_attempt(bigint, timestamptz, integer, text),
+                          duetime.worker_retry(bigint, timestamptz, integer, float8, text,
+                                               text),
+                          duetime.worker_dead(bigint, timestamptz, integer, text, text),
+                          duetime.worker_heartbeat(bigint, timestamptz, integer)
+    TO "{worker}";
 -- `duetime worker --queue NAME` warns at start when NAME is not declared.
 GRANT SELECT ON duetime.queues TO "{worker}";
-CREATE POLICY "{worker}_jobs" ON duetime.jobs FOR ALL TO "{worker}"
-    USING (true) WITH CHECK (true);
-GRANT EXECUTE ON FUNCTION duetime.finish_attempt(bigint, timestamptz, integer, text, text, text)
-    TO "{worker}";
 
 -- name: grant_scheduler
 -- Fence (fence.sql); dispatch and reconcile (dispatch.sql); planner (schedules.sql
--- claim_due, apply_plan, prune_fires); maintainer (maintenance.sql): bucket DDL only
--- through the SECURITY DEFINER functions of migration 0005, row pruning directly;
+-- claim_due, apply_plan, prune_fires); maintainer (maintenance.sql): bucket DDL and
+-- DEFAULT's pruning only through SECURITY DEFINER functions (migrations 0005, 0011);
 -- `duetime status`/readiness (status.sql). Not INSERT/DELETE on the fence, not
 -- producer columns of schedules, no DDL of its own.
 GRANT SELECT, UPDATE (epoch, leader_node, elected_at, renewed_at)
@@ -125,14 +120,16 @@ GRANT UPDATE (next_fire_at, plan_at, buffered_fire_at, paused, last_error, fired
 GRANT SELECT, INSERT, DELETE ON duetime.schedule_fires TO "{scheduler}";
 -- prune_ledger locks rows FOR UPDATE before deleting them: that needs UPDATE on a column.
 GRANT SELECT, DELETE, UPDATE (completed_at) ON duetime.job_ledger TO "{scheduler}";
--- prune_default addresses the DEFAULT bucket directly (its own privileges, no RLS).
-GRANT SELECT, DELETE ON duetime.jobs_default TO "{scheduler}";
 GRANT SELECT ON duetime.schema_migrations TO "{scheduler}";
-GRANT EXECUTE ON FUNCTION duetime.ensure_partition(date),
-                          duetime.ensure_partitions(date, integer),
+-- The maintainer's box (migration 0011): create buckets from today to today + 100 days,
+-- detach buckets whose range ended and whose rows are all terminal, drop what it
+-- detached, delete terminal rows of DEFAULT past the retention. Not ensure_partition(s)
+-- (any day, any number of days: the owner's), not DELETE on jobs_default.
+GRANT EXECUTE ON FUNCTION duetime.create_bucket(date),
                           duetime.detach_terminal_partition(date),
                           duetime.drop_detached_partition(text),
-                          duetime.partition_is_live(regclass)
+                          duetime.partition_is_live(regclass),
+                          duetime.prune_default(float8, integer)
     TO "{scheduler}";
 CREATE POLICY "{scheduler}_jobs" ON duetime.jobs FOR ALL TO "{scheduler}"
     USING (true) WITH CHECK (true);

@@ -6,6 +6,11 @@ own transaction (``finish_statement``, sent with its COMMIT), on the caller's co
 Failure outcomes (``schedule_retry``, ``mark_dead``) and ``heartbeat`` run on pooled
 connections of their own: a failure is rare, and a sign of life must be visible while a
 handler still runs.
+
+Every statement calls a function of migration 0010 that settles only a row dispatched at
+the attempt named, and writes the ledger row from that row (its ``effective_key`` and
+task): a ``Completion``'s ``key`` and ``task`` are what the worker shows the handler and
+matches on, never what the database records.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from scheduler.store.conn import Conn, Pooled
 from scheduler.store.rows import Completion, Finish, JobRef, LockedJob, from_record
 
 Q = load("execution")
-#: The SQLSTATEs with which ``duetime.finish_attempt`` refuses (migration 0009).
+#: The SQLSTATEs with which ``duetime.finish_attempt`` refuses (migrations 0009, 0010).
 ROW_MOVED_ON = "DT001"
 KEY_RECORDED = "DT002"
 
@@ -39,14 +44,12 @@ def quote_literal(text: str) -> str:
 
 
 def _columns(items: Sequence[Completion]) -> tuple[list[Any], ...]:
-    """The array arguments of the batched completions: ids, due times, attempts, keys,
-    tasks (in that order, as the statements unnest them)."""
+    """The array arguments of the batched completions: ids, due times, attempts (in that
+    order, as the functions unnest them)."""
     return (
         [c.ref.job_id for c in items],
         [c.ref.due_at for c in items],
         [c.ref.attempt for c in items],
-        [c.key for c in items],
-        [c.task for c in items],
     )
 
 
@@ -99,8 +102,6 @@ class ExecutionStore:
             id=int(ref.job_id),
             due_at=quote_literal(ref.due_at.isoformat()),
             attempt=int(ref.attempt),
-            key=quote_literal(completion.key),
-            task=quote_literal(completion.task),
             worker=quote_literal(worker),
         )
 
@@ -119,7 +120,8 @@ class ExecutionStore:
         self, conn: Conn, completions: Sequence[Completion], worker: str
     ) -> list[Finish]:
         """``finish`` for many attempts in one statement, in the caller's transaction;
-        aligned with ``completions`` (which must not repeat a key)."""
+        aligned with ``completions`` (which must not repeat a key). ``recorded``: this
+        attempt's ledger row was inserted."""
         columns = _columns(completions)
         due = columns[1]
         records = await conn.fetch(Q["finish_group"], *columns, worker, min(due), max(due))
@@ -171,7 +173,7 @@ async def prepare_store_connection(conn: asyncpg.Connection) -> None:
     first deliveries after start-up pay for no parsing or planning (each runs once with
     job id 0, which matches nothing and changes nothing)."""
     await conn.fetch(Q["begin_deliveries"], [0], [_epoch()])
-    await conn.fetchval(Q["complete_deliveries"], [0], [_epoch()], [0], [""], [""], "")
+    await conn.fetchval(Q["complete_deliveries"], [0], [_epoch()], [0], "")
     await conn.fetchval(Q["schedule_retry"], 0, _epoch(), 0, 0.0, "", "{}")
     await conn.fetchval(Q["mark_dead"], 0, _epoch(), 0, "", "{}")
     await conn.fetchval(Q["heartbeat"], 0, _epoch(), 0)
@@ -184,4 +186,4 @@ async def prepare_handler_connection(conn: asyncpg.Connection) -> None:
         await conn.execute(
             ExecutionStore.finish_statement(Completion(JobRef(0, _epoch(), 0), "", ""), "")
         )
-    await conn.fetch(Q["finish_group"], [0], [_epoch()], [0], [""], [""], "", _epoch(), _epoch())
+    await conn.fetch(Q["finish_group"], [0], [_epoch()], [0], "", _epoch(), _epoch())

@@ -22,11 +22,6 @@ def _ms(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
 
 
-def _rows(status: str) -> int:
-    """Row count from a command tag such as ``DELETE 42``."""
-    return int(status.rsplit(" ", 1)[-1])
-
-
 class MaintenanceStore(PooledStore):
     # -- reads (pool) ----------------------------------------------------------------
 
@@ -71,4 +66,4 @@ class MaintenanceStore(PooledStore):
         return int(await conn.fetchval(Q["prune_fires"], float(retention), limit))
 
     async def prune_default(self, conn: Conn, retention: float, limit: int) -> int:
-        return _rows(await conn.execute(Q["prune_default"], float(retention), limit))
+        return int(await conn.fetchval(Q["prune_default"], float(retention), limit))

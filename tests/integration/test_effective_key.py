@@ -12,23 +12,31 @@ future keys can no longer settle other producers' jobs or fires as duplicates.""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 
 import asyncpg
 import pytest
 
+import scheduler.sql
 from scheduler.messages import effective_key
 from scheduler.sql import load
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import Completion, JobRef
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, dispatched_job
 
-#: How begin_deliveries computes the key, as written there.
-EXPRESSION = "duetime.effective_key(id, idempotency_key, schedule_id, created_by)"
+#: How the worker's functions (migration 0010) compute the key of the row they read or
+#: settle, as written there (the row's alias, then these columns).
+EXPRESSION = "duetime.effective_key({t}.id, {t}.idempotency_key, {t}.schedule_id, {t}.created_by)"
 RESERVED = "jobs_idempotency_key_reserved"
+MIGRATION = Path(scheduler.sql.__file__).parent / "migrations" / "0010_worker_settlement.sql"
 
 
 def test_the_worker_statement_computes_the_key_with_this_expression() -> None:
-    assert EXPRESSION in load("execution")["begin_deliveries"]
+    assert "duetime.worker_begin(" in load("execution")["begin_deliveries"]
+    text = " ".join(MIGRATION.read_text("utf-8").split()).replace("( ", "(")
+    assert EXPRESSION.format(t="r") in text  # worker_begin
+    assert text.count(EXPRESSION.format(t="j")) == 2  # worker_complete, worker_finish_group
+    assert "duetime.effective_key(id, idempotency_key, schedule_id, created_by)" in text
 
 
 @pytest.mark.parametrize(

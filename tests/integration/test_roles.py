@@ -340,6 +340,87 @@ async def test_worker_is_refused_everything_else(world: World) -> None:
     )
 
 
+async def _job(owner: asyncpg.Pool, status: str = "pending", due: str = "now()") -> JobRef:
+    row = await owner.fetchrow(
+        f"INSERT INTO duetime.jobs (task, due_at) VALUES ('w.ok', {due}) RETURNING id, due_at"
+    )
+    if status != "pending":
+        await owner.execute(
+            "UPDATE duetime.jobs SET status = $2, dispatched_at = now(), "
+            f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
+            row["id"],
+            status,
+        )
+    return JobRef(row["id"], row["due_at"], 1)
+
+
+async def test_worker_settles_only_dispatched_attempts(world: World) -> None:
+    """The worker role (and so every handler's ctx.db) cannot rewrite jobs: no table
+    privilege on jobs or the ledger, and the settlement functions touch only a row that
+    is dispatched at the attempt named, writing the ledger row from that row."""
+    pending = await _job(world.owner)
+    future = await _job(world.owner, due="now() + interval '1 hour'")
+    dispatched = await _job(world.owner, "dispatched")
+    other = await _job(world.owner, "dispatched")
+    w = world.worker
+    for sql in (
+        "UPDATE duetime.jobs SET status = 'succeeded' WHERE status = 'pending'",
+        "UPDATE duetime.jobs SET status = 'cancelled'",
+        "UPDATE duetime.jobs SET run_at = '9999-12-30'",
+        "UPDATE duetime.jobs SET heartbeat_at = now()",
+        "SELECT id FROM duetime.jobs WHERE status = 'pending' FOR UPDATE",
+        "INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task) "
+        "SELECT 'job:' || g, g, 1, 'x' FROM generate_series(1, 1000) g",
+    ):
+        with pytest.raises(DENIED):
+            await w.execute(sql)
+    for ref in (pending, future):
+        args = (ref.job_id, ref.due_at, 1)
+        assert (
+            await w.fetchval(
+                "SELECT duetime.worker_complete($1, $2, $3, 'w')", *([a] for a in args)
+            )
+            == []
+        )
+        assert (
+            await w.fetchval("SELECT duetime.worker_retry($1, $2, $3, 0, 'e', '{}')", *args) is None
+        )
+        assert await w.fetchval("SELECT duetime.worker_dead($1, $2, $3, 'e', '{}')", *args) is None
+        assert await w.fetchval("SELECT duetime.worker_heartbeat($1, $2, $3)", *args) is None
+        with pytest.raises(asyncpg.PostgresError) as refused:
+            await w.execute("SELECT duetime.finish_attempt($1, $2, $3, 'w')", *args)
+        assert refused.value.sqlstate == "DT001"
+    # the wrong attempt of a dispatched row is refused as well
+    wrong = (dispatched.job_id, dispatched.due_at, 2)
+    assert await w.fetchval("SELECT duetime.worker_dead($1, $2, $3, 'e', '{}')", *wrong) is None
+    # a retry cannot push run_at further than the bound (366 days)
+    run_at = await w.fetchval(
+        "SELECT duetime.worker_retry($1, $2, 1, 1e15, 'e', '{}')",
+        dispatched.job_id,
+        dispatched.due_at,
+    )
+    assert run_at < datetime.now(UTC) + timedelta(days=367)
+    # the ledger row is the settled row's own key, whatever the caller passes around
+    assert await w.fetchval(
+        "SELECT duetime.worker_complete($1, $2, $3, 'w')",
+        [other.job_id],
+        [other.due_at],
+        [1],
+    ) == [other.job_id]
+    rows = {
+        r["id"]: (r["status"], r["run_at"])
+        for r in await world.owner.fetch("SELECT id, status, run_at FROM duetime.jobs")
+    }
+    assert rows[pending.job_id] == ("pending", None)
+    assert rows[future.job_id] == ("pending", None)
+    assert rows[dispatched.job_id][0] == "pending"
+    assert rows[other.job_id][0] == "succeeded"
+    ledger = await world.owner.fetch("SELECT idempotency_key, job_id FROM duetime.job_ledger")
+    assert [(r["idempotency_key"], r["job_id"]) for r in ledger] == [
+        (f"job:{other.job_id}", other.job_id)
+    ]
+
+
 # -- scheduler -----------------------------------------------------------------------
 
 
@@ -441,3 +522,77 @@ async def test_end_to_end_as_least_privilege_roles(world: World, unique: str) ->
         await channel.queue_delete(f"duetime.{queue}")
     finally:
         await connection.close()
+
+
+async def test_payload_ceiling_measures_compressed_values_uncompressed(world: World) -> None:
+    """A payload that arrives already compressed (lz4, INSERT ... SELECT from a temporary
+    table) is measured uncompressed: 20 MB stored as ~80 KB is refused by
+    jobs_payload_too_large; 1,000,000 bytes stored the same way still pass."""
+    async with world.producer.acquire() as conn:
+        await conn.execute("SET default_toast_compression = lz4")
+        await conn.execute("CREATE TEMP TABLE big (p jsonb)")
+        await conn.execute(
+            "INSERT INTO big SELECT jsonb_build_object('x', repeat('a', 20 * 1024 * 1024))"
+        )
+        assert await conn.fetchval("SELECT pg_column_size(p) FROM big") < 1048576
+        with pytest.raises(asyncpg.CheckViolationError) as refused:
+            await conn.execute("INSERT INTO duetime.jobs (task, payload) SELECT 'big', p FROM big")
+        assert refused.value.constraint_name == "jobs_payload_too_large"
+        await conn.execute("TRUNCATE big")
+        await conn.execute("INSERT INTO big SELECT jsonb_build_object('x', repeat('a', 1000000))")
+        await conn.execute("INSERT INTO duetime.jobs (task, payload) SELECT 'fits', p FROM big")
+    # schedules carry the same ceiling (the planner copies their payloads into jobs)
+    async with world.owner.acquire() as conn:
+        await conn.execute("SET default_toast_compression = lz4")
+        await conn.execute("CREATE TEMP TABLE big (p jsonb)")
+        await conn.execute(
+            "INSERT INTO big SELECT jsonb_build_object('x', repeat('a', 20 * 1024 * 1024))"
+        )
+        with pytest.raises(asyncpg.CheckViolationError) as refused:
+            await conn.execute(
+                "INSERT INTO duetime.schedules (name, task, cron, payload) "
+                "SELECT 'big', 'big', '* * * * *', p FROM big"
+            )
+        assert refused.value.constraint_name == "schedules_payload_too_large"
+    assert await world.owner.fetchval("SELECT array_agg(task) FROM duetime.jobs") == ["fits"]
+
+
+async def test_scheduler_maintenance_stays_in_the_maintainers_box(world: World) -> None:
+    """The scheduler role creates buckets only from today to today + 100 days, detaches
+    only buckets whose range ended, and deletes only terminal rows of DEFAULT past the
+    retention."""
+    s, owner = world.scheduler, world.owner
+    today = datetime.now(UTC).date()
+    for sql in (
+        f"SELECT duetime.ensure_partitions('{today + timedelta(days=200)}'::date, 3)",
+        f"SELECT duetime.ensure_partition('{today + timedelta(days=200)}'::date)",
+        "DELETE FROM duetime.jobs_default",
+    ):
+        with pytest.raises(DENIED):
+            await s.execute(sql)
+    for day in (today + timedelta(days=101), today - timedelta(days=3)):
+        with pytest.raises(asyncpg.InvalidParameterValueError):
+            await s.execute("SELECT duetime.create_bucket($1::date)", day)
+    assert await s.fetchval("SELECT duetime.create_bucket($1::date)", today + timedelta(days=100))
+    # today's bucket holds only terminal rows (none at all): still not detached
+    for day in (today, today + timedelta(days=1)):
+        with pytest.raises(asyncpg.InvalidParameterValueError):
+            await s.execute("SELECT duetime.detach_terminal_partition($1::date)", day)
+    # DEFAULT: a pending job due beyond the buckets, an old finished one, a recent one
+    far, old, recent = [
+        await owner.fetchval(
+            "INSERT INTO duetime.jobs (task, due_at, status, finished_at) "
+            f"VALUES ('d', {due}, $1, {finished}) RETURNING tableoid::regclass::text",
+            status,
+        )
+        for due, status, finished in (
+            ("now() + interval '300 days'", "pending", "NULL"),
+            ("now() - interval '40 days'", "succeeded", "now() - interval '39 days'"),
+            ("now() - interval '40 days'", "dead", "now()"),
+        )
+    ]
+    assert far == old == recent == "duetime.jobs_default"
+    week = 7 * 86400
+    assert await s.fetchval("SELECT duetime.prune_default($1, 100000000)", week) == 1  # old
+    assert await s.fetchval("SELECT duetime.prune_default(-1e300, 10)") == 1  # recent
+    assert await owner.fetchval("SELECT array_agg(status) FROM duetime.jobs_default") == ["pending"]
