@@ -20,17 +20,18 @@
 -- scheduler.messages.effective_key, computed here so the ledger check runs in this
 -- statement (the two are checked to agree by tests/integration/test_effective_key.py).
 -- `done` says the ledger already holds it (the
--- effect was applied by an earlier delivery). `i` is the position in the input arrays;
--- missing jobs return no row.
+-- effect was applied by an earlier delivery). `epoch` is the row's dispatch_epoch: the
+-- worker runs a delivery only when its message carries that epoch (a copy from another
+-- dispatch is stale). `i` is the position in the input arrays; missing jobs return no row.
 SELECT w.i, j.status, j.attempt, j.max_attempts, j.queue, j.task, j.payload,
-       j.effective_key AS key, j.run_time,
+       j.effective_key AS key, j.run_time, j.dispatch_epoch AS epoch,
        EXISTS (SELECT 1 FROM duetime.job_ledger l WHERE l.idempotency_key = j.effective_key)
            AS done
   FROM unnest($1::bigint[], $2::timestamptz[]) WITH ORDINALITY AS w(id, due_at, i)
  CROSS JOIN LATERAL (
         -- LATERAL: one primary-key lookup per delivery, pruned to its partition at run
         -- time, whatever the statistics say (a join let the planner scan whole buckets)
-        SELECT status, attempt, max_attempts, queue, task, payload,
+        SELECT status, attempt, max_attempts, queue, task, payload, dispatch_epoch,
                duetime.effective_key(id, idempotency_key, schedule_id, created_by)
                    AS effective_key,
                coalesce(run_at, due_at) AS run_time

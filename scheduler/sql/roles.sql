@@ -83,7 +83,7 @@ CREATE POLICY "{producer}_own_schedules" ON duetime.schedules FOR SELECT TO "{pr
 -- producer's key is scoped by the role that inserted it). Handlers' own tables (ctx.db)
 -- are the application's to grant to the worker login user.
 GRANT SELECT (id, due_at, run_at, status, attempt, max_attempts, queue, idempotency_key,
-              task, payload, schedule_id, created_by)
+              task, payload, schedule_id, created_by, dispatch_epoch)
     ON duetime.jobs TO "{worker}";
 GRANT EXECUTE ON FUNCTION duetime.effective_key(bigint, text, bigint, text) TO "{worker}";
 GRANT UPDATE (status, attempt, run_at, last_error, dispatched_at, heartbeat_at,
