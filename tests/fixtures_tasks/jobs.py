@@ -69,6 +69,7 @@ async def dispatched_job(
             max_attempts,
             idempotency_key,
         )
+        assert row is not None
         epoch = await conn.fetchval(
             "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
             f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1 AND due_at = $2 "
