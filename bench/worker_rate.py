@@ -98,7 +98,7 @@ async def _prepare(dsn: str, amqp_url: str, queue: str, task_name: str, jobs: in
             "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
             "dispatch_epoch = (SELECT epoch FROM duetime.leader_fence WHERE shard = 0) "
             "WHERE task = $1 AND status = 'pending' "
-            "RETURNING id, due_at",
+            "RETURNING id, due_at, dispatch_epoch",
             task_name,
         )
     finally:
@@ -118,7 +118,7 @@ async def _prepare(dsn: str, amqp_url: str, queue: str, task_name: str, jobs: in
                     job_id=row["id"],
                     due_at=row["due_at"],
                     attempt=1,
-                    epoch=1,
+                    epoch=row["dispatch_epoch"],  # a message of another epoch is stale
                     task=task_name,
                     payload={},
                     idempotency_key=f"job:{row['id']}",

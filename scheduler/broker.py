@@ -174,10 +174,10 @@ async def connect(
         await _abandon(connection)
         if len(failures) == 1:
             where, error = failures[0]
-            detail = f"{where}: {type(error).__name__}: {error}"
+            detail = f"{where}: {_reason(error)}"
         else:
             detail = "any node: " + "; ".join(
-                f"{where}: {type(error).__name__}: {error}" for where, error in failures
+                f"{where}: {_reason(error)}" for where, error in failures
             )
         raise ServiceUnavailable(
             f"cannot connect to RabbitMQ at {detail}",
@@ -189,9 +189,26 @@ async def connect(
 def _permanent(exc: BaseException) -> bool:
     """A refusal waiting will not fix; aiormq wraps TLS failures (a certificate that does
     not verify) in ``AMQPConnectionError``, raised from the ``ssl`` error."""
-    return is_permanent_cause(exc) or (
-        exc.__cause__ is not None and is_permanent_cause(exc.__cause__)
+    return (
+        is_permanent_cause(exc)
+        or _vhost_refused(exc)
+        or (exc.__cause__ is not None and is_permanent_cause(exc.__cause__))
     )
+
+
+def _vhost_refused(exc: BaseException) -> bool:
+    """RabbitMQ answered ``connection.open`` with ``connection.close``: the vhost does not
+    exist (NOT_ALLOWED) or this user may not use it (ACCESS_REFUSED). aiormq reports it as
+    an ``InvalidFrameError`` naming the frame, with no reply code to read."""
+    return isinstance(exc, aiormq.exceptions.InvalidFrameError) and "got <Connection.Close" in str(
+        exc
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    if _vhost_refused(exc):
+        return "the broker refused the vhost (it does not exist, or this user may not use it)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def _abandon(connection: ClusterConnection) -> None:

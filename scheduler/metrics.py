@@ -132,6 +132,13 @@ DELIVERIES_REQUEUED = Counter(
     "duetime_deliveries_requeued_total",
     "deliveries nacked back to the queue because no outcome could be recorded",
 )
+DELIVERIES_DROPPED = Counter(
+    "duetime_deliveries_dropped_total",
+    "deliveries acked without running: a copy of an attempt already running in this "
+    "worker (running), a message of another dispatch than the row's (stale_epoch), a "
+    "shard no worker here knows (unknown_shard, dead-lettered)",
+    ["shard", "reason"],
+)
 MESSAGE_ROW_MISMATCH = Counter(
     "duetime_message_row_mismatch_total",
     "deliveries whose message named another task than the job row (security event; the row is run)",

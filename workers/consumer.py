@@ -20,9 +20,16 @@ Settlement rules (DESIGN §6):
   not become a hot redelivery loop. Past the queue's delivery limit RabbitMQ
   dead-letters the message; the job row is still ``dispatched`` and the reconciler
   publishes it again after the visibility timeout, so nothing is lost;
-- a shard this worker is not configured with (``UnknownShard``) → logged as an error
-  naming both, nack with requeue after ``UNKNOWN_SHARD_DELAY`` (jittered), so another
-  worker that knows the shard can take it; the job is never failed for it;
+- a shard this worker is not configured with (``UnknownShard``, checked before the
+  delivery takes a handler slot) → logged as an error naming both; nacked with requeue
+  *at once* while the message has been delivered fewer than ``UNKNOWN_SHARD_DELIVERIES``
+  times (quorum queues count them in ``x-delivery-count``), so during a rolling deploy a
+  worker that already knows the shard can take it; after that, rejected to the
+  dead-letter exchange and counted (``duetime_deliveries_dropped_total{reason=
+  "unknown_shard"}``). Nothing waits on a delay holding a prefetch slot, so such
+  messages cannot stall a queue. The job is never failed for it: a real job's row stays
+  ``dispatched`` and its shard's reconciler publishes it again after the visibility
+  timeout (a forged shard name has no row and no reconciler: it stays dead-lettered);
 - shutdown: deliveries waiting for a slot are nacked with requeue at once; running ones
   get the grace period, then are cancelled (their transaction rolls back) and nacked.
 
@@ -46,7 +53,7 @@ from scheduler.backoff import bounded_jitter
 from scheduler.broker import declare_job_queue
 from scheduler.log import get_logger
 from scheduler.messages import MalformedMessage, decode
-from scheduler.metrics import DELIVERIES_REQUEUED, MALFORMED_MESSAGES
+from scheduler.metrics import DELIVERIES_DROPPED, DELIVERIES_REQUEUED, MALFORMED_MESSAGES
 from workers.errors import DatabaseUnavailable
 from workers.executor import Executor
 from workers.shards import ShardExecutors, UnknownShard
@@ -61,9 +68,9 @@ log = get_logger("duetime.worker")
 PREFETCH_PER_SLOT = 2
 DB_RETRY_BASE = 0.5
 DB_RETRY_CAP = 10.0
-#: Seconds (at most; at least half) a delivery for an unknown shard is held before it is
-#: requeued: long enough not to spin, short enough for another worker to get it soon.
-UNKNOWN_SHARD_DELAY = 2.0
+#: Deliveries a message for an unknown shard gets (each requeued at once, no delay) before
+#: it is dead-lettered: a few chances for a worker that knows the shard, never a stall.
+UNKNOWN_SHARD_DELIVERIES = 3
 
 
 class Consumer:
@@ -201,6 +208,9 @@ class Consumer:
                 await settle("reject", requeue=False)  # to the dead-letter queue
                 return
             job = {"job_id": msg.job_id, "attempt": msg.attempt, "task": msg.task}
+            executor = self._executor
+            if isinstance(executor, ShardExecutors) and msg.shard not in executor:
+                raise UnknownShard(msg.shard, executor.names)
             async with self._slot():
                 if self.stopping:
                     await settle("nack", requeue=True)
@@ -216,18 +226,34 @@ class Consumer:
         except DatabaseUnavailable as exc:
             await self._requeue_later(settle, exc, job)
         except UnknownShard as exc:
-            log.error(
-                "delivery_unknown_shard",
-                message_id=message.message_id,
-                shard=exc.shard,
-                worker_shards=list(exc.known),
-                **job,
-            )
-            delay = bounded_jitter(1, base=UNKNOWN_SHARD_DELAY, cap=UNKNOWN_SHARD_DELAY)
-            await self._requeue_later(settle, exc, job, delay=delay)
+            await self._unknown_shard(settle, exc, job)
         except Exception as exc:  # a bug: never crash the consumer, never lose the message
             log.exception("delivery_failed", message_id=message.message_id, **job)
             await self._requeue_later(settle, exc, job)
+
+    async def _unknown_shard(
+        self, settle: _Settlement, exc: UnknownShard, job: dict[str, Any]
+    ) -> None:
+        """Requeue at once for another worker, or dead-letter after
+        ``UNKNOWN_SHARD_DELIVERIES`` deliveries (module docstring)."""
+        deliveries = _delivery_count(settle.message) + 1
+        dead_letter = deliveries >= UNKNOWN_SHARD_DELIVERIES
+        log.error(
+            "delivery_unknown_shard",
+            message_id=settle.message.message_id,
+            shard=exc.shard,
+            worker_shards=list(exc.known),
+            deliveries=deliveries,
+            action="dead-lettered" if dead_letter else "requeued for another worker",
+            **job,
+        )
+        if dead_letter:
+            DELIVERIES_DROPPED.labels(exc.shard, "unknown_shard").inc()
+            await settle("reject", requeue=False)
+        else:
+            self.requeued += 1
+            DELIVERIES_REQUEUED.inc()
+            await settle("nack", requeue=True)
 
     async def _requeue_later(
         self,
@@ -366,6 +392,15 @@ class AckCoalescer:
             for _, future in covered:
                 if not future.done():
                     future.set_result(None)
+
+
+def _delivery_count(message: AbstractIncomingMessage) -> int:
+    """Earlier deliveries of this message: the quorum queue's ``x-delivery-count``; a
+    queue that does not count gives only the ``redelivered`` flag (0 or 1)."""
+    count = (message.headers or {}).get("x-delivery-count")
+    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+        return count
+    return 1 if message.redelivered else 0
 
 
 def _delivery(message: AbstractIncomingMessage) -> dict[str, Any]:

@@ -5,7 +5,9 @@ A delivery's way through the worker (DESIGN §6)::
     begin      one statement for every delivery that arrived together (autocommit):
                lock-read each row FOR KEY SHARE — waits for an in-flight claim — and
                read the task, the payload and the ledger's verdict from the row
+    (before it) the same message already running in this process → skipped, no read
       missing / not 'dispatched' / other attempt   → skipped (stale or duplicate)
+      message epoch is not the row's dispatch_epoch → skipped (a copy of another dispatch)
       key already in the ledger (effect applied)    → settled as succeeded, handler not run
       task not registered here                      → a failed attempt (retried, rolling
                                                       deploys), dead when attempts run out
@@ -26,6 +28,18 @@ A delivery's way through the worker (DESIGN §6)::
 
 The caller acks only after ``execute`` returned: every return value means "an outcome is
 committed". ``DatabaseUnavailable`` means none could be recorded; the caller requeues.
+
+**One run at a time per message.** A delivery whose pointer (job id, due time, attempt,
+epoch) is already running in this executor is a copy (a broker redelivery, a duplicate
+publish, a forged message): it is settled as skipped at once, without a database read
+and without waiting for the running one, and the caller acks it. Acking is safe because
+the running delivery holds its own message: it settles the row, or, if it cannot, nacks
+its message back (``DatabaseUnavailable``, shutdown), and the reconciler re-publishes a
+row left ``dispatched``. A copy that names another dispatch than the row's
+(``dispatch_epoch``) is stale and skipped by ``begin``'s answer. Both are counted in
+``duetime_deliveries_dropped_total``. Limit: two *worker processes* that receive exact
+copies of the current message at the same instant can each run it once (the ledger
+still applies its ``ctx.db`` effects once); see docs/security.md.
 
 **The row is authoritative.** The message only points at a job (id, due time, attempt);
 the handler that runs and its payload come from the row read by ``begin``. A message
@@ -66,7 +80,13 @@ import asyncpg
 from scheduler.db import DB_UNAVAILABLE
 from scheduler.log import get_logger
 from scheduler.messages import JobMessage
-from scheduler.metrics import FIRE_LAG, JOB_DURATION, JOBS_FINISHED, MESSAGE_ROW_MISMATCH
+from scheduler.metrics import (
+    DELIVERIES_DROPPED,
+    FIRE_LAG,
+    JOB_DURATION,
+    JOBS_FINISHED,
+    MESSAGE_ROW_MISMATCH,
+)
 from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import UNREADABLE, Completion, JobRef, LockedJob
@@ -181,6 +201,8 @@ class Executor:
         self._task_timeout = task_timeout
         self._rng = rng
         self._durations: dict[str, float] = {}  # task -> moving average of run time
+        # the pointers of the deliveries being executed: a copy is skipped (execute)
+        self._running: set[tuple[int, datetime, int, int]] = set()
         self._begins: Coalescer[JobRef, LockedJob | Unreadable | None] = Coalescer(
             self._begin, name="begin", max_batch=BATCH_SIZE, max_flushes=BEGIN_FLUSHES
         )
@@ -239,6 +261,24 @@ class Executor:
 
     async def execute(self, msg: JobMessage) -> Outcome:
         """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be."""
+        pointer = (msg.job_id, msg.due_at, msg.attempt, msg.epoch)
+        if pointer in self._running:
+            DELIVERIES_DROPPED.labels(self.shard, "running").inc()
+            log.warning(
+                "delivery_duplicate_running",
+                job_id=msg.job_id,
+                attempt=msg.attempt,
+                task=msg.task,
+                action="acked without running: the running delivery settles the row",
+            )
+            return Outcome.SKIPPED
+        self._running.add(pointer)
+        try:
+            return await self._execute(msg)
+        finally:
+            self._running.discard(pointer)
+
+    async def _execute(self, msg: JobMessage) -> Outcome:
         ref = JobRef(msg.job_id, msg.due_at, msg.attempt)
         try:
             job = await self._begins.submit(ref)
@@ -250,6 +290,9 @@ class Executor:
             return await self._park(ref, msg, job)
         if job is None or job.status != "dispatched" or job.attempt != msg.attempt:
             return _skipped(job, msg)
+        if job.epoch != msg.epoch:
+            DELIVERIES_DROPPED.labels(self.shard, "stale_epoch").inc()
+            return _skipped(job, msg, reason="other dispatch", row_epoch=job.epoch)
         if msg.task is not None and msg.task != job.task:
             MESSAGE_ROW_MISMATCH.labels(self.shard).inc()
             log.error(
@@ -555,7 +598,9 @@ class _BeatLog:
         return getattr(self._log, name)
 
 
-def _skipped(job: LockedJob | None, msg: JobMessage) -> Outcome:
+def _skipped(
+    job: LockedJob | None, msg: JobMessage, *, reason: str | None = None, **extra: Any
+) -> Outcome:
     log.info(
         "delivery_skipped",
         job_id=msg.job_id,
@@ -563,6 +608,8 @@ def _skipped(job: LockedJob | None, msg: JobMessage) -> Outcome:
         task=msg.task if job is None else job.task,
         status=None if job is None else job.status,
         current_attempt=None if job is None else job.attempt,
-        reason="missing" if job is None else "stale",
+        reason=reason or ("missing" if job is None else "stale"),
+        message_epoch=msg.epoch,
+        **extra,
     )
     return Outcome.SKIPPED

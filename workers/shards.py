@@ -20,8 +20,9 @@ keeps 1 + 2. The concurrency limit is one limit across shards (the consumer's), 
 handler pools together never run more than ``concurrency`` handlers.
 
 A delivery for a shard this worker is not configured with is not its to settle: it is
-requeued after a delay (``workers.consumer``), so a worker that knows the shard can take
-it and a misconfigured worker never fails or kills the job.
+requeued at once a bounded number of times, so a worker that knows the shard can take
+it, then dead-lettered (``workers.consumer``); a misconfigured worker never fails or
+kills the job (its row stays ``dispatched`` for the shard's reconciler).
 """
 
 from __future__ import annotations

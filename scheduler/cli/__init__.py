@@ -133,6 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    except asyncpg.InsufficientPrivilegeError as exc:
+        print(
+            f"duetime: error: permission denied: {printable(scrub(str(exc)))} (the database "
+            "login lacks a grant: docs/security.md, PostgreSQL roles)",
+            file=sys.stderr,
+        )
+        return 1
     except asyncpg.PostgresError as exc:
         print(
             f"duetime: error: PostgreSQL: {type(exc).__name__}: {printable(scrub(str(exc)))}",

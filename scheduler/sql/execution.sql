@@ -18,9 +18,11 @@
 -- the statement that locks the row, never taken from the message. `key` is the job's
 -- ledger key, duetime.effective_key() (migration 0007), the twin of
 -- scheduler.messages.effective_key (tests/integration/test_effective_key.py). `done` says
--- the ledger already holds it (the effect was applied by an earlier delivery). `i` is
--- the position in the input arrays; missing jobs return no row.
-SELECT i, status, attempt, max_attempts, queue, task, payload, key, run_time, done
+-- the ledger already holds it (the effect was applied by an earlier delivery). `epoch` is
+-- the row's dispatch_epoch: the worker runs a delivery only when its message carries that
+-- epoch (a copy from another dispatch is stale). `i` is the position in the input
+-- arrays; missing jobs return no row.
+SELECT i, status, attempt, max_attempts, queue, task, payload, key, run_time, done, epoch
   FROM duetime.worker_begin($1::bigint[], $2::timestamptz[]);
 
 -- name: complete_deliveries

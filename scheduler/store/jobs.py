@@ -148,6 +148,8 @@ class JobStore(PooledStore):
         return int(str(result).split()[-1])
 
     async def get(self, job_id: int, *, conn: Conn | None = None) -> Job:
+        if not 1 <= job_id <= _BIGINT_MAX:  # no such row: ids are bigint, from 1
+            raise JobNotFound(job_id)
         async with self._db.conn(conn) as c:
             record = await c.fetchrow(Q["get"], job_id)
         if record is None:
@@ -237,6 +239,8 @@ class JobStore(PooledStore):
         """Run one job's transition; ``InvalidTransition(refused(job as it is))`` when the
         job is not in the state the transition leaves. A transition that ``wakes`` makes
         the job runnable now: it NOTIFYs the dispatcher in the same transaction."""
+        if not 1 <= job_id <= _BIGINT_MAX:  # no such row: ids are bigint, from 1
+            raise JobNotFound(job_id)
         async with self._db.conn(conn) as c:
             async with c.transaction() if wakes else contextlib.nullcontext():
                 record = await c.fetchrow(Q[statement], argument)

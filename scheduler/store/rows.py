@@ -189,6 +189,7 @@ class LockedJob:
     key: str  # the ledger key: duetime.effective_key() of the row (migration 0007)
     run_time: datetime  # coalesce(run_at, due_at): when this attempt was meant to run
     done: bool  # the ledger already holds the key: the effect was applied before
+    epoch: int | None = None  # dispatch_epoch: the dispatch whose message may run it
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ class DispatchedJob:
     queue: str
     payload: dict[str, Any]
     key: str
+    epoch: int = 0  # the row's dispatch_epoch: a message of another epoch is stale
 
     def message(self, attempt: int = 1, *, task: str | None = None) -> JobMessage:
         return JobMessage(
@@ -43,7 +44,7 @@ class DispatchedJob:
             task=task or self.task,
             payload=self.payload,
             idempotency_key=self.key,
-            epoch=1,
+            epoch=self.epoch,
         )
 
 
@@ -68,9 +69,11 @@ async def dispatched_job(
             max_attempts,
             idempotency_key,
         )
-        await conn.execute(
+        assert row is not None
+        epoch = await conn.fetchval(
             "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
-            f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1 AND due_at = $2",
+            f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1 AND due_at = $2 "
+            "RETURNING dispatch_epoch",
             row["id"],
             row["due_at"],
         )
@@ -83,6 +86,7 @@ async def dispatched_job(
         key=effective_key(
             row["id"], idempotency_key, schedule_id=None, created_by=row["created_by"]
         ),
+        epoch=int(epoch),
     )
 
 

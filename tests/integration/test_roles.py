@@ -124,16 +124,16 @@ async def _dispatched(owner: asyncpg.Pool, task: str, queue: str = "default") ->
         task,
         queue,
     )
-    await owner.execute(
+    epoch = await owner.fetchval(
         "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
-        f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
+        f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1 RETURNING dispatch_epoch",
         row["id"],
     )
     return JobMessage(
         row["id"],
         row["due_at"],
         1,
-        1,
+        epoch,
         task=task,
         payload={"a": 1},
         idempotency_key=f"job:{row['id']}",

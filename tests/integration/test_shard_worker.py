@@ -215,7 +215,7 @@ async def test_a_two_shard_worker_counts_executions_per_shard(
     assert executed("main") == before["main"]  # nothing of a sharded worker's is "main"
 
 
-async def test_a_delivery_for_an_unknown_shard_is_requeued_not_lost(
+async def test_a_delivery_for_an_unknown_shard_is_dead_lettered_not_failed(
     settings: Settings,
     shard_pools: dict[str, tuple[str, asyncpg.Pool]],
     channel: AbstractChannel,
@@ -231,15 +231,18 @@ async def test_a_delivery_for_an_unknown_shard_is_requeued_not_lost(
         assert worker.consumer is not None
         consumer = worker.consumer
         await publish(channel, own_queue, message)
+        # requeued at once for another worker, a bounded number of times, then
+        # dead-lettered: the queue is empty again, the job untouched
         await wait_for(lambda: consumer.requeued >= 2, timeout=15, message="requeued twice")
+        await wait_for(lambda: _depth_is(channel, own_queue, (0, 1)), timeout=10)
         assert (await pool_b.fetchval("SELECT status FROM duetime.jobs WHERE id = $1", job.id)) == (
             "dispatched"
         )
-    # nobody consuming: the message is back in the queue, the job untouched
-    await wait_for(lambda: _depth_is(channel, own_queue, (1, 0)), timeout=10)
     assert await effects_of(pool_b, job) == []
-    # a worker that knows shard b takes it
+    # the row is still dispatched: shard b's reconciler publishes it again, and a worker
+    # that knows shard b takes it
     async with running(sharded_settings(settings, urls), own_queue, concurrency=2):
+        await publish(channel, own_queue, message)
         await wait_for(lambda: succeeded(pool_b, job), timeout=15)
     assert await effects_of(pool_b, job) == [urls["b"].rsplit("/", 1)[1]]
 

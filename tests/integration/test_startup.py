@@ -157,6 +157,21 @@ async def test_wrong_rabbitmq_password_fails_at_once_with_one_line(
     assert "Traceback" not in text
 
 
+async def test_a_missing_rabbitmq_vhost_fails_at_once_with_one_line(
+    procs: Processes, test_env: dict[str, str], queue: str, unique: str
+) -> None:
+    parts = urlsplit(test_env["DUETIME_AMQP_URL"])
+    bad = urlunsplit((parts.scheme, parts.netloc, f"/no-such-vhost-{unique}", parts.query, ""))
+    worker = procs.spawn(
+        worker_argv(queue), name="worker", env={**test_env, "DUETIME_AMQP_URL": bad}
+    )
+    assert await worker.wait(30) == 1, worker.tail()
+    text = worker.output() + worker.errors()
+    assert "the broker refused the vhost" in text, worker.tail()
+    assert not events(worker, "service_start_failed")  # not retried: waiting cannot fix it
+    assert "Traceback" not in text
+
+
 async def test_scheduler_waits_for_postgresql_then_leads(
     procs: Processes, test_env: dict[str, str], migrated_dsn: str, unique: str
 ) -> None:

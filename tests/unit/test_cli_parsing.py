@@ -140,3 +140,20 @@ def test_print_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[1].rstrip().endswith("-")  # None shows as '-'
     assert lines[2].split()[:3] == ["22", "long_task_name", "-"]
     assert lines[2].endswith("...") and len(lines[2].split()[-1]) == 40
+
+
+def test_a_missing_grant_is_reported_as_permission_denied(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncpg
+
+    import scheduler.cli as cli
+
+    def refused(args: argparse.Namespace) -> None:
+        raise asyncpg.InsufficientPrivilegeError("permission denied for table jobs")
+
+    monkeypatch.setattr(cli, "settings_from_args", refused)
+    assert cli.main(["jobs", "show", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("duetime: error: permission denied: permission denied for table jobs")
+    assert "\n" not in err and "unavailable" not in err

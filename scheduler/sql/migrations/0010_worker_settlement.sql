@@ -30,7 +30,7 @@
 CREATE FUNCTION duetime.worker_begin(job_ids bigint[], due_ats timestamptz[])
     RETURNS TABLE (i bigint, status text, attempt integer, max_attempts integer,
                    queue text, task text, payload jsonb, key text, run_time timestamptz,
-                   done boolean)
+                   done boolean, epoch bigint)
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
 BEGIN
@@ -38,10 +38,12 @@ BEGIN
     SELECT w.i, j.status, j.attempt, j.max_attempts, j.queue, j.task, j.payload,
            j.effective_key, j.run_time,
            EXISTS (SELECT 1 FROM duetime.job_ledger l
-                    WHERE l.idempotency_key = j.effective_key)
+                    WHERE l.idempotency_key = j.effective_key),
+           j.dispatch_epoch
       FROM unnest(job_ids, due_ats) WITH ORDINALITY AS w(id, due_at, i)
      CROSS JOIN LATERAL (
             SELECT r.status, r.attempt, r.max_attempts, r.queue, r.task, r.payload,
+                   r.dispatch_epoch,
                    duetime.effective_key(r.id, r.idempotency_key, r.schedule_id,
                                          r.created_by) AS effective_key,
                    coalesce(r.run_at, r.due_at) AS run_time
