@@ -80,7 +80,7 @@ LOCK_ERRORS = (
     asyncpg.exceptions.DeadlockDetectedError,
 )
 DAY = 86400.0
-#: The furthest day ``duetime.create_bucket`` creates (migration 0011).
+#: The furthest day ``duetime.create_bucket`` creates (migration 0010).
 MAX_DAYS_AHEAD = 100
 
 

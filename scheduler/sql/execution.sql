@@ -1,5 +1,5 @@
 -- The worker's side of duetime.jobs and duetime.job_ledger (DESIGN §6; workers/executor.py).
--- Every statement is a call of a SECURITY DEFINER function of migration 0010: the worker
+-- Every statement is a call of a SECURITY DEFINER function of migration 0009: the worker
 -- role holds no privilege on either table, and each function allows one transition of a
 -- row that is `dispatched` at the attempt named (docs/security.md, "The worker settles
 -- only dispatched attempts"). Ledger rows are derived from the row being settled. Inside
@@ -36,7 +36,7 @@ SELECT duetime.worker_complete($1::bigint[], $2::timestamptz[], $3::int[], $4::t
 -- name: finish_attempt
 -- Last statement of an attempt whose handler used ctx.db, inside that transaction: the job
 -- becomes succeeded and the ledger row is inserted, atomically with the handler's own
--- writes (duetime.finish_attempt, migration 0010: SQLSTATE DT001 when the row moved on,
+-- writes (duetime.finish_attempt, migration 0009: SQLSTATE DT001 when the row moved on,
 -- DT002 when the key is already in the ledger; either aborts the transaction). It is
 -- sent with its COMMIT in one round trip, as simple-protocol text, so its arguments are
 -- literals: {id} and {attempt} are integers, the others quoted by

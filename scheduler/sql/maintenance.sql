@@ -47,12 +47,12 @@ SELECT c.relname AS name
 -- (fenced) Creates the bucket of day $1 (moving that day's rows out of DEFAULT, then
 -- ATTACH); false if it exists. ATTACH holds ACCESS EXCLUSIVE on DEFAULT while it scans
 -- it, which is why DEFAULT must stay small (buckets ahead; prune_default). Refused for a
--- day before today or more than 100 days ahead (migration 0011).
+-- day before today or more than 100 days ahead (migration 0010).
 SELECT duetime.create_bucket($1::date);
 
 -- name: detach_bucket
 -- (fenced) 'detached' | 'live' | 'missing' (migration 0003); refused for a day whose
--- range has not ended (migration 0011).
+-- range has not ended (migration 0010).
 SELECT duetime.detach_terminal_partition($1::date);
 
 -- name: drop_detached
@@ -103,7 +103,7 @@ SELECT count(*) FROM gone;
 
 -- name: prune_default
 -- (fenced) One batch of terminal rows in DEFAULT that were due and finished more than
--- $1 seconds ago, at most $2 (duetime.prune_default, migration 0011): rows inserted into
+-- $1 seconds ago, at most $2 (duetime.prune_default, migration 0010): rows inserted into
 -- the range of a bucket already dropped (or before the first one) land there, and would
 -- otherwise stay forever. Pending and dispatched rows are never touched: they are
 -- claimed from DEFAULT. Returns how many went.

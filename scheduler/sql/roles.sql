@@ -77,7 +77,7 @@ CREATE POLICY "{producer}_own_schedules" ON duetime.schedules FOR SELECT TO "{pr
 -- name: grant_worker
 -- No privilege on duetime.jobs or duetime.job_ledger: handlers run ctx.db as the
 -- worker's login, so a table grant here would be the handler's too. Every statement of
--- execution.sql calls one of migration 0010's SECURITY DEFINER functions, which settle
+-- execution.sql calls one of migration 0009's SECURITY DEFINER functions, which settle
 -- only a row that is `dispatched` at the attempt named (succeeded with its ledger row,
 -- pending at attempt + 1, dead, or a heartbeat) and read a batch of deliveries' rows
 -- (worker_begin). Not DELETE, not the fence, not INSERT into jobs, not schedules.
@@ -98,7 +98,7 @@ GRANT SELECT ON duetime.queues TO "{worker}";
 -- name: grant_scheduler
 -- Fence (fence.sql); dispatch and reconcile (dispatch.sql); planner (schedules.sql
 -- claim_due, apply_plan, prune_fires); maintainer (maintenance.sql): bucket DDL and
--- DEFAULT's pruning only through SECURITY DEFINER functions (migrations 0005, 0011);
+-- DEFAULT's pruning only through SECURITY DEFINER functions (migrations 0005, 0010);
 -- `duetime status`/readiness (status.sql). Not INSERT/DELETE on the fence, not
 -- producer columns of schedules, no DDL of its own.
 GRANT SELECT, UPDATE (epoch, leader_node, elected_at, renewed_at)
@@ -121,7 +121,7 @@ GRANT SELECT, INSERT, DELETE ON duetime.schedule_fires TO "{scheduler}";
 -- prune_ledger locks rows FOR UPDATE before deleting them: that needs UPDATE on a column.
 GRANT SELECT, DELETE, UPDATE (completed_at) ON duetime.job_ledger TO "{scheduler}";
 GRANT SELECT ON duetime.schema_migrations TO "{scheduler}";
--- The maintainer's box (migration 0011): create buckets from today to today + 100 days,
+-- The maintainer's box (migration 0010): create buckets from today to today + 100 days,
 -- detach buckets whose range ended and whose rows are all terminal, drop what it
 -- detached, delete terminal rows of DEFAULT past the retention. Not ensure_partition(s)
 -- (any day, any number of days: the owner's), not DELETE on jobs_default.

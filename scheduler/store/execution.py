@@ -7,7 +7,7 @@ Failure outcomes (``schedule_retry``, ``mark_dead``) and ``heartbeat`` run on po
 connections of their own: a failure is rare, and a sign of life must be visible while a
 handler still runs.
 
-Every statement calls a function of migration 0010 that settles only a row dispatched at
+Every statement calls a function of migration 0009 that settles only a row dispatched at
 the attempt named, and writes the ledger row from that row (its ``effective_key`` and
 task): a ``Completion``'s ``key`` and ``task`` are what the worker shows the handler and
 matches on, never what the database records.
@@ -28,7 +28,7 @@ from scheduler.store.conn import Conn, Pooled
 from scheduler.store.rows import Completion, Finish, JobRef, LockedJob, from_record
 
 Q = load("execution")
-#: The SQLSTATEs with which ``duetime.finish_attempt`` refuses (migrations 0009, 0010).
+#: The SQLSTATEs with which ``duetime.finish_attempt`` refuses (migration 0009).
 ROW_MOVED_ON = "DT001"
 KEY_RECORDED = "DT002"
 

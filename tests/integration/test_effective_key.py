@@ -24,11 +24,11 @@ from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import Completion, JobRef
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, dispatched_job
 
-#: How the worker's functions (migration 0010) compute the key of the row they read or
+#: How the worker's functions (migration 0009) compute the key of the row they read or
 #: settle, as written there (the row's alias, then these columns).
 EXPRESSION = "duetime.effective_key({t}.id, {t}.idempotency_key, {t}.schedule_id, {t}.created_by)"
 RESERVED = "jobs_idempotency_key_reserved"
-MIGRATION = Path(scheduler.sql.__file__).parent / "migrations" / "0010_worker_settlement.sql"
+MIGRATION = Path(scheduler.sql.__file__).parent / "migrations" / "0009_worker_settlement.sql"
 
 
 def test_the_worker_statement_computes_the_key_with_this_expression() -> None:

@@ -1,4 +1,4 @@
--- duetime 0011: the payload ceiling measures the value, not how it is stored; the
+-- duetime 0010: the payload ceiling measures the value, not how it is stored; the
 -- scheduler's maintenance functions stay inside the maintainer's box (docs/security.md).
 
 -- 1. jobs_payload_too_large / schedules_payload_too_large measured pg_column_size, the

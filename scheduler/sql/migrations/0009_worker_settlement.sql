@@ -1,4 +1,4 @@
--- duetime 0010: the worker settles only the attempt it holds (docs/security.md, "The
+-- duetime 0009: the worker settles only the attempt it holds (docs/security.md, "The
 -- worker settles only dispatched attempts").
 --
 -- Handlers run ctx.db as the worker's login, so whatever the worker role may do, a
@@ -119,10 +119,14 @@ BEGIN
      ORDER BY d.i;
 END $$;
 
--- Replaces 0009's six-argument form: the ledger key and task now come from the row.
--- Same verdicts: DT001 the row is no longer this attempt's, DT002 the key is already in
--- the ledger (both abort the caller's transaction).
-DROP FUNCTION duetime.finish_attempt(bigint, timestamptz, integer, text, text, text);
+-- finish_attempt is sent with its COMMIT in one round trip (workers/lazydb.py,
+-- LazyTransaction.commit): a statement sent that way cannot return a verdict the client
+-- reads before the COMMIT runs, so the outcomes that must not commit are errors, which
+-- abort the transaction so that the COMMIT after them does nothing:
+--   DT001  the row is no longer this attempt's (finished by another delivery, or a newer
+--          attempt exists): the caller rolls back, the delivery is superseded;
+--   DT002  the key is already in the ledger (an earlier delivery applied the effect and
+--          committed first): the caller rolls back, so the effect is applied once.
 CREATE FUNCTION duetime.finish_attempt(job_id bigint, job_due_at timestamptz,
                                        job_attempt integer, worker_name text)
     RETURNS void
