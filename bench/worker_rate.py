@@ -88,6 +88,10 @@ async def _prepare(dsn: str, amqp_url: str, queue: str, task_name: str, jobs: in
     conn = await db.connect(dsn)
     try:
         await conn.execute(f"CREATE TABLE IF NOT EXISTS {EFFECTS_TABLE} (job_id bigint NOT NULL)")
+        # declared like an operator would (duetime queues add), so the worker does not warn
+        await conn.execute(
+            "INSERT INTO duetime.queues (name) VALUES ($1) ON CONFLICT DO NOTHING", queue
+        )
         await conn.copy_records_to_table(
             "jobs",
             schema_name="duetime",
