@@ -7,16 +7,16 @@ transaction, and a transaction lives in one database. So ``ctx.db`` is a connect
 the job's own shard, the ledger is per shard, and a duplicate delivery is recognised by
 the ledger of the shard that holds the job: effectively-once holds per shard.
 
-Connection budget (docs/operations.md, "Connection budget"). A worker keeps few
-connections while idle and grows under load: per shard, the handler pool keeps
-``HANDLER_WARM`` open (prepared, so the first handlers of a burst do not wait for a
-connection) and grows up to ``concurrency`` as handlers use ``ctx.db`` at once; the store
-pool keeps ``STORE_WARM`` of at most ``STORE_CONNECTIONS``. A connection idle for
-``IDLE_SECONDS`` is closed, down to the warm ones. So one worker holds 6 connections at
-idle whatever its concurrency (it held concurrency + 4: two workers at concurrency 32
-took 72 of PostgreSQL's default 100), and at most concurrency + 8 under load. Handlers
-that never use ``ctx.db`` never take a handler connection. With K > 1 shards each shard
-keeps 1 + 2. The concurrency limit is one limit across shards (the consumer's), so the
+Connection budget (docs/operations.md, "Connection budget"). A worker opens its pools
+full at start (so the first burst after READY waits for no connection: the cold start
+measured 16x the steady p99 when it did), and keeps few while idle: a connection idle
+for ``IDLE_SECONDS`` is closed down to the pool's minimum, ``HANDLER_WARM`` handler
+connections (prepared) and ``STORE_WARM`` store ones. So one idle worker holds 6
+connections a minute after its last burst, whatever its concurrency (it held
+concurrency + 4 for ever: two workers at concurrency 32 took 72 of PostgreSQL's default
+100), and at most concurrency + 8 under load. Handlers that never use ``ctx.db`` never
+take a handler connection. With K > 1 shards each shard opens and keeps 1 + 2 and grows
+on demand. The concurrency limit is one limit across shards (the consumer's), so the
 handler pools together never run more than ``concurrency`` handlers.
 
 A delivery for a shard this worker is not configured with is not its to settle: it is
@@ -97,6 +97,10 @@ class PoolSizes:
     handler_max: int
     store_min: int
     store_max: int
+    #: connections opened at start: a single-shard worker opens its pools full (no cold
+    #: start for the first burst) and shrinks to the minimum after ``IDLE_SECONDS`` idle
+    handler_init: int = 0
+    store_init: int = 0
 
 
 def pool_sizes(shards: int, concurrency: int) -> PoolSizes:
@@ -104,8 +108,22 @@ def pool_sizes(shards: int, concurrency: int) -> PoolSizes:
     if shards < 1 or concurrency < 1:
         raise ValueError(f"need shards >= 1 and concurrency >= 1 (got {shards}, {concurrency})")
     if shards == 1:
-        return PoolSizes(min(concurrency, HANDLER_WARM), concurrency, STORE_WARM, STORE_CONNECTIONS)
-    return PoolSizes(SHARDED_HANDLER_MIN, concurrency, SHARDED_STORE_MIN, STORE_CONNECTIONS)
+        return PoolSizes(
+            min(concurrency, HANDLER_WARM),
+            concurrency,
+            STORE_WARM,
+            STORE_CONNECTIONS,
+            handler_init=concurrency,
+            store_init=STORE_CONNECTIONS // 2,
+        )
+    return PoolSizes(
+        SHARDED_HANDLER_MIN,
+        concurrency,
+        SHARDED_STORE_MIN,
+        STORE_CONNECTIONS,
+        handler_init=SHARDED_HANDLER_MIN,
+        store_init=SHARDED_STORE_MIN,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +151,7 @@ async def open_shard(
         shard_settings,
         max_size=sizes.handler_max,
         min_size=sizes.handler_min,
+        init_size=max(sizes.handler_init, sizes.handler_min),
         max_inactive_connection_lifetime=IDLE_SECONDS,
         prepare=prepare_handler_connection,
         reset=db.keep_session,  # see workers.executor: ctx.db work is transaction-scoped
@@ -144,6 +163,7 @@ async def open_shard(
             shard_settings,
             max_size=sizes.store_max,
             min_size=sizes.store_min,  # the reads and completions of a burst
+            init_size=max(sizes.store_init, sizes.store_min),
             max_inactive_connection_lifetime=IDLE_SECONDS,
             prepare=prepare_store_connection,
             server_settings={"plan_cache_mode": "force_generic_plan"},

@@ -33,7 +33,7 @@ from tests.fixtures_tasks.jobs import (
     queue_depth,
 )
 from tests.support.wait import wait_for
-from workers import JobContext, Registry, Retry, Worker
+from workers import JobContext, Registry, Retry, Worker, shards
 from workers.retry import MAX_RETRY_DELAY
 
 pytestmark = pytest.mark.timeout(60)
@@ -348,47 +348,40 @@ async def test_a_row_the_worker_cannot_read_is_parked_and_its_batch_runs(
     assert await effects(db_pool, deep, effects_table) == 0
 
 
-async def test_the_pool_is_warm_and_prepared_before_ready_and_grows_under_load(
+async def test_pools_open_full_and_prepared_then_shrink_when_idle(
     settings: Settings,
     db_pool: asyncpg.Pool,
-    channel: AbstractChannel,
     queue: str,
-    effects_table: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """At ready a worker of concurrency 32 holds its few warm connections, each with the
-    worker's statements prepared (no cold start for the first handlers), not 32 + 4; a
-    burst of handlers using ctx.db at once grows the handler pool past them."""
-    registry = Registry()
-    inside = 0
-    most = 0
-
-    @registry.task("t.wide")
-    async def wide(ctx: JobContext, payload: dict[str, Any]) -> None:
-        nonlocal inside, most
-        await _insert(ctx)
-        inside += 1
-        most = max(most, inside)
-        await asyncio.sleep(0.3)
-        inside -= 1
-
+    """No cold start: at ready every handler connection exists with the worker's
+    statements prepared. Idle connections are closed down to the warm ones (here after
+    1 s instead of a minute), so an idle worker of concurrency 32 holds 6 connections,
+    not 36."""
+    monkeypatch.setattr(shards, "IDLE_SECONDS", 1.0)
     name = f"duetime:{settings.node_id}"
-    async with running(settings, registry, queue, concurrency=32) as worker:
-        assert worker.pool is not None and worker.store_pool is not None
-        held = await db_pool.fetchval(
+
+    async def held() -> int:
+        return await db_pool.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name
         )
-        assert held <= 6, f"an idle worker holds {held} connections"
+
+    async with running(settings, Registry(), queue, concurrency=32) as worker:
+        assert worker.pool is not None and worker.store_pool is not None
+        assert worker.pool.get_size() == 32
         async with worker.pool.acquire() as conn:
             prepared = await conn.fetchval("SELECT count(*) FROM pg_prepared_statements")
         assert prepared >= 1
         async with worker.store_pool.acquire() as conn:
             prepared = await conn.fetchval("SELECT count(*) FROM pg_prepared_statements")
         assert prepared >= 5
-        jobs = [await dispatched_job(db_pool, "t.wide", queue=queue) for _ in range(16)]
-        for job in jobs:
-            await publish(channel, queue, job.message(1))
-        await wait_for(lambda: _all(db_pool, jobs, ("succeeded", 1)), timeout=20)
-        assert most > 4 and worker.pool.get_size() > 4
+        assert await held() >= 36
+        await wait_for(lambda: _at_most(held, 6), timeout=15, message="idle pools shrink")
+        assert worker.pool.get_size() == shards.HANDLER_WARM
+
+
+async def _at_most(count: Any, limit: int) -> bool:
+    return await count() <= limit
 
 
 async def _all(pool: asyncpg.Pool, jobs: list[DispatchedJob], state: tuple[str, int]) -> bool:
