@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -32,6 +31,7 @@ from tests.fixtures_tasks.jobs import (
     publish,
     queue_depth,
 )
+from tests.support.helpers import running_worker
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Retry, Worker, shards
 from workers.retry import MAX_RETRY_DELAY
@@ -39,20 +39,6 @@ from workers.retry import MAX_RETRY_DELAY
 pytestmark = pytest.mark.timeout(60)
 #: The label set of an unsharded worker's metrics.
 MAIN = {"shard": "main"}
-
-
-@contextlib.asynccontextmanager
-async def running(
-    settings: Settings, registry: Registry, queue: str, *, concurrency: int = 16
-) -> AsyncIterator[Worker]:
-    worker = Worker(
-        dataclasses.replace(settings), queues=[queue], registry=registry, concurrency=concurrency
-    )
-    await worker.start()
-    try:
-        yield worker
-    finally:
-        await worker.stop()
 
 
 async def _statuses(pool: asyncpg.Pool, jobs: list[DispatchedJob]) -> dict[int, tuple[str, int]]:
@@ -102,7 +88,7 @@ async def test_a_forged_message_runs_the_rows_task_never_its_own(
     job = await dispatched_job(db_pool, "t.real", {"from": "row"}, queue=queue)
     forged = dataclasses.replace(job, payload={"grant": "everything"}, key="forged:key")
     before = REGISTRY.get_sample_value("duetime_message_row_mismatch_total", MAIN) or 0.0
-    async with running(settings, registry, queue) as worker:
+    async with running_worker(settings, registry, queue) as worker:
         await publish(channel, queue, forged.message(1, task="t.admin"))
         await wait_for(lambda: _settled(worker, channel, queue), timeout=10)
     assert ran == [("t.real", {"from": "row"})]
@@ -143,7 +129,7 @@ async def test_a_failing_neighbour_costs_the_group_a_rerun_not_an_attempt(
     bad = await dispatched_job(db_pool, "t.group", {"fail": True}, queue=queue)
     for job in [*jobs, bad]:  # queued first: the worker gets them as one burst
         await publish(channel, queue, job.message(1))
-    async with running(settings, registry, queue) as worker:
+    async with running_worker(settings, registry, queue) as worker:
         await wait_for(lambda: sum(runs.values()) >= len(jobs) + 1, timeout=10)
         gate.set()
         await wait_for(
@@ -187,7 +173,7 @@ async def test_a_statement_error_poisons_only_the_shared_transaction(
     bad = await dispatched_job(db_pool, "t.sql", {"bad": True}, queue=queue)
     for job in [bad, *good]:  # queued first: the worker gets them as one burst
         await publish(channel, queue, job.message(1))
-    async with running(settings, registry, queue) as worker:
+    async with running_worker(settings, registry, queue) as worker:
         await wait_for(lambda: _all(db_pool, good, ("succeeded", 1)), timeout=15)
         await wait_for(lambda: _all(db_pool, [bad], ("pending", 2)), timeout=15)
         await wait_for(lambda: _settled(worker, channel, queue), timeout=10)
@@ -227,7 +213,7 @@ async def test_tasks_that_do_not_opt_in_never_share_and_savepoints(
     sp_jobs = [await dispatched_job(db_pool, "t.savepoint", queue=queue) for _ in range(4)]
     for job in [*alone_jobs, *sp_jobs]:
         await publish(channel, queue, job.message(1))
-    async with running(settings, registry, queue) as worker:
+    async with running_worker(settings, registry, queue) as worker:
         await wait_for(lambda: _all(db_pool, alone_jobs + sp_jobs, ("succeeded", 1)), timeout=15)
         await wait_for(lambda: _settled(worker, channel, queue), timeout=10)
     assert len(set(conns.values())) == len(alone_jobs)  # each its own connection at once
@@ -250,7 +236,7 @@ async def test_handlers_without_ctx_db_are_completed_and_acked_in_batches(
     jobs = [await dispatched_job(db_pool, "t.noop", queue=queue) for _ in range(40)]
     for job in jobs:
         await publish(channel, queue, job.message(1))
-    async with running(settings, registry, queue, concurrency=40) as worker:
+    async with running_worker(settings, registry, queue, concurrency=40) as worker:
         await wait_for(lambda: _all(db_pool, jobs, ("succeeded", 1)), timeout=15)
         await wait_for(lambda: _settled(worker, channel, queue), timeout=10)
         assert worker.executor is not None and worker.consumer is not None
@@ -295,7 +281,7 @@ async def test_retry_delays_are_bounded_and_hostile_errors_are_recorded(
     jobs = {
         n: await dispatched_job(db_pool, f"t.{n}", queue=queue) for n in ("far", "hostile", "huge")
     }
-    async with running(settings, registry, queue) as worker:
+    async with running_worker(settings, registry, queue) as worker:
         for job in jobs.values():
             await publish(channel, queue, job.message(1))
         await wait_for(lambda: _all(db_pool, list(jobs.values()), ("pending", 2)), timeout=15)
@@ -337,7 +323,7 @@ async def test_a_row_the_worker_cannot_read_is_parked_and_its_batch_runs(
     )
     for job in [*jobs[:3], deep, *jobs[3:]]:  # one burst: the deep row is in a batch
         await publish(channel, queue, job.message(1))
-    async with running(settings, registry, queue) as worker:
+    async with running_worker(settings, registry, queue) as worker:
         await wait_for(lambda: _all(db_pool, jobs, ("succeeded", 1)), timeout=15)
         await wait_for(lambda: _all(db_pool, [deep], ("dead", 1)), timeout=15)
         await wait_for(lambda: _settled(worker, channel, queue), timeout=10)
@@ -366,7 +352,7 @@ async def test_pools_open_full_and_prepared_then_shrink_when_idle(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name
         )
 
-    async with running(settings, Registry(), queue, concurrency=32) as worker:
+    async with running_worker(settings, Registry(), queue, concurrency=32) as worker:
         assert worker.pool is not None and worker.store_pool is not None
         assert worker.pool.get_size() == 32
         async with worker.pool.acquire() as conn:

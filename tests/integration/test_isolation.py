@@ -15,9 +15,6 @@ Sharing a transaction is the opt-in of ``share_transaction=True``
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -26,24 +23,11 @@ from aio_pika.abc import AbstractChannel
 
 from scheduler.config import Settings
 from tests.fixtures_tasks.jobs import DispatchedJob, dispatched_job, effects, publish
+from tests.support.helpers import running_worker
 from tests.support.wait import wait_for
-from workers import JobContext, Registry, Worker
+from workers import JobContext, Registry
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@contextlib.asynccontextmanager
-async def running(
-    settings: Settings, registry: Registry, queue: str, *, concurrency: int
-) -> AsyncIterator[Worker]:
-    worker = Worker(
-        dataclasses.replace(settings), queues=[queue], registry=registry, concurrency=concurrency
-    )
-    await worker.start()
-    try:
-        yield worker
-    finally:
-        await worker.stop()
 
 
 async def _burst(
@@ -87,7 +71,7 @@ async def test_transaction_local_settings_are_seen_by_no_other_job(
 
     payloads = [{"tenant": f"tenant-{i}"} if i % 2 == 0 else {} for i in range(120)]
     jobs = await _burst(db_pool, channel, queue, "t.tenant", payloads)
-    async with running(settings, registry, queue, concurrency=8):
+    async with running_worker(settings, registry, queue, concurrency=8):
         await wait_for(lambda: _finished(db_pool, jobs), timeout=60)
     assert len(seen) == len(jobs)
     leaks = {job: pair for job, pair in seen.items() if pair[0] != pair[1]}
@@ -122,7 +106,7 @@ async def test_an_advisory_transaction_lock_keeps_two_jobs_apart(
         inside -= 1
 
     jobs = await _burst(db_pool, channel, queue, "t.customer", [{"customer": 7}] * 40)
-    async with running(settings, registry, queue, concurrency=8):
+    async with running_worker(settings, registry, queue, concurrency=8):
         await wait_for(lambda: _finished(db_pool, jobs), timeout=60)
     assert overlaps == 0, f"{overlaps} runs overlapped under one advisory lock"
     for job in jobs:
@@ -158,7 +142,7 @@ async def test_another_jobs_failure_never_runs_a_handler_again(
     payloads: list[dict[str, Any]] = [{}] * 12 + [{"fail": True}]
     jobs = await _burst(db_pool, channel, queue, "t.mail", payloads)
     healthy, bad = jobs[:-1], jobs[-1]
-    async with running(settings, registry, queue, concurrency=16):
+    async with running_worker(settings, registry, queue, concurrency=16):
         await wait_for(lambda: _finished(db_pool, jobs), timeout=60)
     assert {job.id: calls.get(job.id) for job in healthy} == {job.id: 1 for job in healthy}
     for job in healthy:
@@ -208,7 +192,7 @@ async def test_the_settling_statement_travels_with_its_commit_safely(
     for job in jobs:
         await publish(channel, queue, job.message(1))
     try:
-        async with running(settings, registry, queue, concurrency=1):
+        async with running_worker(settings, registry, queue, concurrency=1):
             await wait_for(lambda: _finished(db_pool, jobs), timeout=60)
         statuses = dict(
             await db_pool.fetch(

@@ -3,11 +3,16 @@ for them, so they live here rather than on the classes)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
 from datetime import datetime
 
 import asyncpg
 
+from scheduler.config import Settings
 from scheduler.publisher import Publisher
+from workers import Registry, Worker
 
 #: Fire rows of schedule_fires before a cut-off, at most up to each schedule's
 #: next_fire_at (the rule the maintainer's fenced, batched statement follows too,
@@ -44,3 +49,18 @@ async def declare_queues(db: asyncpg.Pool | asyncpg.Connection | str, *names: st
             await conn.close()
         return
     await db.execute(sql, list(names))
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    settings: Settings, registry: Registry, queue: str, *, concurrency: int = 16
+) -> AsyncIterator[Worker]:
+    """An in-process ``Worker`` on ``queue`` with ``registry``, stopped on the way out."""
+    worker = Worker(
+        dataclasses.replace(settings), queues=[queue], registry=registry, concurrency=concurrency
+    )
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop()
