@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from urllib.parse import quote
 
 from starlette.datastructures import FormData
@@ -24,6 +25,7 @@ from scheduler.dashboard.pages import filter_fields, parse_filter
 from scheduler.dashboard.site import FLASH_COOKIE, Dashboard
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
+from scheduler.store import BulkPreview
 
 log = get_logger(__name__)
 
@@ -176,22 +178,36 @@ async def bulk(dash: Dashboard, request: Request, form: FormData) -> Response:
     fields = {k: str(v) for k, v in form.items() if isinstance(v, str)}
     where = parse_filter(fields)
     action = fields.get("action", "")
-    up_to = fields.get("up_to_id", "")
-    if not up_to.isdigit():
-        raise InvalidInput("up_to_id is missing: confirm from the preview page")
+    preview = _confirmed_preview(action, fields)
     if action == "cancel":
-        changed = await site.jobs.cancel_matching(where, up_to_id=int(up_to))
+        changed = await site.jobs.cancel_matching(where, preview=preview)
     elif action == "retry":
-        changed = await site.jobs.retry_matching(where, up_to_id=int(up_to))
+        changed = await site.jobs.retry_matching(where, preview=preview)
     else:
         raise InvalidInput(f"unknown bulk action {action!r}")
     log.info(
-        "dashboard_bulk_action", action=action, changed=changed, up_to_id=int(up_to),
-        filter=filter_fields(fields), shard=site.name, client=client_of(request),
+        "dashboard_bulk_action", action=action, changed=changed, previewed=preview.count,
+        up_to_id=preview.up_to_id, filter=filter_fields(fields), shard=site.name,
+        client=client_of(request),
     )  # fmt: skip
     return redirect(
-        site.url("/jobs", **filter_fields(fields)), f"{action}: {changed} job(s) changed"
+        site.url("/jobs", **filter_fields(fields)),
+        f"{action}: {changed} of {preview.count} previewed job(s) changed",
     )
+
+
+def _confirmed_preview(action: str, fields: dict[str, str]) -> BulkPreview:
+    """The set the preview page pinned (up_to_id, count, as_of), from its hidden fields."""
+    up_to, count, as_of = (fields.get(k, "") for k in ("up_to_id", "count", "as_of"))
+    if not (up_to.isdigit() and count.isdigit()):
+        raise InvalidInput("up_to_id/count are missing: confirm from the preview page")
+    try:
+        pinned = datetime.fromisoformat(as_of) if as_of else None
+    except ValueError:
+        raise InvalidInput("as_of is not a time: confirm from the preview page") from None
+    if action == "retry" and pinned is None:
+        raise InvalidInput("as_of is missing: confirm from the preview page")
+    return BulkPreview(action, int(count), int(up_to), pinned)
 
 
 @posted()

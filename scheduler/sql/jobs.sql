@@ -56,28 +56,36 @@ UPDATE duetime.jobs
 RETURNING *;
 
 -- name: matching
--- Bulk actions by filter (JobFilter): how many jobs in state {status} match, and the
--- newest id among them; the action then touches only ids up to that one, so jobs that
--- arrive between the preview and the confirmation are left alone. {status} is spliced
--- in by JobStore from a fixed set ('pending' or 'dead'), never from outside: as a
--- literal it lets PostgreSQL use the partial index of that state (jobs_pending_run_idx,
--- jobs_dead_finished_idx) instead of reading every row.
-SELECT count(*) AS n, max(id) AS max_id
+-- Bulk actions by filter (JobFilter): how many jobs in state {status} match, the
+-- newest id among them and the statement's time (as_of): together they pin the set the
+-- operator confirms (matching_ids), so jobs that arrive, or die, between the preview and
+-- the confirmation are left alone. {status} is spliced in by JobStore from a fixed set
+-- ('pending' or 'dead'), never from outside: as a literal it lets PostgreSQL use the
+-- partial index of that state (jobs_pending_run_idx, jobs_dead_finished_idx) instead of
+-- reading every row.
+SELECT count(*) AS n, max(id) AS max_id, now() AS as_of
   FROM duetime.jobs
  WHERE status = '{status}'
 {filter}
    AND id <= $6;
 
 -- name: matching_ids
--- One batch of the ids `matching` counted ($6: its max_id), oldest first. The caller
--- applies the transition to the batch and asks again: each batch leaves the state, so
--- the loop ends.
+-- One batch of the ids `matching` counted, oldest first, locked until the caller's
+-- transition commits: $6 its max_id, $7 the last id of the previous batch (keyset: a
+-- row is offered at most once per confirmation, even if it is retried, dies again and
+-- matches again meanwhile), $8 the preview's as_of for dead jobs (a job that died after
+-- the preview was not shown, so it is not retried; NULL for pending jobs, which carry
+-- no such time), $9 the batch size.
 SELECT id
   FROM duetime.jobs
  WHERE status = '{status}'
 {filter}
    AND id <= $6
- LIMIT $7;
+   AND id > $7
+   AND ($8::timestamptz IS NULL OR finished_at <= $8)
+ ORDER BY id
+ LIMIT $9
+   FOR UPDATE;
 
 -- name: notify
 SELECT pg_notify('duetime_jobs', '');

@@ -253,7 +253,7 @@ class JobStore(PooledStore):
 
     async def preview_matching(self, action: str, where: JobFilter) -> BulkPreview:
         """How many jobs ``cancel_matching``/``retry_matching`` would change now: shown
-        to the operator, who confirms with the returned ``up_to_id``."""
+        to the operator, who confirms with the returned preview (it pins the set)."""
         status = _bulk_source(action, where)
         async with self._db.pool.acquire() as c:
             row = await c.fetchrow(
@@ -262,27 +262,36 @@ class JobStore(PooledStore):
                 _BIGINT_MAX,
             )
         assert row is not None  # an aggregate always returns one row
-        return BulkPreview(action, int(row["n"]), int(row["max_id"] or 0))
+        return BulkPreview(action, int(row["n"]), int(row["max_id"] or 0), row["as_of"])
 
-    async def cancel_matching(self, where: JobFilter, *, up_to_id: int) -> int:
-        """Cancel every pending job matching ``where`` with id <= ``up_to_id`` (the
-        preview's), in batches of ``BULK_BATCH``, through the same transition as
-        ``cancel``. Returns how many were cancelled."""
-        return await self._bulk("cancel", where, up_to_id)
+    async def cancel_matching(self, where: JobFilter, *, preview: BulkPreview) -> int:
+        """Cancel the pending jobs ``preview`` counted (matching ``where``, ids up to its
+        ``up_to_id``, at most its ``count``, each once), in batches of ``BULK_BATCH``,
+        through the same transition as ``cancel``. Returns how many were cancelled."""
+        return await self._bulk("cancel", where, preview)
 
-    async def retry_matching(self, where: JobFilter, *, up_to_id: int) -> int:
-        """Retry every dead job matching ``where`` with id <= ``up_to_id``, like
-        ``retry`` (attempts reset, runnable now). Returns how many were retried."""
-        return await self._bulk("retry", where, up_to_id)
+    async def retry_matching(self, where: JobFilter, *, preview: BulkPreview) -> int:
+        """Retry the dead jobs ``preview`` counted, like ``retry`` (attempts reset,
+        runnable now): only jobs already dead at the preview, each at most once, at most
+        ``preview.count``. Returns how many were retried."""
+        return await self._bulk("retry", where, preview)
 
-    async def _bulk(self, action: str, where: JobFilter, up_to_id: int) -> int:
+    async def _bulk(self, action: str, where: JobFilter, preview: BulkPreview) -> int:
         status = _bulk_source(action, where)
+        if preview.action != action:
+            raise InvalidInput(f"the preview was for {preview.action}, not {action}")
         select = compose("jobs", "matching_ids", status=status, filter=FILTER)
+        as_of = preview.as_of if action == "retry" else None
         changed = 0
-        while True:
+        after = 0
+        while changed < preview.count:
+            size = min(BULK_BATCH, preview.count - changed)
             async with self._db.pool.acquire() as c, c.transaction():
                 ids = [
-                    r["id"] for r in await c.fetch(select, *where.params(), up_to_id, BULK_BATCH)
+                    r["id"]
+                    for r in await c.fetch(
+                        select, *where.params(), preview.up_to_id, after, as_of, size
+                    )
                 ]
                 if not ids:
                     return changed
@@ -290,6 +299,8 @@ class JobStore(PooledStore):
                 if action == "retry" and done:
                     await c.execute(Q["notify"])
             changed += len(done)
+            after = ids[-1]
+        return changed
 
     async def counts_by_status(self) -> dict[str, int]:
         async with self._db.acquire() as c:

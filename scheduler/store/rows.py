@@ -86,11 +86,16 @@ class Job:
 
 @dataclass(frozen=True, slots=True)
 class BulkPreview:
-    """What a bulk action would touch: ``count`` jobs, none newer than ``up_to_id``."""
+    """What a bulk action would touch: ``count`` jobs, none newer than ``up_to_id``.
+
+    ``as_of`` is the database time of the preview. Together the three pin the set the
+    confirmation may change: at most ``count`` jobs, ids up to ``up_to_id``, each at most
+    once, and for a retry only jobs that were already dead at ``as_of``."""
 
     action: str
     count: int
     up_to_id: int
+    as_of: datetime | None = None
 
 
 # -- the leader: dispatch, reconcile, plan, fence ----------------------------------------

@@ -196,7 +196,8 @@ async def test_the_host_must_name_the_dashboard(settings: Settings, unique: str)
             assert status == 421
             _, _, page = await call(app, "GET", preview, headers=cookie)
             form = {"csrf": csrf_of(page), "action": "cancel", "queue": f"rebind-{unique}"}
-            form["up_to_id"] = re.findall(r'name="up_to_id" value="(\d+)"', page)[0]
+            for pinned in ("up_to_id", "count", "as_of"):
+                form[pinned] = re.findall(rf'name="{pinned}" value="([^"]*)"', page)[0]
             status, _, _ = await call(
                 app, "POST", "/jobs/bulk", host=rebound,
                 headers={**cookie, "Origin": f"http://{rebound}"}, form=form,

@@ -50,7 +50,7 @@ async def test_bulk_cancel_by_filter_touches_only_matches_up_to_the_preview(
     preview = await store.preview_matching("cancel", JobFilter(task="a"))
     assert preview.count == 8
     newer = await store.enqueue("a", due_at=LATER)
-    changed = await store.cancel_matching(JobFilter(task="a"), up_to_id=preview.up_to_id)
+    changed = await store.cancel_matching(JobFilter(task="a"), preview=preview)
     assert changed == 8
     counts = await pool.fetch(
         "SELECT task, status, count(*) AS n FROM duetime.jobs GROUP BY 1, 2 ORDER BY 1, 2"
@@ -68,13 +68,45 @@ async def test_bulk_retry_by_error_text_and_wrong_state_is_refused(pool: asyncpg
     where = JobFilter(error="connectionerror")
     preview = await store.preview_matching("retry", where)
     assert preview.count == 3
-    assert await store.retry_matching(where, up_to_id=preview.up_to_id) == 3
+    assert await store.retry_matching(where, preview=preview) == 3
     statuses = {j.id: (await store.get(j.id)).status for j in jobs}
     assert list(statuses.values()) == ["pending", "pending", "pending", "dead"]
     with pytest.raises(InvalidInput, match="dead jobs, not pending"):
         await store.preview_matching("retry", JobFilter(status="pending"))
     with pytest.raises(InvalidInput, match="unknown bulk action"):
         await store.preview_matching("delete", JobFilter())
+
+
+async def test_bulk_retry_confirms_exactly_the_previewed_set(
+    pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A confirmation changes only the jobs its preview counted, each at most once: jobs
+    with older ids that die after the preview are left dead, and a job retried by this
+    confirmation that dies again before the next batch is not retried a second time."""
+    monkeypatch.setattr(jobs_module, "BULK_BATCH", 2)  # several batches
+    store = JobStore(pool)
+    jobs = [await store.enqueue("t", {"again": True}, due_at=LATER) for _ in range(6)]
+    previewed = [jobs[0].id, jobs[1].id, jobs[2].id, jobs[5].id]
+    await _kill(pool, previewed)
+    preview = await store.preview_matching("retry", JobFilter(task="t"))
+    assert (preview.count, preview.up_to_id) == (4, jobs[5].id)
+    later = [jobs[3].id, jobs[4].id]  # ids <= up_to_id, dead only after the preview
+    await _kill(pool, later)
+    # Every retried batch dies again at once (a worker failing it within the confirm);
+    # each job only once, so the old loop would pick it up again rather than spin.
+    again = dict(jobs_module.Q)
+    again["notify"] = (
+        "UPDATE duetime.jobs SET status = 'dead', finished_at = clock_timestamp(), "
+        "payload = '{}' WHERE status = 'pending' AND payload ? 'again'"
+    )
+    monkeypatch.setattr(jobs_module, "Q", again)
+    changed = await store.retry_matching(JobFilter(task="t"), preview=preview)
+    assert changed == preview.count == 4
+    rows = await pool.fetch("SELECT id FROM duetime.jobs WHERE NOT payload ? 'again' ORDER BY id")
+    retried = [r["id"] for r in rows]
+    assert retried == previewed  # the later deaths were never touched
+    with pytest.raises(InvalidInput, match="preview was for retry"):
+        await store.cancel_matching(JobFilter(task="t"), preview=preview)
 
 
 async def test_run_now_only_for_a_job_in_retry_back_off(pool: asyncpg.Pool) -> None:
