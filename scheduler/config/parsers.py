@@ -6,6 +6,7 @@ environment or a flag, a typed value from TOML) and returns it typed, or raises
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -241,6 +242,29 @@ def host_names(value: Any) -> tuple[str, ...]:
                 "(duetime.internal), name:port (duetime.internal:8443) or [::1]:8089, "
                 "no scheme or path"
             )
+        if item not in out:
+            out.append(item)
+    return tuple(out)
+
+
+def proxy_addresses(value: Any) -> tuple[str, ...]:
+    """IP addresses or networks (``10.0.0.5``, ``10.0.0.0/24``, ``::1``), comma-separated
+    (TOML: a list), as uvicorn's ``forwarded_allow_ips`` takes them; empty: none."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be a comma-separated list of IP addresses or networks")
+    out: list[str] = []
+    for raw in items:
+        item = str(raw).strip()
+        if not item:
+            continue
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise ValueError(
+                f"{raw!r} is not an IP address or network (10.0.0.5, 10.0.0.0/24, ::1); "
+                "name the proxy by address, not by host name"
+            ) from None
         if item not in out:
             out.append(item)
     return tuple(out)

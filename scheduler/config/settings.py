@@ -53,6 +53,7 @@ class Settings:
     dashboard_listen: str = "127.0.0.1:8089"
     dashboard_token: str | None = None
     dashboard_hosts: tuple[str, ...] = ()
+    dashboard_trusted_proxies: tuple[str, ...] = ()
     log_level: str = "info"
     log_format: str = "auto"
     db_timeout: float = DEFAULT_DB_TIMEOUT
@@ -171,6 +172,11 @@ FIELDS: dict[str, Field] = {
             "dashboard_hosts",
             p.host_names,
             "host names the dashboard answers to besides its address (a proxy's name)",
+        ),
+        Field(
+            "dashboard_trusted_proxies",
+            p.proxy_addresses,
+            "proxy addresses whose X-Forwarded-For/-Proto the dashboard believes (none)",
         ),
         Field("log_level", p.choice("debug", "info", "warning", "error"), "log level"),
         Field("log_format", p.choice("auto", "json", "console"), "auto: JSON unless a TTY"),

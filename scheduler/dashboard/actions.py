@@ -45,7 +45,8 @@ def redirect(url: str, message: str | None = None) -> RedirectResponse:
 
 
 def client_of(request: Request) -> str:
-    """The client's address (the proxy's X-Forwarded-For when uvicorn trusts it)."""
+    """The client's address: the connection's peer, or the proxy's X-Forwarded-For when
+    DUETIME_DASHBOARD_TRUSTED_PROXIES names the proxy (uvicorn applies it)."""
     return request.client.host if request.client else "unknown"
 
 

@@ -12,7 +12,8 @@
   and at restart), and every signature is keyed by ``secret``, random per process.
   Wrong tokens are throttled per client (``scheduler.dashboard.throttle``). The cookie
   is HttpOnly, SameSite=Strict, Path=/, and Secure when the request came over HTTPS
-  (directly or via a proxy's X-Forwarded-Proto, which uvicorn trusts from loopback only).
+  (directly or via the X-Forwarded-Proto of a proxy DUETIME_DASHBOARD_TRUSTED_PROXIES
+  names).
 - **CSRF**: every action is a POST carrying ``csrf`` = HMAC(secret, the session id) when
   logged in, else HMAC(secret, the ``duetime_csrf`` cookie) — a per-browser random
   cookie, SameSite=Strict, set on the first page (the login form, the token-less

@@ -17,6 +17,7 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from scheduler.config import Settings
 from scheduler.dashboard.app import Dashboard, create_app
@@ -60,6 +61,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def server_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
+    """uvicorn's settings for the dashboard. ``X-Forwarded-For``/``-Proto`` are believed
+    only from ``DUETIME_DASHBOARD_TRUSTED_PROXIES`` (default none): otherwise any local
+    process could pick the client address the audit log and the throttle see."""
+    proxies = list(settings.dashboard_trusted_proxies)
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies or None,
+        timeout_graceful_shutdown=GRACE,
+        server_header=False,
+    )
+
+
 async def serve(settings: Settings, *, read_only: bool) -> int:
     host, port = check_listen(settings.dashboard_listen, settings.dashboard_token)
     sock = bind(host, port)
@@ -68,15 +86,7 @@ async def serve(settings: Settings, *, read_only: bool) -> int:
     dash = Dashboard(
         settings, Auth.create(settings.dashboard_token), read_only=read_only, hosts=hosts
     )
-    config = uvicorn.Config(
-        create_app(dash),
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        proxy_headers=True,  # X-Forwarded-Proto/For, trusted from loopback proxies only
-        timeout_graceful_shutdown=GRACE,
-        server_header=False,
-    )
+    config = server_config(create_app(dash), settings)
     server = _Server(config)
     shown = f"[{host}]" if ":" in host else host
     async with Service(

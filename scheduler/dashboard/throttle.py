@@ -11,7 +11,7 @@ With the defaults an address gets 5 guesses, then 1, 2, 4 … s apart, and after
 more one guess per 5 minutes: 4,000 guesses take about two weeks instead of 12 s.
 Limit: an attacker with many addresses gets ``free`` guesses and a back-off per address;
 the log (``dashboard_auth_failed``) shows it. Behind a proxy the address is the proxy's
-``X-Forwarded-For`` (uvicorn trusts it from loopback proxies only).
+``X-Forwarded-For``, believed only from ``DUETIME_DASHBOARD_TRUSTED_PROXIES``.
 """
 
 from __future__ import annotations
