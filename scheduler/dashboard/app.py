@@ -146,6 +146,22 @@ def _errors(dash: Dashboard) -> dict[Any, Callable[[Request, Exception], Awaitab
             "This page retries when reloaded.",
         )  # fmt: skip
 
+    async def forbidden(request: Request, exc: Exception) -> Response:
+        # The dashboard's login lacks a privilege (a grant missing or revoked): the
+        # database is up, so this is no outage to retry but a setup to fix.
+        text = scrub(str(exc))[:500]
+        log.warning("dashboard_permission_denied", path=request.url.path, error=text)
+        return _harden(
+            dash.render(
+                request,
+                "error.html",
+                403,
+                title="Permission denied",
+                message=f"permission denied: {text}. The dashboard's PostgreSQL login "
+                "lacks a privilege this page needs (see docs/security.md, roles).",
+            )  # fmt: skip
+        )
+
     async def too_slow(request: Request, exc: Exception) -> Response:
         log.warning("dashboard_statement_timeout", path=request.url.path)
         return dash.render(
@@ -190,6 +206,7 @@ def _errors(dash: Dashboard) -> dict[Any, Callable[[Request, Exception], Awaitab
     for error in DB_ERRORS:
         handlers[error] = unavailable
     handlers[asyncpg.QueryCanceledError] = too_slow  # more specific: Starlette takes the MRO
+    handlers[asyncpg.InsufficientPrivilegeError] = forbidden
     return handlers
 
 
