@@ -151,16 +151,12 @@ def _errors(dash: Dashboard) -> dict[Any, Callable[[Request, Exception], Awaitab
         # database is up, so this is no outage to retry but a setup to fix.
         text = scrub(str(exc))[:500]
         log.warning("dashboard_permission_denied", path=request.url.path, error=text)
-        return _harden(
-            dash.render(
-                request,
-                "error.html",
-                403,
-                title="Permission denied",
-                message=f"permission denied: {text}. The dashboard's PostgreSQL login "
-                "lacks a privilege this page needs (see docs/security.md, roles).",
-            )  # fmt: skip
-        )
+        response = dash.render(
+            request, "error.html", 403, title="Permission denied",
+            message=f"permission denied: {text}. The dashboard's PostgreSQL login "
+            "lacks a privilege this page needs (see docs/security.md, roles).",
+        )  # fmt: skip
+        return _harden(response)
 
     async def too_slow(request: Request, exc: Exception) -> Response:
         log.warning("dashboard_statement_timeout", path=request.url.path)
