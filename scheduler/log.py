@@ -16,25 +16,56 @@ from typing import Any
 import structlog
 
 # A password inside a URL: everything between "scheme://user:" and the LAST "@" before
-# whitespace or a quote, so a password holding an unescaped "/" or "@" is still covered
-# (over-redacting a path that contains "@" is the safe mistake).
+# whitespace or a quote, so a password holding an unescaped "/" or "@" is still covered.
+# "host.name:port/path@…" (a dotted host or localhost, a port, then a path with an "@")
+# is an address, not a password; anything less certain is redacted (the safe mistake).
 _URL_PASSWORD = re.compile(
     r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s'\"]*):(?P<pw>[^\s'\"]*)@", re.IGNORECASE
 )
+_PORT_AND_PATH = re.compile(r"\d{1,5}(?:/|$)")
 # key=value secrets: libpq conninfo strings (password=…), URL query parameters
-# (?password=…, sslpassword=…), dumps of keyword arguments and JSON ("password": "…").
+# (?password=…, sslpassword=…) and dumps of keyword arguments (etcd_password='…').
 _KV_SECRET = re.compile(
-    r"(?P<key>[\w.-]*(?:password|passwd|pwd|secret|token)['\"]?\s*[=:]\s*)"
+    r"(?P<key>[\w.-]*(?:password|passwd|pwd|secret|token)\s*=\s*)"
     r"(?P<q>['\"]?)(?P<value>[^\s&'\",;)]+)",
     re.IGNORECASE,
 )
+# key: value secrets (JSON, dict reprs, YAML). Prose uses the same shape ("Secret: the
+# job ran", "token: expired"), so it counts only when the key is quoted, or compound
+# (etcd_password, api-token), or the value is quoted or not a plain word.
+_COLON_SECRET = re.compile(
+    r"(?P<key>(?P<kq>['\"]?)(?P<name>[\w.-]*(?:password|passwd|secret|token))(?P=kq)\s*:\s*)"
+    r"(?P<q>['\"]?)(?P<value>[^\s&'\",;)]+)",
+    re.IGNORECASE,
+)
+_PLAIN_WORD = re.compile(r"[^\W\d_]+")
+# Bearer tokens (an Authorization header quoted in an error): a token has a digit.
+_BEARER = re.compile(r"(?P<key>\bBearer\s+)(?P<value>(?=\S*\d)[\w.~+/=-]{8,})")
 _SECRET_KEYS = ("password", "passwd", "secret", "token", "credential")
 
 
+def _url_password(match: re.Match[str]) -> str:
+    user = match["user"].lower()
+    if ("." in user or user == "localhost") and _PORT_AND_PATH.match(match["pw"]):
+        return match[0]
+    return f"{match['scheme']}{match['user']}:***@"
+
+
+def _colon_secret(match: re.Match[str]) -> str:
+    compound = match["name"].lower() not in ("password", "passwd", "secret", "token")
+    if match["kq"] or match["q"] or compound or not _PLAIN_WORD.fullmatch(match["value"]):
+        return f"{match['key']}{match['q']}***"
+    return match[0]
+
+
 def scrub(text: str) -> str:
-    """Redact passwords embedded in URLs and ``password=...`` pairs inside any text."""
-    text = _URL_PASSWORD.sub(r"\g<scheme>\g<user>:***@", text)
-    return _KV_SECRET.sub(r"\g<key>\g<q>***", text)
+    """Redact credentials inside any text: passwords in URLs, ``password=…`` pairs,
+    ``"password": "…"`` pairs and Bearer tokens. Ordinary sentences that merely use
+    the words ("Secret: the job ran", "token: expired") are left as written."""
+    text = _URL_PASSWORD.sub(_url_password, text)
+    text = _KV_SECRET.sub(r"\g<key>\g<q>***", text)
+    text = _COLON_SECRET.sub(_colon_secret, text)
+    return _BEARER.sub(r"\g<key>***", text)
 
 
 def _scrub_value(value: Any, depth: int = 0) -> Any:

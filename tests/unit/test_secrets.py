@@ -191,3 +191,47 @@ def test_cli_error_line_is_scrubbed(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr()
     assert "error" in out.err
     assert_clean(out.out + out.err)
+
+
+# Ordinary sentences that use the words (errors, handler messages, docs links) pass
+# unchanged; the scrubber once turned "Secret: the job ran" into "Secret: *** job ran".
+ORDINARY = [
+    "Secret: the job ran fine",
+    "token: expired after 5 s",
+    "the task failed: password: too short",
+    "keep secret: nothing",
+    "pwd: /home/app",
+    "KeyError: 'token'",
+    "Error: tokens: 3 used",
+    "ValueError: secret sauce missing",
+    "the Bearer scheme is used",
+    "see http://example.com:8080/docs@v2 for details",
+    "failed at https://api.example.com:443/v1/users/@me",
+    "GET http://localhost:8089/jobs?status=dead",
+    "no secrets at http://host/path",
+]
+
+
+@pytest.mark.parametrize("text", ORDINARY)
+def test_scrub_leaves_ordinary_sentences_unchanged(text: str) -> None:
+    assert scrub(text) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("postgresql://app:s3cr3t-pg@db:5432/duetime", "s3cr3t-pg"),
+        ("redis://:hunter2@cache:6379/0", "hunter2"),
+        ("postgresql://u:1234/x@db/x", "1234/x"),  # digits and "/" after a bare user
+        ("retry with token=abc123", "abc123"),
+        ("host=db password=s3cr3t-pg", "s3cr3t-pg"),
+        ('{"password": "hunter2"}', "hunter2"),
+        ("{'secret': 'letters'}", "letters"),  # a quoted value counts even if a word
+        ("api_token: abcdef", "abcdef"),  # a compound key counts even with a word
+        ("password: hunter2", "hunter2"),  # not a plain word
+        ("Authorization: Bearer eyJhbGciOi.J9x2", "eyJhbGciOi.J9x2"),
+    ],
+)
+def test_scrub_redacts_credentials(text: str, secret: str) -> None:
+    out = scrub(text)
+    assert secret not in out and "***" in out, out
