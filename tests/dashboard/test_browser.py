@@ -173,7 +173,7 @@ async def test_bulk_cancel_by_filter_previews_then_cancels_only_the_matches(
     # a job that arrives after the preview is not part of what was confirmed
     late = await store.enqueue(task, delay=3600)
     await page.get_by_role("button", name="Yes, cancel 5 job(s)").click()
-    await expect(page.locator(".flash")).to_contain_text("cancel: 5 job(s) changed")
+    await expect(page.locator(".flash")).to_contain_text("cancel: 5 of 5 previewed job(s) changed")
 
     rows = await cluster.pool.fetch(
         "SELECT status, count(*) AS n FROM duetime.jobs WHERE task = $1 GROUP BY status", task

@@ -160,7 +160,7 @@ async def test_actions_on_shard_b_change_b_rows_only(shards: Shards, page: Any) 
     await page.get_by_role("link", name="Cancel all matching pending…").click()
     await expect(page.get_by_test_id("bulk-count")).to_have_text("3")
     await page.get_by_role("button", name="Yes, cancel 3 job(s)").click()
-    await expect(page.locator(".flash")).to_contain_text("cancel: 3 job(s) changed")
+    await expect(page.locator(".flash")).to_contain_text("cancel: 3 of 3 previewed job(s) changed")
     await expect(page).to_have_url(re.compile(r"/jobs\?.*shard=b"))
     for pool, expected in ((shards.a, {"pending": 2}), (shards.b, {"cancelled": 3})):
         rows = await pool.fetch(
