@@ -34,8 +34,9 @@ SELECT *, plan_at = 'infinity' AS finished
 SELECT id FROM duetime.schedules WHERE id = $1 FOR UPDATE;
 
 -- name: pause
--- The trigger schedules_paused_cancel_planned (migration 0006) cancels the jobs planned
--- ahead that are not due yet, as it does for `UPDATE ... SET paused = true` by plain SQL.
+-- The trigger schedules_paused_cancel_planned (migrations 0006, 0011: once per statement)
+-- cancels the jobs planned ahead that are not due yet, as it does for
+-- `UPDATE ... SET paused = true` by plain SQL, however many rows that pauses.
 UPDATE duetime.schedules SET paused = true WHERE id = $1
 RETURNING *, plan_at = 'infinity' AS finished;
 

@@ -565,6 +565,114 @@ async def test_pausing_or_deleting_by_plain_sql_cancels_planned_jobs(world: Worl
     assert len(pending) == 11
 
 
+async def test_bulk_pause_cancels_planned_jobs_in_one_trigger_call(world: World) -> None:
+    """Security issue: pausing 10,000 schedules with one UPDATE took minutes, the
+    cancel trigger running once per row. Since migration 0011 it runs once per statement
+    (counted in pg_stat_xact_user_functions: 1 call, not N), a bulk pause of N planned
+    schedules takes well under the bound below, and only the schedules it newly paused
+    lose their planned jobs; resumed, they are planned again; a bulk DELETE likewise."""
+    n = 2000
+    clock = ManualClock(datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=5))
+    await world.execute(
+        "INSERT INTO duetime.schedules (name, task, cron) "
+        "SELECT 'bulk-' || i, 'tick', '* * * * * *' FROM generate_series(1, $1) AS i",
+        n,
+    )
+    already = await world.add("bulk-already", cron="* * * * * *", paused=True)
+    other = await world.add("other", cron="* * * * * *")
+    planner = world.planner(clock, batch_size=1000)
+    await planner.plan_pass()
+    async with world.pool.acquire() as conn:
+        planned = await conn.fetchval(
+            "SELECT count(*) FROM duetime.jobs WHERE status = 'pending'"
+            " AND schedule_id IN (SELECT id FROM duetime.schedules WHERE name LIKE 'bulk-%')"
+        )
+        assert planned == n * 11
+        async with conn.transaction():
+            await conn.execute("SET LOCAL track_functions = 'pl'")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            status = await conn.execute(
+                "UPDATE duetime.schedules SET paused = true WHERE name LIKE 'bulk-%'"
+            )
+            elapsed = loop.time() - started
+            calls = await conn.fetchval(
+                "SELECT calls FROM pg_stat_xact_user_functions"
+                " WHERE schemaname = 'duetime' AND funcname = 'cancel_planned_jobs'"
+            )
+            cancelled = await conn.fetchval(
+                "SELECT current_setting('duetime.planned_jobs_cancelled')::bigint"
+            )
+        assert status == f"UPDATE {n + 1}"
+        assert calls == 1
+        assert cancelled == planned
+        assert elapsed < 10.0, f"bulk pause of {n} schedules took {elapsed:.2f} s"
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM duetime.jobs WHERE status = 'pending' AND schedule_id <> $1",
+                other,
+            )
+            == 0
+        )
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM duetime.schedule_fires WHERE schedule_id <> $1", other
+            )
+            == 0
+        )
+    assert {j["status"] for j in await world.jobs(other)} == {"pending"}
+    assert await world.jobs(already) == []
+    # paused: planning again creates nothing for them
+    await planner.plan_pass()
+    async with world.pool.acquire() as conn:
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM duetime.jobs WHERE status = 'pending' AND schedule_id <> $1",
+                other,
+            )
+            == 0
+        )
+    # resumed in bulk: planned again from now, every one of them
+    assert (
+        await world.execute(
+            "UPDATE duetime.schedules SET paused = false WHERE name LIKE 'bulk-%' AND id <> $1",
+            already,
+        )
+        == f"UPDATE {n}"
+    )
+    await planner.plan_pass()
+    async with world.pool.acquire() as conn:
+        assert (
+            await conn.fetchval(
+                "SELECT count(DISTINCT schedule_id) FROM duetime.jobs WHERE status = 'pending'"
+                " AND schedule_id <> $1",
+                other,
+            )
+            == n
+        )
+        async with conn.transaction():
+            await conn.execute("SET LOCAL track_functions = 'pl'")
+            assert (
+                await conn.execute("DELETE FROM duetime.schedules WHERE name LIKE 'bulk-%'")
+                == f"DELETE {n + 1}"
+            )
+            assert (
+                await conn.fetchval(
+                    "SELECT calls FROM pg_stat_xact_user_functions"
+                    " WHERE schemaname = 'duetime' AND funcname = 'cancel_planned_jobs'"
+                )
+                == 1
+            )
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM duetime.jobs WHERE status = 'pending' AND schedule_id <> $1",
+                other,
+            )
+            == 0
+        )
+    assert {j["status"] for j in await world.jobs(other)} == {"pending"}
+
+
 # --- the loop: wake-ups --------------------------------------------------------------------
 
 
