@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -38,6 +42,41 @@ READY_TIMEOUT = 60.0
 def with_database(url: str, name: str) -> str:
     parts = urlsplit(url)
     return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
+
+
+@asynccontextmanager
+async def scratch_database(server_url: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """A migrated database of its own for a standalone benchmark script
+    (``duetime_bench_<hex>`` on ``server_url``'s server), dropped after. Yields its URL and
+    the result's head: the machine (cores, PostgreSQL, Python, load average at start;
+    the load at the end is added on the way out) and the start time."""
+    name = f"duetime_bench_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(server_url, timeout=10)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        version = await admin.fetchval("SHOW server_version")
+    finally:
+        await admin.close()
+    head: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "postgresql": version,
+            "python": platform.python_version(),
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        },
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    url = with_database(server_url, name)
+    try:
+        await migrate(url)
+        yield url, head
+    finally:
+        admin = await asyncpg.connect(server_url, timeout=10)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+        head["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
 
 
 @dataclass(frozen=True)

@@ -29,22 +29,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
+from bench.harness import scratch_database
 from scheduler import db
 from scheduler.jobspec import JobSpec
 from scheduler.log import configure_logging
-from scheduler.migrate import migrate
 from scheduler.store import JobStore
 
 WEEK = 7 * 86_400
@@ -88,11 +84,6 @@ DROP_VARIANT = [
     "DROP FUNCTION IF EXISTS duetime.bench_notify_stmt()",
     "DROP FUNCTION IF EXISTS duetime.bench_noop()",
 ]
-
-
-def _with_db(url: str, name: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
 
 
 def _specs(n: int, start: datetime, task: str = "bench") -> list[JobSpec]:
@@ -257,25 +248,7 @@ class Bench:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    name = f"duetime_bench_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(args.dsn, timeout=10)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        version = await admin.fetchval("SHOW server_version")
-    finally:
-        await admin.close()
-    url = _with_db(args.dsn, name)
-    result: dict[str, Any] = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "postgresql": version,
-            "python": platform.python_version(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        },
-        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-    try:
-        await migrate(url)
+    async with scratch_database(args.dsn) as (url, result):
         pool = await db.create_pool(url, min_size=1, max_size=args.producers, timeout=30)
         try:
             bench = Bench(pool)
@@ -292,13 +265,6 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 result["trigger_variants"] = {v: await bench.variant(v, args) for v in VARIANTS}
         finally:
             await pool.close()
-    finally:
-        admin = await asyncpg.connect(args.dsn, timeout=10)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
-    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return result
 
 

@@ -36,7 +36,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import signal
 import sys
 import time
@@ -45,10 +44,10 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
+from bench.harness import scratch_database
 from scheduler import db
 from scheduler.clock import ManualClock
 from scheduler.config import load_settings
@@ -58,7 +57,6 @@ from scheduler.duties.plan_report import PlanReport
 from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.leadership.replica import Replica
 from scheduler.log import configure_logging
-from scheduler.migrate import migrate
 from scheduler.store.fence import FenceStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,11 +75,6 @@ KINDS = {
     "interval": "INSERT INTO duetime.schedules (name, task, interval) "
     "SELECT 'bench-' || i, 'tick', interval '1 second' FROM generate_series(1, $1) i",
 }
-
-
-def _with_db(url: str, name: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
 
 
 class StatementCounter:
@@ -302,38 +295,12 @@ async def _delete_queue(amqp_url: str, queue: str) -> None:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    name = f"duetime_bench_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(args.dsn, timeout=10)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        version = await admin.fetchval("SHOW server_version")
-    finally:
-        await admin.close()
-    url = _with_db(args.dsn, name)
-    result: dict[str, Any] = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "postgresql": version,
-            "python": platform.python_version(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        },
-        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "horizon_seconds": args.horizon,
-        "batch_size": args.batch,
-    }
-    try:
-        await migrate(url)
+    async with scratch_database(args.dsn) as (url, result):
+        result.update(horizon_seconds=args.horizon, batch_size=args.batch)
         if args.recurring:
             result["recurring"] = await recurring(url, args)
         else:
             result["runs"] = await throughput(url, args)
-    finally:
-        admin = await asyncpg.connect(args.dsn, timeout=10)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
-    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return result
 
 

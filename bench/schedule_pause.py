@@ -24,16 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import time
-import uuid
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
-from scheduler.migrate import migrate
+from bench.harness import scratch_database
 
 # The triggers as migration 0006 created them (per row), under a name of their own.
 ROW_TRIGGERS_0006 = """
@@ -78,11 +74,6 @@ SELECT schedule_id, due_at, id, due_at FROM planned;
 """
 
 
-def _with_db(dsn: str, name: str) -> str:
-    base, _, _ = dsn.rpartition("/")
-    return f"{base}/{name}"
-
-
 async def _timed(conn: asyncpg.Connection, sql: str) -> tuple[float, str]:
     began = time.perf_counter()
     status = await conn.execute(sql)
@@ -112,28 +103,12 @@ async def measure(conn: asyncpg.Connection, variant: str) -> dict[str, Any]:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    name = f"duetime_bench_pause_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(args.dsn, timeout=10)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        version = await admin.fetchval("SHOW server_version")
-    finally:
-        await admin.close()
-    url = _with_db(args.dsn, name)
-    result: dict[str, Any] = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "postgresql": version,
-            "python": platform.python_version(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        },
-        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "schedules": args.schedules,
-        "planned_jobs_per_schedule": args.planned,
-        "history_days": args.history_days,
-    }
-    try:
-        await migrate(url)
+    async with scratch_database(args.dsn) as (url, result):
+        result.update(
+            schedules=args.schedules,
+            planned_jobs_per_schedule=args.planned,
+            history_days=args.history_days,
+        )
         conn = await asyncpg.connect(url, timeout=10)
         try:
             await conn.execute(
@@ -150,13 +125,6 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 result[variant] = await measure(conn, variant)
         finally:
             await conn.close()
-    finally:
-        admin = await asyncpg.connect(args.dsn, timeout=10)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
-    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return result
 
 
