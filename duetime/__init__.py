@@ -3,10 +3,15 @@
 Producers::
 
     from duetime import JobStore, ScheduleSpec, ScheduleStore, create_pool, load_settings
+    from duetime import ShardRouter  # one store per shard, jobs routed by key
 
 Handlers and workers::
 
     from duetime import Fail, JobContext, Retry, Worker, task
+
+Handler tests::
+
+    from duetime.testing import run_task
 
 Every name here is the very object ``scheduler`` (producer side) or ``workers`` (worker
 side) exports; ``docs/api.md`` documents them with examples that the test suite runs.
@@ -49,12 +54,14 @@ __all__ = [
     "Registry",
     "Retry",
     "RetryPolicy",
+    "RoutedJob",
     "Schedule",
     "ScheduleNotFound",
     "ScheduleSpec",
     "ScheduleStore",
     "ServiceUnavailable",
     "Settings",
+    "ShardRouter",
     "TaskSpec",
     "Worker",
     "connect",
@@ -78,12 +85,14 @@ if TYPE_CHECKING:
         JobNotFound,
         JobSpec,
         JobStore,
+        RoutedJob,
         Schedule,
         ScheduleNotFound,
         ScheduleSpec,
         ScheduleStore,
         ServiceUnavailable,
         Settings,
+        ShardRouter,
         connect,
         create_pool,
         load_settings,

@@ -2,11 +2,12 @@
 
 Producers (web apps, scripts, other services) enqueue jobs and manage schedules with::
 
-    from scheduler import JobStore, ScheduleSpec, ScheduleStore, create_pool, load_settings
+    from duetime import JobStore, ScheduleSpec, ScheduleStore, create_pool, load_settings
 
-The names below are the whole producer API; ``docs/api.md`` shows each in use. The
-rest of the package (config, stores, election, the leader's duties, the CLI) is the
-scheduler service itself, importable but not promised to stay where it is.
+``duetime`` re-exports the names below (the same objects), and ``docs/api.md`` shows
+each in use; they are the whole producer API. The rest of the package (config, stores,
+election, the leader's duties, the CLI) is the scheduler service itself, importable but
+not promised to stay where it is.
 
 The names are loaded on first use (PEP 562 ``__getattr__``): ``import scheduler.cron``
 or ``import scheduler.config`` is what every worker, CLI command and duty starts with,
@@ -36,6 +37,9 @@ _EXPORTS: dict[str, str] = {
     "BulkPreview": "scheduler.store.jobs",
     "JobSpec": "scheduler.jobspec",
     "Job": "scheduler.store.rows",
+    # producers on several shards (one shard, "main", when none are configured)
+    "ShardRouter": "scheduler.shards.router",
+    "RoutedJob": "scheduler.shards.router",
     # schedules
     "ScheduleStore": "scheduler.store.schedules",
     "ScheduleSpec": "scheduler.planning",
@@ -61,12 +65,14 @@ __all__ = [
     "JobNotFound",
     "JobSpec",
     "JobStore",
+    "RoutedJob",
     "Schedule",
     "ScheduleNotFound",
     "ScheduleSpec",
     "ScheduleStore",
     "ServiceUnavailable",
     "Settings",
+    "ShardRouter",
     "connect",
     "create_pool",
     "load_settings",
@@ -86,6 +92,7 @@ if TYPE_CHECKING:
     )
     from scheduler.jobspec import JobSpec
     from scheduler.planning import Schedule, ScheduleNotFound, ScheduleSpec
+    from scheduler.shards.router import RoutedJob, ShardRouter
     from scheduler.store.jobs import BulkPreview, JobFilter, JobStore
     from scheduler.store.rows import Job
     from scheduler.store.schedules import ScheduleStore

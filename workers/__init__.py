@@ -16,7 +16,8 @@ Write tasks::
 
 and run them: ``duetime worker --import myapp.tasks --queue default --concurrency 64``,
 or from Python with ``Worker`` / ``run_worker``. The names below are the whole worker
-API (``docs/api.md``); ``workers.testing`` runs one handler in a test without a broker.
+API (``docs/api.md``, spelled ``from duetime import ...``); ``duetime.testing`` runs one
+handler in a test without a broker.
 
 Guarantee: delivery is at least once; effects done through ``ctx.db`` happen exactly
 once (they commit in the same transaction as the idempotency-ledger row and the job's

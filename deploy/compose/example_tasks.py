@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from workers import JobContext, task
+from duetime import JobContext, task
 
 
 @task("example.hello")

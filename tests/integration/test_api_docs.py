@@ -50,7 +50,9 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "ctx.db",
         "raise Retry(",
         "raise Fail(",
+        "from duetime.testing import run_task",
         "run_task(",
+        "ShardRouter.open(settings",
         "Worker(",
     ):
         assert needle in text, f"docs/api.md has no example using {needle}"
@@ -117,6 +119,8 @@ async def test_every_example_runs_and_has_its_effect(
             await conn.close()
             await procs.stop_all()
     assert "handler test passed" in outputs[-2]
+    # without DUETIME_SHARDS the router's one shard is the database itself
+    assert any("on shard main" in out and "bulk {'main': 4}" in out for out in outputs), outputs
 
 
 async def run_blocks(conn: asyncpg.Connection, env: dict[str, str], where: Path) -> list[str]:
@@ -148,6 +152,10 @@ async def check_effects(conn: asyncpg.Connection) -> None:
     assert [j["status"] for j in reminders].count("cancelled") == 1
     assert all(j["due_at"] > j["created_at"] for j in reminders)
     assert await conn.fetchval("SELECT count(*) FROM orders WHERE id = 6") == 1
+    reports = [j for j in jobs if j["task"] == "build_report"]
+    assert len(reports) == 6  # keyed, four in bulk, one pinned (none due yet)
+    assert {j["status"] for j in reports} == {"pending"}
+    assert [j["idempotency_key"] for j in reports if j["idempotency_key"]] == ["report:2026-12"]
 
     # schedules
     nightly = await conn.fetchrow("SELECT * FROM duetime.schedules WHERE name = 'nightly-report'")

@@ -53,3 +53,19 @@ def test_importing_the_roots_loads_nothing_heavy() -> None:
 
 def test_the_lazy_map_is_the_export_list() -> None:
     assert sorted(scheduler._EXPORTS) == scheduler.__all__
+
+
+def test_duetime_testing_is_the_workers_helper() -> None:
+    import duetime.testing
+    import workers.testing
+
+    assert duetime.testing.__all__ == ["make_context", "run_task"]
+    for name in duetime.testing.__all__:
+        assert getattr(duetime.testing, name) is getattr(workers.testing, name), name
+
+
+def test_a_producer_routes_through_the_exported_router() -> None:
+    from scheduler.shards.router import RoutedJob, ShardRouter
+
+    assert duetime.ShardRouter is ShardRouter
+    assert duetime.RoutedJob is RoutedJob

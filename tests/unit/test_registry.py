@@ -122,7 +122,7 @@ def test_fixture_task_module_registers_into_the_default_registry() -> None:
 
 
 async def test_run_task_calls_the_handler_like_the_worker_does() -> None:
-    from workers.testing import run_task
+    from duetime.testing import run_task
 
     registry = Registry()
     seen: list[Any] = []
