@@ -5,7 +5,7 @@ and re-created): an hour of finished history with its ledger rows (so the lag an
 throughput charts have something to draw), pending, dead and cancelled jobs on three
 queues, and schedules including one whose next fire times cross DST changes. Then
 runs a real cluster on it — one ``duetime scheduler``, one ``duetime worker``
-(``scheduler.demo.tasks``), ``duetime dashboard`` on a free loopback port — lets it
+(``demo.tasks``), ``duetime dashboard`` on a free loopback port — lets it
 run real jobs for a few seconds, and takes a 1280×800 PNG of each page (and the
 overview at 390 px wide) with Playwright driving Debian's chromium. Everything it
 started is stopped and the database dropped at the end.
@@ -31,15 +31,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from demo.children import Children  # noqa: E402
+from demo.store import DemoStore, recreate_database, with_database  # noqa: E402
+from demo.tasks import JOB_TASK  # noqa: E402
 from scheduler import db  # noqa: E402
 from scheduler.config import load_settings  # noqa: E402
-from scheduler.demo.children import Children  # noqa: E402
-from scheduler.demo.tasks import JOB_TASK  # noqa: E402
 from scheduler.jobspec import JobSpec  # noqa: E402
 from scheduler.migrate import migrate  # noqa: E402
 from scheduler.planning import ScheduleSpec  # noqa: E402
 from scheduler.store import JobStore, ScheduleStore  # noqa: E402
-from scheduler.store.demo import DemoStore, recreate_database, with_database  # noqa: E402
 
 DATABASE = "duetime_demo_dashboard_shots"
 CHROMIUM_ARGS = [
@@ -235,7 +235,7 @@ async def main() -> int:
                 duetime,
                 "worker",
                 "--import",
-                "scheduler.demo.tasks",
+                "demo.tasks",
                 "--queue",
                 f"{queue},default,emails,reports",
                 "--concurrency",

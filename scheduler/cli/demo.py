@@ -127,8 +127,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 async def run(args: argparse.Namespace, settings: Settings) -> int:
-    from scheduler.demo.config import DemoConfig
-    from scheduler.demo.runner import run_demo
+    from demo.config import DemoConfig
+    from demo.runner import run_demo
 
     if settings.log_level == "info":  # the view is the output; children log to files
         configure_logging("warning", settings.log_format)

@@ -1,4 +1,5 @@
-"""Every SQL statement duetime runs lives in this folder.
+"""Every SQL statement the duetime service runs lives in this folder (the demo, a user
+of duetime, keeps its own in ``demo/demo.sql``).
 
 ``queries.sql``-style files hold named statements (``-- name: claim_due`` headers,
 as procrastinate does); ``migrations/NNNN_name.sql`` hold schema changes. Logic
@@ -19,6 +20,13 @@ _HEADER = re.compile(r"^--\s*name:\s*(?P<name>[a-z_][a-z0-9_]*)\s*$", re.MULTILI
 def load(group: str) -> dict[str, str]:
     """Return the named statements of ``<group>.sql`` as {name: sql}."""
     text = resources.files(__package__).joinpath(f"{group}.sql").read_text("utf-8")
+    return named_statements(text, f"{group}.sql")
+
+
+def named_statements(text: str, source: str) -> dict[str, str]:
+    """The ``-- name:`` statements of ``text`` as {name: sql}; ``source`` names the file
+    in errors. Public so a package outside this folder (the demo) reads its own file
+    the same way."""
     queries: dict[str, str] = {}
     matches = list(_HEADER.finditer(text))
     for i, match in enumerate(matches):
@@ -26,7 +34,7 @@ def load(group: str) -> dict[str, str]:
         body = text[match.end() : end].strip()
         name = match.group("name")
         if name in queries:
-            raise ValueError(f"duplicate query name {name!r} in {group}.sql")
+            raise ValueError(f"duplicate query name {name!r} in {source}")
         queries[name] = body
     return queries
 

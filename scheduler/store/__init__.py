@@ -4,7 +4,7 @@
 timeout); ``rows`` every row type a store returns. One store per area: ``jobs``
 (producers), ``dispatch`` (dispatcher, reconciler), ``execution`` (workers),
 ``schedules`` (users, planner), ``queues`` (declared queues), ``maintenance``,
-``fence``, ``status``, ``dashboard``, ``demo``, and ``listener`` (the LISTEN
+``fence``, ``status``, ``dashboard`` and ``listener`` (the LISTEN
 connections that wake the duties).
 """
 

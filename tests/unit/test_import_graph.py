@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("scheduler", "workers")
+PACKAGES = ("scheduler", "workers", "demo")
 
 
 def module_name(path: Path) -> str:

@@ -21,7 +21,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from scheduler.store.rows import Lag, Progress
+from demo.rows import Lag, Progress
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,30 +1,35 @@
 """The demo database: create it afresh, and read what the run did.
 
-Statements live in ``scheduler/sql/demo.sql`` with every other statement (loaded by
-``scheduler.sql.load``); they read the product schema and write only the demo's own
-table. ``DemoStore`` runs them, except ``record_effect``: the demo's handlers
-(``scheduler.demo.tasks``) run that one on their ``ctx.db``, as any user's handler runs
-its own writes; ``recreate_database`` drops and creates the demo
-database on the configured server, which is why its name must say "demo".
+Statements live in ``demo.sql`` beside this module (read with
+``scheduler.sql.named_statements``, as duetime reads its own); they read the product
+schema and write only the demo's own table. ``DemoStore`` runs them, except
+``record_effect``: the demo's handlers (``demo.tasks``) run that one on their
+``ctx.db``, as any user's handler runs its own writes. ``recreate_database`` drops and
+creates the demo database on the configured server, which is why its name must say
+"demo".
 """
 
 from __future__ import annotations
 
 import re
 from datetime import datetime
+from importlib import resources
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
+from demo.rows import CronEffects, JobCounts, JobEffects, Lag, Progress
 from scheduler import db
 from scheduler.errors import InvalidInput
-from scheduler.sql import load
-from scheduler.store.rows import CronEffects, FenceView, JobCounts, JobEffects, Lag, Progress
+from scheduler.sql import named_statements
+from scheduler.store.rows import FenceView
 
 _DATABASE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
-Q = load("demo")
+Q = named_statements(
+    resources.files(__package__).joinpath("demo.sql").read_text("utf-8"), "demo/demo.sql"
+)
 
 
 def validate_database_name(name: str) -> str:

@@ -1,4 +1,4 @@
-"""The demo's task handlers: ``duetime worker --import scheduler.demo.tasks``.
+"""The demo's task handlers: ``duetime worker --import demo.tasks``.
 
 Each handler's only effect is one row in ``demo_effects``, written through ``ctx.db``:
 it commits in the same transaction as the idempotency-ledger row and the job's
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from scheduler.store.demo import Q
+from demo.store import Q
 from workers import JobContext, task
 
 JOB_TASK = "demo.record"

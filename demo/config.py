@@ -6,8 +6,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from demo.store import validate_database_name
 from scheduler.errors import InvalidInput
-from scheduler.store.demo import validate_database_name
 
 #: Cron schedules the demo adds when the schedules store exists (6 fields: seconds first).
 DEMO_SCHEDULES = (("every-2s", "*/2 * * * * *"), ("every-5s", "*/5 * * * * *"))

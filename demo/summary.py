@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from scheduler.demo.view import fmt_lag, fmt_seconds
-from scheduler.store.rows import Lag, Progress
+from demo.rows import Lag, Progress
+from demo.view import fmt_lag, fmt_seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,10 +44,8 @@ from pathlib import Path
 
 import asyncpg
 
-from scheduler import broker, db
-from scheduler.config import Settings, redact_url
-from scheduler.demo.children import Child, Children
-from scheduler.demo.config import (
+from demo.children import Child, Children
+from demo.config import (
     CHILD_SETTINGS,
     DASHBOARD_LISTEN,
     DEMO_SCHEDULES,
@@ -58,17 +56,19 @@ from scheduler.demo.config import (
     DemoConfig,
     duetime_argv,
 )
-from scheduler.demo.summary import Failover, Summary, judge, render
-from scheduler.demo.tasks import CRON_TASK, JOB_TASK
-from scheduler.demo.view import LiveView, PlainView, ProcessLine, Snapshot, View, fmt_seconds
+from demo.rows import Progress
+from demo.store import DemoStore, recreate_database
+from demo.summary import Failover, Summary, judge, render
+from demo.tasks import CRON_TASK, JOB_TASK
+from demo.view import LiveView, PlainView, ProcessLine, Snapshot, View, fmt_seconds
+from scheduler import broker, db
+from scheduler.config import Settings, redact_url
 from scheduler.errors import ServiceUnavailable
 from scheduler.jobspec import JobSpec
 from scheduler.migrate import migrate
 from scheduler.status import read_election_key
-from scheduler.store.demo import DemoStore, recreate_database
 from scheduler.store.jobs import JobStore
 from scheduler.store.queues import QueueStore
-from scheduler.store.rows import Progress
 
 
 async def run_demo(settings: Settings, cfg: DemoConfig) -> int:
@@ -260,7 +260,7 @@ class Demo:
         worker_args = (
             "worker",
             "--import",
-            "scheduler.demo.tasks",
+            "demo.tasks",
             "--queue",
             self.queue,
             "--concurrency",

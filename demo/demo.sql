@@ -1,4 +1,4 @@
--- Statements of `duetime demo` (scheduler/store/demo.py). The demo database is its own,
+-- Statements of `duetime demo` (demo/store.py). The demo database is its own,
 -- dropped and re-created at every run, so these read whole tables without filters
 -- beyond the run's queue.
 
