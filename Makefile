@@ -1,12 +1,19 @@
-# duetime — the two commands: `make demo` and `make test`.
+# duetime — the two commands: `make demo` and `make test`; `make help` lists the rest.
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+#: What ruff reads (mypy reads the packages listed in pyproject.toml).
+SRC := scheduler workers duetime demo tests bench scripts
 
-.PHONY: venv install services test test-fast lint typecheck demo bench chaos clean stop-services \
-	dashboard-shots
+.DEFAULT_GOAL := help
+.PHONY: help venv install services check test test-fast lint typecheck demo bench chaos clean \
+	stop-services dashboard-shots
+
+help: ## list the targets, one line each
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z][a-z -]*:.*## / {printf "  %-16s %s\n", $$1, $$2}' \
+		$(MAKEFILE_LIST)
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,40 +23,45 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
-venv install: $(STAMP)
+venv install: $(STAMP) ## create .venv and install duetime editable with dev and bench extras
 
-services:
+services: ## start whichever of PostgreSQL, RabbitMQ and etcd is not answering
 	bash scripts/services.sh
 
-lint: $(STAMP)
-	$(BIN)/ruff check scheduler workers duetime tests bench scripts
-	$(BIN)/ruff format --check scheduler workers duetime tests bench scripts
+lint: $(STAMP) ## ruff: lint and formatting
+	$(BIN)/ruff check $(SRC)
+	$(BIN)/ruff format --check $(SRC)
 
-typecheck: $(STAMP)
+typecheck: $(STAMP) ## mypy on the packages
 	$(BIN)/mypy
 
-test: $(STAMP) services lint typecheck
+# The quick gate before a commit: no PostgreSQL, RabbitMQ or etcd needed (unit tests
+# only); about 30 s on the 2-core development machine.
+check: $(STAMP) lint typecheck ## lint, typecheck and the unit tests: no services needed
+	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)
+
+test: $(STAMP) services lint typecheck ## everything: lint, typecheck and every test suite
 	$(BIN)/pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
-test-fast: $(STAMP) services
+test-fast: $(STAMP) services ## the tests without the chaos and slow ones, stop at the first failure
 	$(BIN)/pytest -q -x -m 'not chaos and not slow' $(PYTEST_ARGS)
 
-demo: $(STAMP) services
+demo: $(STAMP) services ## a local cluster live: jobs, cron, the leader killed, a summary
 	$(BIN)/duetime demo $(DEMO_ARGS)
 
 # Seeds a demo database, serves the dashboard and screenshots every page into
 # docs/dashboard/ (Playwright driving Debian's chromium).
-dashboard-shots: $(STAMP) services
+dashboard-shots: $(STAMP) services ## screenshot every dashboard page into docs/dashboard/
 	$(BIN)/python scripts/dashboard_shots.py $(SHOTS_ARGS)
 
-bench: $(STAMP) services
+bench: $(STAMP) services ## every benchmark (docs/benchmarks.md); BENCH_ARGS passes options
 	$(BIN)/duetime bench all $(BENCH_ARGS)
 
-chaos: $(STAMP) services
+chaos: $(STAMP) services ## the fault-injection suite (real processes, signals, a fault proxy)
 	DUETIME_TEST_SOAK=1 $(BIN)/pytest -q -s -m chaos tests/chaos $(PYTEST_ARGS)
 
-stop-services:
+stop-services: ## stop the etcd that `make services` started
 	-@[ -f .run/etcd.pid ] && kill $$(cat .run/etcd.pid) 2>/dev/null; rm -f .run/etcd.pid
 
-clean: stop-services
+clean: stop-services ## stop-services, then remove caches and .run/
 	rm -rf .run .pytest_cache .mypy_cache .ruff_cache

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.log import scrub
 
 __all__ = ["Check", "CheckResult", "LoopWatch", "NotReady", "Readiness", "ReadinessReport"]
@@ -64,8 +64,15 @@ class ReadinessReport:
 class Readiness:
     """The registered checks, each bounded by ``timeout`` seconds."""
 
-    def __init__(self, checks: Mapping[str, Check] | None, *, timeout: float) -> None:
+    def __init__(
+        self,
+        checks: Mapping[str, Check] | None,
+        *,
+        timeout: float,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         self.timeout = timeout
+        self.clock = clock  # times each check's duration
         self.draining = False
         self._checks: dict[str, Check] = dict(checks or {})
         self._evaluation: asyncio.Task[ReadinessReport] | None = None
@@ -96,7 +103,7 @@ class Readiness:
         return ReadinessReport(not failing, tuple(results), failing)
 
     async def _run(self, name: str, check: Check) -> CheckResult:
-        started = time.monotonic()
+        started = self.clock.monotonic()
         try:
             async with asyncio.timeout(self.timeout):
                 value = check()
@@ -108,34 +115,41 @@ class Readiness:
             error = scrub(f"{type(exc).__name__}: {exc}")[:500]
         else:
             error = "check returned false" if value is False else None
-        return CheckResult(name, error is None, time.monotonic() - started, error)
+        return CheckResult(name, error is None, self.clock.monotonic() - started, error)
 
 
 class LoopWatch:
-    """How late the event loop wakes up; ``run()`` is the watcher task's body."""
+    """How late the event loop wakes up; ``run()`` is the watcher task's body.
 
-    def __init__(self, *, interval: float, stall_threshold: float) -> None:
+    The lag of one wake-up is measured on the loop's own clock (it is the loop that is
+    being watched); the time since the last tick and the uptime come from ``clock``, so
+    a test can tell a stalled watcher from a live one without stalling a loop."""
+
+    def __init__(
+        self, *, interval: float, stall_threshold: float, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self.interval = interval
         self.stall_threshold = stall_threshold
+        self.clock = clock
         self.lag = 0.0
-        self.last_tick = time.monotonic()
-        self._started_at = time.monotonic()
+        self.last_tick = clock.monotonic()
+        self._started_at = clock.monotonic()
 
     async def run(self) -> None:
-        self.last_tick = time.monotonic()
+        self.last_tick = self.clock.monotonic()
         loop = asyncio.get_running_loop()
         while True:
             before = loop.time()
             await asyncio.sleep(self.interval)
             self.lag = max(0.0, loop.time() - before - self.interval)
-            self.last_tick = time.monotonic()
+            self.last_tick = self.clock.monotonic()
 
     def liveness(self) -> tuple[bool, dict[str, Any]]:
-        since_tick = time.monotonic() - self.last_tick
+        since_tick = self.clock.monotonic() - self.last_tick
         lag = max(self.lag, since_tick - self.interval)
         alive = lag <= self.stall_threshold
         return alive, {
             "status": "ok" if alive else "stalled",
             "loop_lag_seconds": round(max(lag, 0.0), 4),
-            "uptime_seconds": round(time.monotonic() - self._started_at, 1),
+            "uptime_seconds": round(self.clock.monotonic() - self._started_at, 1),
         }

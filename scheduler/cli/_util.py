@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from scheduler import db
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput
 
@@ -73,11 +74,11 @@ def parse_duration(text: str) -> timedelta:
         raise InvalidInput(f"invalid duration {text!r}: too large") from None
 
 
-def parse_when(text: str) -> datetime:
-    """ISO 8601 time; a time without an offset is taken as UTC."""
+def parse_when(text: str, *, clock: Clock = SYSTEM_CLOCK) -> datetime:
+    """ISO 8601 time; a time without an offset is taken as UTC; "now" is ``clock``'s."""
     raw = text.strip()
     if raw.lower() == "now":
-        return datetime.now(UTC)
+        return clock.now()
     try:
         value = datetime.fromisoformat(raw.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:

@@ -25,6 +25,7 @@ from scheduler.cli._util import (
     print_table,
     say,
 )
+from scheduler.clock import SYSTEM_CLOCK
 from scheduler.config import Settings
 from scheduler.cron import ScheduleSpecError
 from scheduler.errors import InvalidInput
@@ -173,7 +174,7 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print_json(schedule.to_dict())
         return 0
-    upcoming = upcoming_fire_times(schedule, datetime.now(UTC), 1)
+    upcoming = upcoming_fire_times(schedule, SYSTEM_CLOCK.now(), 1)
     first = f"; first fire {_utc(upcoming[0])}" if upcoming else ""
     state = " (paused)" if schedule.paused else ""
     say(f"created schedule {schedule.id} {schedule.name!r}: {_describe(schedule)}{state}{first}")
@@ -199,7 +200,7 @@ async def run_show(args: argparse.Namespace, settings: Settings) -> int:
     async with opened(settings, ScheduleStore, shard=args.shard) as store:
         schedule = await store.get(args.schedule)
         runs = await store.recent_runs(schedule.id, runs_limit) if runs_limit else []
-    now = datetime.now(UTC)
+    now = SYSTEM_CLOCK.now()
     try:
         upcoming = upcoming_fire_times(schedule, now, UPCOMING)
         zone: ZoneInfo | None = ZoneInfo(schedule.timezone)

@@ -32,10 +32,10 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.dashboard.throttle import Throttle
 from scheduler.errors import ConfigError
 from scheduler.log import get_logger
@@ -154,6 +154,7 @@ class Auth:
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     sessions: Sessions = field(default_factory=Sessions)
     throttle: Throttle = field(default_factory=Throttle)
+    clock: Clock = SYSTEM_CLOCK  # session expiry and throttling, in epoch seconds
 
     @classmethod
     def create(cls, token: str | None) -> Auth:
@@ -162,6 +163,9 @@ class Auth:
     @property
     def required(self) -> bool:
         return self.token is not None
+
+    def _now(self) -> float:
+        return self.clock.now().timestamp()
 
     def _sign(self, text: str) -> str:
         # any str a client sent (non-ASCII, even a lone surrogate) signs: never a 500
@@ -180,7 +184,7 @@ class Auth:
     ) -> Verdict:
         """Compare a token a client offered, unless its address is throttled; every
         failure is logged (the address, the count, the lock; never the token)."""
-        current = time.time() if now is None else now
+        current = self._now() if now is None else now
         wait = self.throttle.retry_after(client, current)
         if wait > 0:
             return Verdict(False, wait)
@@ -205,12 +209,12 @@ class Auth:
         return self.token_matches(self.bearer(header))
 
     def new_session(self, now: float | None = None) -> str:
-        return self.sessions.issue(time.time() if now is None else now)
+        return self.sessions.issue(self._now() if now is None else now)
 
     def session_ok(self, cookie: str | None, now: float | None = None) -> bool:
         if not cookie or self.token is None:
             return False
-        return self.sessions.valid(cookie, time.time() if now is None else now)
+        return self.sessions.valid(cookie, self._now() if now is None else now)
 
     def end_session(self, cookie: str | None) -> bool:
         return bool(cookie) and self.sessions.revoke(str(cookie))

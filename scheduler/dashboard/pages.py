@@ -204,7 +204,7 @@ async def job(dash: Dashboard, request: Request) -> Response:
     return dash.render(
         request, "job.html", job=found, detail=detail, payload=payload,
         payload_cut=payload_cut, error=error, error_cut=error_cut, lag=lag,
-        actions=[] if dash.read_only else job_actions(found, datetime.now(UTC)),
+        actions=[] if dash.read_only else job_actions(found, dash.clock.now()),
         cap=present.PAYLOAD_CAP,
     )  # fmt: skip
 
@@ -220,7 +220,7 @@ async def schedule(dash: Dashboard, request: Request) -> Response:
     site = dash.site(request)
     found = await site.schedules.get(request.path_params["name"])
     runs = await site.schedules.recent_runs(found.id, RECENT_RUNS)
-    now = datetime.now(UTC)
+    now = dash.clock.now()
     upcoming: list[present.FireTime] = []
     problem = None
     if not found.paused:

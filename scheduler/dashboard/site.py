@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
 from scheduler import db
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.dashboard import present
 from scheduler.dashboard.auth import Auth, split_listen
@@ -135,6 +136,7 @@ class Dashboard:
     hosts: Hosts | None = None  # None: from settings (the listening port as configured)
     templates: jinja2.Environment = field(default_factory=_templates)
     pools: dict[str, asyncpg.Pool] = field(default_factory=dict)
+    clock: Clock = SYSTEM_CLOCK  # "now" of the job actions offered and the fire times shown
 
     @property
     def allowed_hosts(self) -> Hosts:

@@ -11,9 +11,13 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
+import asyncpg
+
+from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.config import DEFAULT_DB_TIMEOUT
 from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound
 from scheduler.jobspec import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec, resolve_due
 from scheduler.sql import compose, fragment, load
@@ -62,6 +66,18 @@ class JobFilter:
 
 
 class JobStore(PooledStore):
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        acquire_timeout: float = DEFAULT_DB_TIMEOUT,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        """``clock`` is "now" for ``delay=`` and for whether a new job is due soon enough
+        to wake the dispatcher (``NOTIFY_HORIZON``)."""
+        super().__init__(pool, acquire_timeout=acquire_timeout)
+        self._clock = clock
+
     async def enqueue(
         self,
         task: str,
@@ -75,7 +91,7 @@ class JobStore(PooledStore):
         conn: Conn | None = None,
     ) -> Job:
         """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now."""
-        when = resolve_due(due_at=due_at, delay=delay, now=datetime.now(UTC))
+        when = resolve_due(due_at=due_at, delay=delay, now=self._clock.now())
         spec = JobSpec(
             task=task,
             payload={} if payload is None else payload,
@@ -95,7 +111,7 @@ class JobStore(PooledStore):
                 spec.idempotency_key,
             )
             job = Job.from_record(record)
-            if job.due_at <= datetime.now(UTC) + NOTIFY_HORIZON:
+            if job.due_at <= self._clock.now() + NOTIFY_HORIZON:
                 await c.execute(Q["notify"])
         return job
 
@@ -111,7 +127,7 @@ class JobStore(PooledStore):
         for type jsonb". Every row is encoded before the COPY starts, so a payload that
         is not JSON-serialisable is refused with ``InvalidInput`` and nothing is written.
         """
-        now = datetime.now(UTC)
+        now = self._clock.now()
         soon = now + NOTIFY_HORIZON
         due_soon = False
         lines: list[str] = []
