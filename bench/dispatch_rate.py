@@ -7,8 +7,7 @@ Usage::
 
 ``--dsn`` names a server; the script creates a scratch database of its own, migrates it,
 measures, drops it, and prints one JSON document. On ``--amqp`` it uses one scratch
-queue, purged between phases and deleted at the end. For each batch size (issue 4,
-"Done means"):
+queue, purged between phases and deleted at the end. For each batch size:
 
 - ``dispatch``: ``Dispatcher.dispatch_batch`` until ``--jobs`` due jobs are done — each
   claimed (fenced), published with confirms, marked dispatched and committed; jobs/s,

@@ -6,7 +6,7 @@ Usage::
 
 ``--dsn`` names a server (any database on it we may connect to); the script creates a
 scratch database of its own, migrates it, measures, drops it, and prints one JSON
-document. What it measures (issue 2, "Done means"):
+document. What it measures:
 
 - ``single_insert_loop``: ``JobStore.enqueue`` one job at a time (one round trip, one
   autocommit transaction per job), the way a web request publishes;

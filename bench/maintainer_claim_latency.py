@@ -1,4 +1,4 @@
-"""Claim latency with and without the maintainer's partition DDL running (issue 8, item 3).
+"""Claim latency with and without the maintainer's partition DDL running.
 
 Usage::
 

@@ -5,7 +5,7 @@ Usage::
     .venv/bin/python bench/planner_rate.py --dsn postgresql://postgres@127.0.0.1:5432/postgres
 
 ``--dsn`` names a server; the script creates a scratch database of its own, migrates it,
-measures, drops it, and prints one JSON document (issue 6, "Done means"). For each size
+measures, drops it, and prints one JSON document. For each size
 (default 1k, 10k, 100k schedules firing every second — the worst case for the planner —
 as identical cron schedules, as cron schedules that share nothing, or as intervals; see
 ``KINDS``):

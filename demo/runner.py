@@ -21,11 +21,11 @@
 
 Ctrl-C or SIGTERM at any point stops the children the same way and exits 130.
 
-The module is over 400 lines because it is this script, in this order: the steps share
-one run's state (children, pool, events, the failover's timings), and split, one run
-would have to be followed across files. What can stand alone already does: the child
-processes (``children``), the numbers (``config``), the verdict (``summary``) and the
-screen (``view``).
+The steps stay in one module, in this order, because they share one run's state
+(children, pool, events, the failover's timings): split, one run would have to be
+followed across files. What stands alone lives beside it: the child processes
+(``children``), the numbers (``config``), the verdict (``summary``) and the screen
+(``view``).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         await router.close()
     job = routed.job
-    sharded = settings.shards is not None  # unsharded output stays as it always was
+    sharded = settings.shards is not None  # unsharded: no shard named (the K = 1 contract)
     where = f" in shard {routed.shard}" if sharded else ""
     text = f"enqueued job {job.id} ({job.task}) due {job.due_at.isoformat()} on {job.queue}{where}"
     return emit(args, {**job.to_dict(), "shard": routed.shard} if sharded else job.to_dict(), text)

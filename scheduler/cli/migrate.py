@@ -45,7 +45,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     if getattr(args, "roles", False):
         RoleNames.for_prefix(args.roles_prefix)  # a bad prefix fails before anything runs
     urls = _selected_shards(settings, getattr(args, "shard", None))
-    if settings.shards is None:  # unsharded: the one database, output as it always was
+    if settings.shards is None:  # unsharded: the one database, no shard named in the output
         print(_summary("", await migrate(settings.database_url, timeout=settings.db_timeout)))
     else:
         await migrate_shards(

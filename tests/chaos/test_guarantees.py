@@ -1,4 +1,4 @@
-"""The guarantees of DESIGN §1 under crashes, pauses and cuts (issue 9).
+"""The guarantees of DESIGN §1 under crashes, pauses and cuts.
 
 Each scenario runs real ``duetime scheduler`` replicas and ``duetime worker``s, loads
 them with ``chaos.check`` jobs (``tests/chaos/chaos_tasks.py``), breaks something again

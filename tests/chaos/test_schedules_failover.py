@@ -1,4 +1,4 @@
-"""Recurring schedules across a leader crash (issue 6): kill -9 the leader while 500
+"""Recurring schedules across a leader crash: kill -9 the leader while 500
 schedules firing every second are being planned → over a 20-second window every fire
 time of every schedule became exactly one job: none missed (``fire_all``), none doubled.
 

@@ -1,5 +1,5 @@
 """``duetime jobs add|list|show|cancel|retry`` as users run it: a real process, real
-PostgreSQL (issue 2 item 8). Bad input exits 2 with ONE line ``duetime: error: ...`` on
+PostgreSQL. Bad input exits 2 with ONE line ``duetime: error: ...`` on
 stderr and no traceback; an unreachable service exits 1, also with one line.
 
 Runs against a database of its own: the jobs it adds are due and must not reach other

@@ -1,5 +1,5 @@
 """``duetime schedules add|list|show|pause|resume|remove|trigger`` as users run it: a
-real process, real PostgreSQL (issue 6 item 4).
+real process, real PostgreSQL.
 
 Bad input (cron, time zone, interval, policies, numbers) exits 2 with ONE line
 ``duetime: error: ...`` and never reaches the database: those cases run with a database

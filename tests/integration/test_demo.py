@@ -1,6 +1,6 @@
-"""``duetime demo`` end to end, as CI runs it (issue 7): a real cluster of child
-processes (2 replicas, 2 workers, the dashboard) against the test services, 500 jobs over 10 s, the
-leader SIGKILLed half way. The demo must exit 0, report 0 lost and 0 duplicates, show a
+"""``duetime demo`` end to end, as CI runs it: a real cluster of child processes
+(2 replicas, 2 workers, the dashboard) against the test services, 500 jobs over 10 s,
+the leader SIGKILLed half way. The demo must exit 0, report 0 lost and 0 duplicates, show a
 failover, and leave no process behind — checked from outside, by looking for any
 process whose environment names the demo's (unique) database.
 """

@@ -60,7 +60,7 @@ REFUSED = [
     ("task 201 chars", "'{}'", "now()", 5, "x" * 201, "jobs_task_too_long"),
     ("blank task", "'{}'", "now()", 5, "   ", "jobs_task_not_empty"),
     ("payload array", "'[1]'", "now()", 5, "t", "jobs_payload_not_object"),
-    # dates Python cannot hold (migration 0006): a BC row used to stop every claim
+    # dates Python cannot hold (migration 0006): a BC row must not stop every claim
     ("due_at BC", "'{}'", "'0044-03-15 BC'", 5, "t", "jobs_due_at_out_of_range"),
     ("due_at year 294276", "'{}'", "'294276-12-31 23:59:59+00'", 5, "t",
      "jobs_due_at_out_of_range"),

@@ -1,4 +1,4 @@
-"""JobStore, the producer-facing API (issue 2 item 7): enqueue, bulk enqueue (COPY), get,
+"""JobStore, the producer-facing API: enqueue, bulk enqueue (COPY), get,
 keyset pagination that stays complete under concurrent inserts, filters, and the cancel
 and retry transitions with the errors users see.
 

@@ -1,6 +1,6 @@
 """``duetime migrate``: applies the shipped migrations once, is idempotent, is safe from
 several processes at once (advisory lock), and refuses a migration changed after it was
-applied (issue 2 item 6)."""
+applied."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The planner end to end on real PostgreSQL (issue 6): schedules in, jobs out.
+"""The planner end to end on real PostgreSQL: schedules in, jobs out.
 
 Each test has a database of its own (the planner claims every due schedule it finds)
 and drives the planner with ``plan_pass()`` under a ``ManualClock``, so a simulated

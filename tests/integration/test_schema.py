@@ -1,4 +1,4 @@
-"""The jobs table as producers and the dispatcher see it (DESIGN §3, issue 2 item 6):
+"""The jobs table as producers and the dispatcher see it (DESIGN §3):
 plain-SQL inserts with defaults, CHECK constraints that name the mistake, the DEFAULT
 partition and buckets created later, the claim pattern, and the NOTIFY trigger.
 

@@ -1,9 +1,9 @@
 """A handler's statements are bounded by its task's timeout, not by the pool's.
 
 The pools bound statements at 3 x ``db_timeout`` (30 s by default) on the client side;
-a handler's ``ctx.db`` statement used to fail there with a bare ``TimeoutError`` whatever
-its task allowed. Here ``db_timeout`` is 1 s (a 3 s bound), so the old behaviour shows
-in seconds.
+a handler's ``ctx.db`` statement must not fail there with a bare ``TimeoutError``
+whatever its task allows. Here ``db_timeout`` is 1 s (a 3 s bound), so a handler bounded
+by the pool instead of its task would show in seconds.
 """
 
 from __future__ import annotations

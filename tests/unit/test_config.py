@@ -1,5 +1,5 @@
 """Configuration: precedence (defaults < TOML < environment < flags), one error line per
-bad value naming its source, and no password ever shown (DESIGN §7, issue 2 item 4)."""
+bad value naming its source, and no password ever shown (DESIGN §7)."""
 
 from __future__ import annotations
 

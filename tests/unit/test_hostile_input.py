@@ -1,4 +1,4 @@
-"""Hostile input never becomes a traceback (issue 10, "hostile input").
+"""Hostile input never becomes a traceback.
 
 Property tests: whatever bytes reach a worker, ``scheduler.messages.decode`` returns a
 ``JobMessage`` or raises ``MalformedMessage`` with a reason, nothing else; whatever an

@@ -1,5 +1,5 @@
 """JobSpec: what a producer asks for, validated before it reaches the database, so API
-and CLI users read their mistake rather than a constraint name (issue 2 item 7)."""
+and CLI users read their mistake rather than a constraint name."""
 
 from __future__ import annotations
 
