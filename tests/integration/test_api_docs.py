@@ -7,7 +7,8 @@ module (``# receipts_tasks.py``), which is written as that module for the later 
 import. A ``duetime scheduler`` of the test's own leads, so jobs reach the worker of the
 last example. Then the effects are checked in the database: the rows the examples
 created, the outcomes of the handler (succeeded, dead, retried) and the receipts it
-wrote, once per order whatever the duplicates.
+wrote, once per order whatever the duplicates. The "Several shards" program runs a
+second time with two shards configured, unchanged, and its jobs are looked for in each.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import asyncpg
 import pytest
 
 from scheduler import db
+from scheduler.shards.router import shard_for_key
 from tests.conftest import _rabbitmqctl, own_database
 from tests.support.procs import REPO_ROOT, Processes, duetime_argv
 from tests.support.wait import wait_for
@@ -121,6 +123,38 @@ async def test_every_example_runs_and_has_its_effect(
     assert "handler test passed" in outputs[-2]
     # without DUETIME_SHARDS the router's one shard is the database itself
     assert any("on shard main" in out and "bulk {'main': 4}" in out for out in outputs), outputs
+
+
+async def test_the_shard_example_routes_across_shards_unchanged(
+    server_dsn: str, test_env: dict[str, str], tmp_path: Path, unique: str
+) -> None:
+    """The "Several shards" program, as written, with two shards configured: the key
+    picks its shard, keyless jobs alternate, ``shard=`` pins."""
+    (code,) = [code for kind, code in doc_blocks() if "ShardRouter.open(" in code]
+    program = tmp_path / "shards_example.py"
+    program.write_text(code)
+    async with (
+        own_database(server_dsn, f"api_a_{unique}") as url_a,
+        own_database(server_dsn, f"api_b_{unique}") as url_b,
+    ):
+        env = {**test_env, "DUETIME_SHARDS": f"a={url_a},b={url_b}"}
+        output = await run_program(program, env, tmp_path)
+        assert "shards ('a', 'b')" in output and "bulk {'a': 2, 'b': 2}" in output, output
+        keyed = shard_for_key("report:2026-12", ("a", "b"))
+        assert f"on shard {keyed}" in output and "pinned a" in output, output
+        for name, url in (("a", url_a), ("b", url_b)):
+            conn = await db.connect(url)
+            try:
+                rows = await conn.fetch(
+                    "SELECT payload, idempotency_key FROM duetime.jobs"
+                    " WHERE task = 'build_report' AND status = 'pending'"
+                )
+            finally:
+                await conn.close()
+            keys = [r["idempotency_key"] for r in rows if r["idempotency_key"]]
+            assert keys == (["report:2026-12"] if name == keyed else []), (name, rows)
+            teams = sorted(str(r["payload"]["team"]) for r in rows if "team" in r["payload"])
+            assert teams == (["0", "2", "all"] if name == "a" else ["1", "3"]), (name, rows)
 
 
 async def run_blocks(conn: asyncpg.Connection, env: dict[str, str], where: Path) -> list[str]:
