@@ -20,8 +20,9 @@ Why a third package: the distribution is called ``duetime``, so ``import duetime
 what a user tries first, and it is the one top-level name that is ours alone on PyPI.
 The code stays in ``scheduler/`` and ``workers/`` (the layout the design fixes, and
 ``from workers import task`` is a documented contract). What this does not fix: those
-two names are generic, and another distribution installing a top-level ``scheduler`` or
-``workers`` would overwrite ours in the same environment (and this package with it).
+two names (and ``demo``, installed for ``duetime demo``) are generic, and another
+distribution installing a top-level package of the same name would overwrite ours in
+the same environment (and this package with it).
 Only moving the code under ``duetime/`` would remove that; ``docs/api.md`` says when.
 This package holds no code of its own, so it cannot drift from the two roots:
 ``tests/unit/test_public_api.py`` checks that its names are exactly theirs.
