@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Self
@@ -22,6 +21,7 @@ import asyncpg
 
 from scheduler import db
 from scheduler.backoff import bounded_jitter
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.errors import ServiceUnavailable
 from scheduler.log import get_logger
 from scheduler.sql import load
@@ -106,7 +106,8 @@ class KeptListener:
     failed connect with jittered back-off while the duty runs on probes. It returns True
     when a fresh connection was just opened — NOTIFYs sent while nobody listened are
     lost, so the caller should probe once. ``log`` returns the duty's current logger
-    (it is re-bound with node id and epoch at every term).
+    (it is re-bound with node id and epoch at every term); ``clock`` times the pings
+    and the back-off.
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class KeptListener:
         application_name: str,
         check_interval: float,
         log: Callable[[], Any],
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         #: a fresh ChannelListener, each time the kept one must be replaced
         self._new = functools.partial(
@@ -134,6 +136,7 @@ class KeptListener:
         self._timeout = timeout
         self._check_interval = check_interval
         self._log = log
+        self._clock = clock
         self._listener: ChannelListener | None = None
         self._failures = 0
         self._retry_at = 0.0
@@ -144,7 +147,7 @@ class KeptListener:
         return self._listener is not None and self._listener.alive
 
     async def ensure(self) -> bool:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         listener = self._listener
         if listener is not None and listener.alive:
             if now - self._checked_at < self._check_interval:
