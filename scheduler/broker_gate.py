@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.backoff import bounded_jitter
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.publisher import Publisher
 
@@ -85,8 +86,9 @@ class PublisherAndGate:
     """A publisher and the ``BrokerGate`` in front of it (module docstring).
 
     With ``publisher=None`` it builds its own from ``settings`` (named
-    ``duetime-<name>``), which ``open()``/``close()`` open and close; a given publisher
-    is opened if it is not yet (``Publisher.open`` is idempotent), never closed here.
+    ``duetime-<name>``, timed by ``clock``), which ``open()``/``close()`` open and
+    close; a given publisher is opened if it is not yet (``Publisher.open`` is
+    idempotent), never closed here.
     """
 
     def __init__(
@@ -99,10 +101,15 @@ class PublisherAndGate:
         gate: GateConfig,
         log: Callable[[], Any],
         publisher: Publisher | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.owned = publisher is None
         self.publisher = publisher or Publisher.from_settings(
-            settings, name=f"duetime-{name}", publish_timeout=publish_timeout, shard=shard
+            settings,
+            name=f"duetime-{name}",
+            publish_timeout=publish_timeout,
+            shard=shard,
+            clock=clock,
         )
         self.gate = BrokerGate(self.publisher, log, gate)
 

@@ -31,7 +31,6 @@ event, read here defensively (absent in another aiormq version → latency alone
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
 from scheduler import broker
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.errors import DuetimeError
 from scheduler.log import get_logger
@@ -124,6 +124,9 @@ class Publisher:
     #: The shard whose database holds the rows this publisher announces (the message
     #: names it, so a worker runs the delivery against that shard).
     shard: str = DEFAULT_SHARD
+    #: Times the back-pressure pause and each batch (a batch's confirm deadline is the
+    #: event loop's, since it bounds real waits).
+    clock: Clock = SYSTEM_CLOCK
     _connection: AbstractRobustConnection | None = field(default=None, init=False, repr=False)
     _channel: AbstractChannel | None = field(default=None, init=False, repr=False)
     _declared: set[str] = field(default_factory=set, init=False, repr=False)
@@ -231,7 +234,7 @@ class Publisher:
         """
         if self.blocked:
             return BLOCKED_RECHECK
-        return max(0.0, self._pause_until - time.monotonic())
+        return max(0.0, self._pause_until - self.clock.monotonic())
 
     def _record(self, seconds: float, timed_out: bool) -> None:
         if timed_out:  # the deadline was hit: back off at once
@@ -240,7 +243,7 @@ class Publisher:
             self._pressure = 0.5 * self._pressure + 0.5 * seconds / self.publish_timeout
         if self._pressure > SLOW_BATCH_FRACTION:
             pause = min(MAX_THROTTLE, self._pressure * self.publish_timeout)
-            self._pause_until = time.monotonic() + pause
+            self._pause_until = self.clock.monotonic() + pause
 
     # -- topology --------------------------------------------------------------------
 
@@ -288,7 +291,7 @@ class Publisher:
         result = PublishResult()
         if not jobs:
             return result
-        started = time.monotonic()
+        started = self.clock.monotonic()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.publish_timeout
 
@@ -337,7 +340,7 @@ class Publisher:
             self.forget_queue(queue)
         if not result.confirmed and any(f.reason == "nack" for f in result.failed):
             await self._renew_channel()
-        result.seconds = time.monotonic() - started
+        result.seconds = self.clock.monotonic() - started
         self._record(result.seconds, any(f.reason == "timeout" for f in result.failed))
         return result
 

@@ -157,6 +157,7 @@ class Dispatcher:
             gate=GateConfig(config.ready_timeout, base=0.1, cap=5.0),
             log=lambda: self.loop.log,
             publisher=publisher,
+            clock=ctx.clock,
         )
         self.publisher = self.out.publisher
         self._held_logged: set[str] = set()  # undeclared queues already logged

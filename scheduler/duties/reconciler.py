@@ -124,6 +124,7 @@ class Reconciler:
             gate=GateConfig(config.ready_timeout, base=0.5, cap=config.interval),
             log=lambda: self.loop.log,
             publisher=publisher,
+            clock=ctx.clock,
         )
         self.publisher = self.out.publisher
         self._deferred_until: dict[str, float] = {}
