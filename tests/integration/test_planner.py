@@ -23,7 +23,7 @@ import asyncpg
 import pytest
 
 from scheduler import db
-from scheduler.clock import ManualClock
+from scheduler.clock import SYSTEM_CLOCK, ManualClock
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
@@ -53,9 +53,7 @@ class World:
     node: str
 
     def planner(self, clock: ManualClock | None = None, **config: Any) -> Planner:
-        ctx = DutyContext.standalone(
-            self.settings, self.pool, **({"clock": clock} if clock is not None else {})
-        )
+        ctx = DutyContext.standalone(self.settings, self.pool, clock=clock or SYSTEM_CLOCK)
         planner = Planner(ctx, config=PlannerConfig(**config))
         planner.loop.bind(LeaderTerm(EPOCH, self.node))
         return planner
