@@ -30,6 +30,7 @@ from bench.dispatch_rate import (
 from bench.harness import REPO, Sandbox, Services, wait_for_line
 from bench.report import load_average, now_iso, ratio
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duties.knobs import config_from_settings
 from scheduler.store.fence import FenceStore
@@ -60,7 +61,7 @@ async def _pipeline(sb: Sandbox, settings: Any, n: int, batch: int) -> dict[str,
     config = config_from_settings(
         DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0
     )
-    dispatcher = Dispatcher(settings, sb.db, config=config)
+    dispatcher = Dispatcher(DutyContext.standalone(settings, sb.db), config=config)
     await dispatcher.setup()
     dispatcher.loop.bind(LeaderTerm(EPOCH, "bench"))
     started = time.time()

@@ -44,6 +44,7 @@ import asyncpg
 from scheduler import broker, db
 from scheduler.config import load_settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duties.knobs import config_from_settings
 from scheduler.leadership.fence import fenced_transaction
@@ -108,7 +109,7 @@ async def bench_dispatch(
     config = config_from_settings(
         DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0
     )
-    dispatcher = Dispatcher(settings, pool, config=config)
+    dispatcher = Dispatcher(DutyContext.standalone(settings, pool), config=config)
     await dispatcher.setup()
     dispatcher.loop.bind(LeaderTerm(EPOCH, "bench"))
     timed = Timed()
@@ -202,7 +203,7 @@ async def bench_idle_lag(settings: Any, pool: asyncpg.Pool, queue: str) -> dict[
         "  FROM generate_series(1, 200)",
         queue,
     )
-    dispatcher = Dispatcher(settings, pool)
+    dispatcher = Dispatcher(DutyContext.standalone(settings, pool))
     dispatcher.loop.start(LeaderTerm(EPOCH, "bench"))
     try:
         deadline = time.monotonic() + 30

@@ -42,6 +42,7 @@ import asyncpg
 from scheduler import db
 from scheduler.config import load_settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.leadership.fence import fenced_transaction
@@ -166,7 +167,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             config = config_from_settings(
                 MaintainerConfig, settings, days_ahead=DAYS_AHEAD, lock_timeout=args.lock_timeout
             )
-            maintainer = Maintainer(settings, pool, config=config)
+            maintainer = Maintainer(DutyContext.standalone(settings, pool), config=config)
             maintainer.loop.bind(LeaderTerm(EPOCH, "bench"))
             hold = args.hold_ms / 1000
             await phase(pool, 1.0, hold, None)  # warm-up: prepared statements, caches

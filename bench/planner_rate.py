@@ -52,7 +52,8 @@ from scheduler import db
 from scheduler.clock import ManualClock
 from scheduler.config import load_settings
 from scheduler.duties import default_duties
-from scheduler.duties.base import Duty, DutyContext, LeaderTerm, from_context
+from scheduler.duties.base import Duty, LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.plan_report import PlanReport
 from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.leadership.replica import Replica
@@ -127,7 +128,7 @@ async def run_size(
     clock = ManualClock(start + timedelta(days=1))
     settings = load_settings(env={}, overrides={"database_url": url})
     config = PlannerConfig(horizon=args.horizon, batch_size=args.batch)
-    planner = Planner(settings, pool, config=config, clock=clock)
+    planner = Planner(DutyContext.standalone(settings, pool, clock=clock), config=config)
     planner.loop.bind(LeaderTerm(EPOCH, "bench"))
     out: dict[str, Any] = {"schedules": n, "kind": kind}
     for phase in ("initial", "steady"):
@@ -166,7 +167,7 @@ def duties_with_planner(ctx: DutyContext) -> Sequence[Duty]:
     """The default duties, plus the planner until ``default_duties`` lists it."""
     duties = list(default_duties(ctx))
     if not any(duty.name == Planner.name for duty in duties):
-        duties.append(from_context(Planner, ctx))
+        duties.append(Planner(ctx))
     return duties
 
 

@@ -124,7 +124,8 @@ class Publisher:
     #: The shard whose database holds the rows this publisher announces (the message
     #: names it, so a worker runs the delivery against that shard).
     shard: str = DEFAULT_SHARD
-    #: Times each batch and the pause a slow one buys (``throttle_delay``).
+    #: Times the back-pressure pause and each batch (a batch's confirm deadline is the
+    #: event loop's, since it bounds real waits).
     clock: Clock = SYSTEM_CLOCK
     _connection: AbstractRobustConnection | None = field(default=None, init=False, repr=False)
     _channel: AbstractChannel | None = field(default=None, init=False, repr=False)

@@ -61,23 +61,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncpg
 
-from scheduler.clock import SYSTEM_CLOCK, Clock
-from scheduler.config import Settings
-from scheduler.duties.base import (
-    MAX_IDS_LOGGED,
-    GateConfig,
-    duty_listener,
-    park_unreadable,
-    publishing_parts,
-    some_ids,
-)
+from scheduler.broker_gate import GateConfig, PublisherAndGate
+from scheduler.duties.base import DutyLoop
+from scheduler.duties.context import DutyContext, FencedWrites, duty_listener
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.duties.pacing import BatchReport, DispatchPacing
+from scheduler.duties.report import MAX_IDS_LOGGED, report_parked, some_ids
 from scheduler.duties.unsettled import Unsettled
 from scheduler.metrics import (
     BACKLOG,
@@ -95,9 +88,9 @@ from scheduler.publisher import (
     PublishResult,
     publish_timeout_for,
 )
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
+from scheduler.store.dispatch import DispatchStore
 from scheduler.store.rows import UNREADABLE, ClaimedJob, HeldQueues
 
 __all__ = ["RETRYABLE", "BatchReport", "Dispatcher", "DispatcherConfig"]
@@ -136,36 +129,37 @@ class DispatcherConfig:
 
 
 class Dispatcher:
+    """Built from its ``DutyContext``; ``publisher``: one to share instead of its own."""
+
     name = "dispatcher"
 
     def __init__(
         self,
-        settings: Settings,
-        pool: asyncpg.Pool,
+        ctx: DutyContext,
         *,
         config: DispatcherConfig | None = None,
         publisher: Publisher | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-        is_leader: Callable[[], bool] | None = None,
-        shard: str = DEFAULT_SHARD,
     ) -> None:
-        self.config = config = config or config_from_settings(DispatcherConfig, settings)
-        self.shard = shard  # the database ``pool`` is: its messages and metrics name it
-        self.clock = clock
+        self.config = config = config or config_from_settings(DispatcherConfig, ctx.settings)
+        self.shard = shard = ctx.shard  # its messages and metrics name it
+        self.clock = clock = ctx.clock
         # a 0 sample from the start, so the first failure shows as an increase
         PUBLISH_FAILURES.labels(shard)
         DISPATCH_UNCOMMITTED.labels(shard)
-        self.loop, self.writes, self.out = publishing_parts(
-            self,
-            settings,
-            pool,
-            publish_timeout=config.publish_timeout,
-            publisher=publisher,
-            gate=GateConfig(config.ready_timeout, base=0.1, cap=5.0),
-            is_leader=is_leader,
+        self.loop = DutyLoop(self, shard=shard)
+        self.writes = FencedWrites(ctx, write="fenced claim")
+        self.store = DispatchStore(ctx.pool, acquire_timeout=ctx.settings.db_timeout)
+        self.out = PublisherAndGate(
+            ctx.settings,
+            name=self.name,
             shard=shard,
+            publish_timeout=config.publish_timeout,
+            gate=GateConfig(config.ready_timeout, base=0.1, cap=5.0),
+            log=lambda: self.loop.log,
+            publisher=publisher,
+            clock=ctx.clock,
         )
-        self.store, self.publisher = self.out.store, self.out.publisher
+        self.publisher = self.out.publisher
         self._held_logged: set[str] = set()  # undeclared queues already logged
         self.pacing = DispatchPacing(
             batch_size=config.batch_size,
@@ -175,7 +169,7 @@ class Dispatcher:
         )
         self.unsettled = Unsettled(clock=clock)
         self._wakeups = duty_listener(
-            settings,
+            ctx,
             JOBS_CHANNEL,
             self.loop.wake,
             role="listen",
@@ -323,9 +317,8 @@ class Dispatcher:
                 next_step="read the batch row by row and park the unreadable rows",
             )
         jobs, unreadable = await self.store.claim_isolated(conn, self.config.batch_size)
-        await park_unreadable(
-            self.store, conn, unreadable, duty=self.name, shard=self.shard, log=self.loop.log
-        )
+        parked = await self.store.park_unreadable(conn, unreadable, reader=self.name)
+        report_parked(parked, shard=self.shard, log=self.loop.log)
         return jobs
 
     def _account(

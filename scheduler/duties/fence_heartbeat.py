@@ -10,29 +10,46 @@ the fence in every term, even an idle one, so the step-down path never waits for
 
 from __future__ import annotations
 
-from scheduler.duties.base import DutyContext, DutyLoop
-from scheduler.shards.config import DEFAULT_SHARD
-from scheduler.store.fence import FenceStore
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scheduler.duties.base import DutyLoop
+from scheduler.duties.context import DutyContext
+from scheduler.duties.knobs import check_knobs, config_from_settings, knob
+
+if TYPE_CHECKING:
+    from scheduler.config import Settings
+
+
+def renew_period(settings: Settings) -> float:
+    """One beat per lease renewal period."""
+    return settings.lease_ttl / 3
+
+
+@dataclass(frozen=True, slots=True)
+class FenceHeartbeatConfig:
+    """How often the heartbeat beats (``config_from_settings`` fills it)."""
+
+    interval: float = knob(5.0, setting=renew_period, gt=0)
+    """Seconds between beats: the lease TTL / 3."""
+
+    def __post_init__(self) -> None:
+        check_knobs(self)
 
 
 class FenceHeartbeat:
     """Every ``interval`` seconds: ``UPDATE leader_fence SET renewed_at = now()``
-    where the epoch is ours; ``Fenced`` otherwise."""
+    where the epoch is ours; ``Fenced`` otherwise. Built from its ``DutyContext``,
+    whose fence store it writes through."""
 
     name = "fence_heartbeat"
 
-    def __init__(self, fence: FenceStore, *, interval: float, shard: str = DEFAULT_SHARD) -> None:
-        if interval <= 0:
-            raise ValueError(f"fence heartbeat interval must be > 0 (got {interval})")
-        self.fence = fence
-        self.interval = interval
+    def __init__(self, ctx: DutyContext, *, config: FenceHeartbeatConfig | None = None) -> None:
+        self.config = config or config_from_settings(FenceHeartbeatConfig, ctx.settings)
+        self.fence = ctx.fence
+        self.interval = self.config.interval
         self.beats = 0
-        self.loop = DutyLoop(self, shard=shard)
-
-    @classmethod
-    def from_context(cls, ctx: DutyContext) -> FenceHeartbeat:
-        """One beat per lease renewal period (TTL/3)."""
-        return cls(ctx.fence, interval=ctx.settings.lease_ttl / 3, shard=ctx.shard)
+        self.loop = DutyLoop(self, shard=ctx.shard)
 
     async def run_once(self) -> float:
         await self.fence.heartbeat(self.loop.term.epoch)

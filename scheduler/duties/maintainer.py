@@ -63,11 +63,9 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from scheduler.clock import SYSTEM_CLOCK, Clock
-from scheduler.config import Settings
-from scheduler.duties.base import DutyLoop, FencedWrites
+from scheduler.duties.base import DutyLoop
+from scheduler.duties.context import DutyContext, FencedWrites
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.maintenance import MaintenanceStore
 
@@ -160,26 +158,17 @@ class MaintenanceReport:
 
 
 class Maintainer:
+    """Built from its ``DutyContext``."""
+
     name = "maintainer"
 
-    def __init__(
-        self,
-        settings: Settings,
-        pool: asyncpg.Pool,
-        *,
-        config: MaintainerConfig | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-        is_leader: Callable[[], bool] | None = None,
-        shard: str = DEFAULT_SHARD,
-    ) -> None:
-        self.config = config or config_from_settings(MaintainerConfig, settings)
-        self.shard = shard  # the database ``pool`` is: its partitions are kept here
-        self.clock = clock
-        self.loop = DutyLoop(self, shard=shard)
-        self.writes = FencedWrites(
-            settings, pool, write="fenced maintenance write", is_leader=is_leader
-        )
-        self.store = MaintenanceStore(pool, acquire_timeout=settings.db_timeout)
+    def __init__(self, ctx: DutyContext, *, config: MaintainerConfig | None = None) -> None:
+        self.config = config or config_from_settings(MaintainerConfig, ctx.settings)
+        self.shard = ctx.shard  # its partitions are kept here
+        self.clock = ctx.clock
+        self.loop = DutyLoop(self, shard=ctx.shard)
+        self.writes = FencedWrites(ctx, write="fenced maintenance write")
+        self.store = MaintenanceStore(ctx.pool, acquire_timeout=ctx.settings.db_timeout)
         self.last_report: MaintenanceReport | None = None
 
     # -- one pass --------------------------------------------------------------------

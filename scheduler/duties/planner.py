@@ -45,7 +45,7 @@ down the cap is ``probe_interval`` and it is re-established with back-off.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -53,15 +53,13 @@ from typing import Any
 import asyncpg
 
 from scheduler.backoff import bounded_jitter
-from scheduler.clock import SYSTEM_CLOCK, Clock
-from scheduler.config import Settings
-from scheduler.duties.base import DutyLoop, FencedWrites, duty_listener
+from scheduler.duties.base import DutyLoop
+from scheduler.duties.context import DutyContext, FencedWrites, duty_listener
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.duties.plan_report import PlanReport, account_batch
 from scheduler.leadership.fence import fenced_transaction
 from scheduler.metrics import SCHEDULE_FIRES
 from scheduler.planning import PlanConfig, PlanDecision, invalid_decision, plan_schedule
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.rows import UNREADABLE, ClaimedSchedule
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
@@ -123,33 +121,24 @@ class PlannerConfig:
 
 
 class Planner:
+    """Built from its ``DutyContext``, whose clock also decides what is due."""
+
     name = "planner"
 
-    def __init__(
-        self,
-        settings: Settings,
-        pool: asyncpg.Pool,
-        *,
-        config: PlannerConfig | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-        is_leader: Callable[[], bool] | None = None,
-        shard: str = DEFAULT_SHARD,
-    ) -> None:
-        self.config = config = config or config_from_settings(PlannerConfig, settings)
-        self.settings = settings
-        self.pool = pool
-        self.shard = shard  # the database ``pool`` is: its schedules are planned here
-        self.clock = clock
+    def __init__(self, ctx: DutyContext, *, config: PlannerConfig | None = None) -> None:
+        self.config = config = config or config_from_settings(PlannerConfig, ctx.settings)
+        self.settings = ctx.settings
+        self.pool = ctx.pool
+        self.shard = shard = ctx.shard  # its schedules are planned here
+        self.clock = ctx.clock
         # a 0 sample from the start, so the first fire shows as an increase
         SCHEDULE_FIRES.labels(shard)
         self.loop = DutyLoop(self, shard=shard)
-        self.writes = FencedWrites(
-            settings, pool, write="fenced planner batch", is_leader=is_leader
-        )
-        self.store = ScheduleStore(pool, acquire_timeout=settings.db_timeout)
+        self.writes = FencedWrites(ctx, write="fenced planner batch")
+        self.store = ScheduleStore(ctx.pool, acquire_timeout=ctx.settings.db_timeout)
         self._plan_config = config.plan_config()
         self._wakeups = duty_listener(
-            settings,
+            ctx,
             SCHEDULES_CHANNEL,
             self.loop.wake,
             role="planner-listen",

@@ -42,25 +42,18 @@ Trade-offs (documented, not hidden):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import asyncpg
-
-from scheduler.clock import SYSTEM_CLOCK, Clock
-from scheduler.config import Settings
-from scheduler.duties.base import (
-    MAX_IDS_LOGGED,
-    GateConfig,
-    park_unreadable,
-    publishing_parts,
-    some_ids,
-)
+from scheduler.broker_gate import GateConfig, PublisherAndGate
+from scheduler.duties.base import DutyLoop
+from scheduler.duties.context import DutyContext, FencedWrites
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
+from scheduler.duties.report import MAX_IDS_LOGGED, report_parked, some_ids
 from scheduler.metrics import JOBS_PARKED, OLDEST_UNSTARTED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
+from scheduler.store.dispatch import DispatchStore
 from scheduler.store.rows import UNREADABLE, StalledJob
 from scheduler.store.status import StatusStore
 
@@ -103,38 +96,39 @@ class ReconcileReport:
 
 
 class Reconciler:
+    """Built from its ``DutyContext``; ``publisher``: one to share instead of its own."""
+
     name = "reconciler"
 
     def __init__(
         self,
-        settings: Settings,
-        pool: asyncpg.Pool,
+        ctx: DutyContext,
         *,
         config: ReconcilerConfig | None = None,
         publisher: Publisher | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-        is_leader: Callable[[], bool] | None = None,
-        shard: str = DEFAULT_SHARD,
     ) -> None:
-        self.config = config = config or config_from_settings(ReconcilerConfig, settings)
-        self.shard = shard  # the database ``pool`` is: its messages and metrics name it
-        self.clock = clock
+        self.config = config = config or config_from_settings(ReconcilerConfig, ctx.settings)
+        self.shard = shard = ctx.shard  # its messages and metrics name it
+        self.clock = ctx.clock
         # a 0 sample from the start, so the first re-publish or failure shows as an increase
         RECONCILED.labels(shard)
         PUBLISH_FAILURES.labels(shard)
-        self.loop, self.writes, self.out = publishing_parts(
-            self,
-            settings,
-            pool,
-            publish_timeout=config.publish_timeout,
-            publisher=publisher,
-            gate=GateConfig(config.ready_timeout, base=0.5, cap=config.interval),
-            is_leader=is_leader,
+        self.loop = DutyLoop(self, shard=shard)
+        self.writes = FencedWrites(ctx, write="fenced claim")
+        self.store = DispatchStore(ctx.pool, acquire_timeout=ctx.settings.db_timeout)
+        self.out = PublisherAndGate(
+            ctx.settings,
+            name=self.name,
             shard=shard,
+            publish_timeout=config.publish_timeout,
+            gate=GateConfig(config.ready_timeout, base=0.5, cap=config.interval),
+            log=lambda: self.loop.log,
+            publisher=publisher,
+            clock=ctx.clock,
         )
-        self.store, self.publisher = self.out.store, self.out.publisher
+        self.publisher = self.out.publisher
         self._deferred_until: dict[str, float] = {}
-        self._status = StatusStore(pool, acquire_timeout=settings.db_timeout)
+        self._status = StatusStore(ctx.pool, acquire_timeout=ctx.settings.db_timeout)
         self._unstarted_sampled_at: float | None = None
 
     async def setup(self) -> None:
@@ -201,9 +195,8 @@ class Reconciler:
         stalled, unreadable = await self.store.lock_stalled_isolated(
             conn, timeout, limit, skip_queues=skip
         )
-        await park_unreadable(
-            self.store, conn, unreadable, duty=self.name, shard=self.shard, log=self.loop.log
-        )
+        parked = await self.store.park_unreadable(conn, unreadable, reader=self.name)
+        report_parked(parked, shard=self.shard, log=self.loop.log)
         return stalled
 
     def give_up_error(self) -> str:

@@ -23,7 +23,8 @@ Bounded: an entry lives ``ttl`` seconds (a job claimed again later simply takes 
 ordinary path), and at most ``capacity`` entries are kept, the oldest dropped first. The
 memory belongs to one dispatcher object and outlives its ``teardown`` (the duty loop
 tears down after every failed pass, which is exactly when it is needed); a new leader
-starts without it, which costs at most the duplicates the old path made.
+starts without it, so its first claim of such a job publishes inside the transaction,
+as any claim does: one more copy at most.
 """
 
 from __future__ import annotations

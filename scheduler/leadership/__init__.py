@@ -17,5 +17,5 @@ Two guarantees of docs/architecture.md live here:
 does, on the per-shard keys of ``scheduler.shards.leadership``; both raise the fence
 through ``takeover``.
 The duties (``scheduler.duties``) never import this package's replica: the replica
-imports them and hands each a ``scheduler.duties.base.DutyContext``.
+imports them and hands each a ``scheduler.duties.context.DutyContext``.
 """

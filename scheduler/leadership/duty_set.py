@@ -14,7 +14,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from scheduler.duties.base import Duty, DutyContext, LeaderTerm
+from scheduler.duties.base import Duty, LeaderTerm
+from scheduler.duties.context import DutyContext
 
 __all__ = ["DUTY_STOP_TIMEOUT", "DutiesFactory", "DutySet"]
 

@@ -52,7 +52,8 @@ from scheduler import db
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.duties.base import Duty, DutyContext, LeaderTerm
+from scheduler.duties.base import Duty, LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.errors import ServiceUnavailable, describe
 from scheduler.leadership.duty_set import DutiesFactory, DutySet
 from scheduler.leadership.election import Election, Term

@@ -62,7 +62,8 @@ import structlog
 from scheduler import db
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
-from scheduler.duties.base import DutyContext, LeaderTerm
+from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.errors import ConfigError
 from scheduler.leadership.duty_set import DUTY_STOP_TIMEOUT, DutiesFactory, DutySet
 from scheduler.leadership.etcd_client import etcd_tls

@@ -9,7 +9,8 @@ claim is planned once per connection (planning costs more than executing it, DES
 A row the client cannot read (``UNREADABLE``: a date outside Python's years 1-9999 from
 before migration 0006's bounds, JSON nested deeper than Python's parser goes) fails the
 whole ``claim`` that returns it; ``claim_isolated`` then reads the same locked rows one
-at a time, so the caller can park the bad ones and dispatch the rest.
+at a time, so the caller can park the bad ones (``park_unreadable``) and dispatch the
+rest.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import asyncpg
 from scheduler.log import get_logger
 from scheduler.sql import compose, fragment, load
 from scheduler.store.conn import Conn, PooledStore
-from scheduler.store.rows import UNREADABLE, ClaimedJob, HeldQueues, StalledJob, UnreadableRow
+from scheduler.store.rows import (
+    UNREADABLE,
+    ClaimedJob,
+    HeldQueues,
+    ParkedRow,
+    StalledJob,
+    UnreadableRow,
+)
 
 Q = load("dispatch")
 T = TypeVar("T")
@@ -103,6 +111,25 @@ class DispatchStore(PooledStore):
         """pending or dispatched → dead with ``reason`` as last_error, by id alone (the
         caller holds the row's lock)."""
         return await conn.execute(Q["park"], job_id, reason) == "UPDATE 1"
+
+    async def park_unreadable(
+        self, conn: Conn, rows: Sequence[UnreadableRow], *, reader: str
+    ) -> list[ParkedRow]:
+        """Make each of ``rows`` (locked by the caller's claim) dead with why ``reader``
+        could not read it, each under a savepoint: a park the database refuses (a row
+        breaking an older NOT VALID CHECK) leaves that row as it is and the caller's
+        transaction, with the rest of its batch, intact."""
+        parked: list[ParkedRow] = []
+        for row in rows:
+            reason = f"the {reader} cannot read this row ({row.error}); parked as dead"
+            try:
+                async with conn.transaction():  # a savepoint
+                    done = await self.park(conn, row.job_id, reason)
+            except asyncpg.PostgresError as exc:
+                done = False
+                reason = f"{reason}; the park was refused: {type(exc).__name__}: {exc}"
+            parked.append(ParkedRow(row.job_id, done, reason))
+        return parked
 
     async def mark_dispatched(
         self, conn: Conn, jobs: Sequence[ClaimedJob], epoch: int

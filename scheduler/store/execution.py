@@ -152,7 +152,7 @@ class ExecutionStore:
             value = await conn.fetchval(
                 Q["mark_dead"], ref.job_id, ref.due_at, ref.attempt, error, self._budgets
             )
-        return value == 1
+        return bool(value == 1)
 
     async def heartbeat(self, job_id: int, due_at: datetime, attempt: int) -> bool:
         """Set heartbeat_at = now() on a connection of its own (autocommit). False when
@@ -161,7 +161,7 @@ class ExecutionStore:
             value = await conn.fetchval(
                 Q["heartbeat"], job_id, due_at, attempt, timeout=self._db.timeout
             )
-        return value == 1
+        return bool(value == 1)
 
 
 def _epoch() -> datetime:

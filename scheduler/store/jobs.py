@@ -24,6 +24,9 @@ from scheduler.sql import compose, fragment, load
 from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.rows import JOB_STATUSES, BulkPreview, Job
 
+#: ``BulkPreview`` is a row type (``rows``), re-exported: the public API imports it from here.
+__all__ = ["FILTER", "MAX_PAGE", "NOTIFY_HORIZON", "BulkPreview", "JobFilter", "JobStore"]
+
 Q = load("jobs")
 #: The JobFilter predicates ($1..$5), shared by every statement that filters jobs.
 FILTER = fragment("jobs", "job_filter")

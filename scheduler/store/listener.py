@@ -106,7 +106,8 @@ class KeptListener:
     failed connect with jittered back-off while the duty runs on probes. It returns True
     when a fresh connection was just opened — NOTIFYs sent while nobody listened are
     lost, so the caller should probe once. ``log`` returns the duty's current logger
-    (it is re-bound with node id and epoch at every term).
+    (it is re-bound with node id and epoch at every term); ``clock`` times the pings
+    and the back-off.
     """
 
     def __init__(

@@ -146,6 +146,17 @@ class UnreadableRow:
 
 
 @dataclass(frozen=True, slots=True)
+class ParkedRow:
+    """What ``DispatchStore.park_unreadable`` did with one unreadable row."""
+
+    job_id: int
+    parked: bool
+    """Made ``dead``; False when the database refused the update (the row is left as it is)."""
+    reason: str
+    """The ``last_error`` written, or what was to be written and why it was refused."""
+
+
+@dataclass(frozen=True, slots=True)
 class ClaimedSchedule:
     """A schedule locked by the planner, with what the overlap policies need to know."""
 

@@ -80,7 +80,7 @@ class ScheduleStore(PooledStore):
     async def _resolve(self, conn: Conn, ref: str | int) -> asyncpg.Record:
         text = str(ref).strip()
         number = int(text) if text.isdigit() and int(text) <= _BIGINT_MAX else None
-        record = await conn.fetchrow(Q["resolve"], text, number)
+        record: asyncpg.Record | None = await conn.fetchrow(Q["resolve"], text, number)
         if record is None:
             raise ScheduleNotFound(ref)
         return record

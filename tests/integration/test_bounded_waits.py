@@ -25,7 +25,7 @@ import pytest
 from scheduler import db
 from scheduler.cli._util import opened
 from scheduler.config import Settings
-from scheduler.duties.base import DutyContext
+from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.maintainer import Maintainer
 from scheduler.duties.planner import Planner
@@ -98,10 +98,10 @@ def job_calls(store: JobStore) -> list[Callable[[], Awaitable[Any]]]:
 async def test_leader_duties_stores_wait_at_most_db_timeout(
     tight: Settings, one_conn_pool: asyncpg.Pool
 ) -> None:
-    dispatcher = Dispatcher(tight, one_conn_pool)
-    reconciler = Reconciler(tight, one_conn_pool)
-    planner = Planner(tight, one_conn_pool)
-    maintainer = Maintainer(tight, one_conn_pool)
+    dispatcher = Dispatcher(DutyContext.standalone(tight, one_conn_pool))
+    reconciler = Reconciler(DutyContext.standalone(tight, one_conn_pool))
+    planner = Planner(DutyContext.standalone(tight, one_conn_pool))
+    maintainer = Maintainer(DutyContext.standalone(tight, one_conn_pool))
     maintenance = maintainer.store
     calls = [
         *dispatch_calls(dispatcher.store),

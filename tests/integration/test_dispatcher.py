@@ -25,6 +25,7 @@ import pytest
 from scheduler import broker, db, messages
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duties.knobs import config_from_settings
 from scheduler.errors import Fenced
@@ -128,7 +129,7 @@ def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
 
 
 async def test_jobs_arrive_once_not_before_due_with_the_contract(env: Env) -> None:
-    dispatcher = Dispatcher(env.settings, env.pool)
+    dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool))
     async with Collector(env.settings.amqp_url, env.queue, env.settings.delivery_limit) as c:
         await insert_jobs(env.pool, env.queue, 150, spread=3.0)
         dispatcher.loop.start(term(1))
@@ -183,7 +184,7 @@ async def test_idle_fire_lag_is_milliseconds(env: Env) -> None:
         "  FROM generate_series(1, 200)",
         env.queue,
     )
-    dispatcher = Dispatcher(env.settings, env.pool)
+    dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool))
     async with Collector(env.settings.amqp_url, env.queue, env.settings.delivery_limit) as c:
         dispatcher.loop.start(term(1))
         try:
@@ -214,7 +215,7 @@ async def test_notify_wakes_the_dispatcher_for_a_job_due_now(env: Env) -> None:
     """A job enqueued due now through the client API is published at once: its NOTIFY
     wakes the dispatcher (a plain-SQL insert is found by the next probe instead)."""
     settings = dataclasses.replace(env.settings, probe_interval=30.0)
-    dispatcher = Dispatcher(settings, env.pool)
+    dispatcher = Dispatcher(DutyContext.standalone(settings, env.pool))
     async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
         dispatcher.loop.start(term(1))
         try:
@@ -233,7 +234,7 @@ async def test_plain_sql_insert_is_found_by_the_probe(env: Env) -> None:
     """No trigger NOTIFYs plain-SQL inserts (it would serialise producers' commits); the
     dispatcher's probe every probe_interval finds them."""
     settings = dataclasses.replace(env.settings, probe_interval=0.05)
-    dispatcher = Dispatcher(settings, env.pool)
+    dispatcher = Dispatcher(DutyContext.standalone(settings, env.pool))
     async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
         dispatcher.loop.start(term(1))
         try:
@@ -250,7 +251,7 @@ async def test_plain_sql_insert_is_found_by_the_probe(env: Env) -> None:
 
 async def test_lost_listen_connection_is_detected_and_restored(env: Env) -> None:
     settings = dataclasses.replace(env.settings, poll_interval=30.0)
-    dispatcher = Dispatcher(settings, env.pool)
+    dispatcher = Dispatcher(DutyContext.standalone(settings, env.pool))
     async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
         dispatcher.loop.start(term(1))
         try:
@@ -279,7 +280,7 @@ async def test_lost_listen_connection_is_detected_and_restored(env: Env) -> None
 async def test_backlog_is_claimed_in_back_to_back_batches(env: Env) -> None:
     settings = dataclasses.replace(env.settings, claim_batch_size=100)
     await insert_jobs(env.pool, env.queue, 1000)
-    dispatcher = Dispatcher(settings, env.pool)
+    dispatcher = Dispatcher(DutyContext.standalone(settings, env.pool))
     await dispatcher.setup()
     dispatcher.loop.bind(term(1))
     try:
@@ -318,8 +319,8 @@ async def test_handover_race_never_publishes_a_job_twice(env: Env) -> None:
     gated = GatedPublisher(
         settings.amqp_url, delivery_limit=settings.delivery_limit, publish_timeout=5
     )
-    old = Dispatcher(settings, env.pool, publisher=gated)
-    new = Dispatcher(settings, env.pool)
+    old = Dispatcher(DutyContext.standalone(settings, env.pool), publisher=gated)
+    new = Dispatcher(DutyContext.standalone(settings, env.pool))
     async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
         await old.setup()
         old.loop.bind(term(1))
@@ -361,7 +362,7 @@ async def test_handover_race_never_publishes_a_job_twice(env: Env) -> None:
 
 
 async def test_fenced_dispatcher_loop_ends(env: Env) -> None:
-    dispatcher = Dispatcher(env.settings, env.pool)
+    dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool))
     assert await env.fence.advance(3, "newer")
     task = dispatcher.loop.start(term(1))
     await insert_jobs(env.pool, env.queue, 1)
@@ -406,8 +407,7 @@ async def test_broker_cut_mid_batch_loses_nothing(
             cut_after=200,
         )
         dispatcher = Dispatcher(
-            settings,
-            env.pool,
+            DutyContext.standalone(settings, env.pool),
             publisher=publisher,
             config=config_from_settings(DispatcherConfig, settings, publish_timeout=5.0),
         )
@@ -439,7 +439,7 @@ async def test_broker_cut_mid_batch_loses_nothing(
 async def test_queue_deleted_under_the_dispatcher_keeps_jobs_and_recovers(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
-    dispatcher = Dispatcher(env.settings, env.pool)
+    dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool))
     await dispatcher.setup()
     dispatcher.loop.bind(term(1))
     try:
@@ -478,7 +478,7 @@ async def test_broker_down_at_claim_time_claims_nothing(env: Env) -> None:
             delivery_limit=env.settings.delivery_limit,
             reconnect_interval=0.2,
         )
-        dispatcher = Dispatcher(env.settings, env.pool, publisher=publisher)
+        dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), publisher=publisher)
         await dispatcher.setup()
         dispatcher.loop.bind(term(1))
         try:
@@ -528,7 +528,7 @@ async def test_commit_failure_after_confirms_loses_nothing(
     publisher = KillingPublisher(
         env.settings.amqp_url, delivery_limit=env.settings.delivery_limit, pool=env.pool
     )
-    dispatcher = Dispatcher(env.settings, env.pool, publisher=publisher)
+    dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), publisher=publisher)
     await dispatcher.setup()
     dispatcher.loop.bind(term(1))
     try:
@@ -592,7 +592,9 @@ async def test_repeated_commit_failures_publish_each_job_at_most_twice(env: Env)
         kills=kills,
     )
     config = config_from_settings(DispatcherConfig, env.settings, batch_size=100)
-    dispatcher = Dispatcher(env.settings, env.pool, publisher=publisher, config=config)
+    dispatcher = Dispatcher(
+        DutyContext.standalone(env.settings, env.pool), publisher=publisher, config=config
+    )
     await dispatcher.setup()
     dispatcher.loop.bind(term(1))
     try:
@@ -623,7 +625,7 @@ async def test_blocked_broker_pauses_claiming(env: Env) -> None:
     """While RabbitMQ blocks the connection (resource alarm) nothing is claimed: rows
     stay pending and unlocked instead of piling up in timed-out batches. (The alarm
     itself would starve the shared broker, so the aiormq event it drives is flipped.)"""
-    dispatcher = Dispatcher(env.settings, env.pool)
+    dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool))
     await dispatcher.setup()
     dispatcher.loop.bind(term(1))
     try:

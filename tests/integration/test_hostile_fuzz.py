@@ -41,6 +41,7 @@ from scheduler import db
 from scheduler.broker import queue_name
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
 from scheduler.store.fence import FenceStore
@@ -240,8 +241,8 @@ async def fuzz(settings: Settings, migrated_dsn: str, unique: str) -> AsyncItera
     connection = await aio_pika.connect(settings.amqp_url, timeout=10)
     await declare(await connection.channel(), queue)
     assert await FenceStore(pool).advance(EPOCH, "fuzz")
-    dispatcher = Dispatcher(local, pool)
-    planner = Planner(local, pool)
+    dispatcher = Dispatcher(DutyContext.standalone(local, pool))
+    planner = Planner(DutyContext.standalone(local, pool))
     worker = Worker(local, queues=[queue], registry=registry, concurrency=8, grace_period=5)
     term = LeaderTerm(epoch=EPOCH, node_id="fuzz")
     await worker.start()

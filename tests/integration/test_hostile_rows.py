@@ -28,6 +28,7 @@ from scheduler import db
 from scheduler.broker import DEAD_LETTER_QUEUE, declare_dead_letter, queue_name
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler, ReconcilerConfig
@@ -182,7 +183,9 @@ async def test_unreadable_rows_are_parked_and_the_others_dispatched(
         queue,
     )
     assert await FenceStore(pool).advance(1, "n")
-    dispatcher = Dispatcher(dataclasses.replace(settings, database_url=migrated_dsn), pool)
+    dispatcher = Dispatcher(
+        DutyContext.standalone(dataclasses.replace(settings, database_url=migrated_dsn), pool)
+    )
     dispatcher.loop.bind(LeaderTerm(epoch=1, node_id="n"))
     connection = await aio_pika.connect(settings.amqp_url, timeout=10)
     try:
@@ -241,7 +244,8 @@ async def test_an_unreadable_stalled_job_is_parked_and_the_others_republished(
     )
     config = ReconcilerConfig(defer_backlogged_queues=False)
     reconciler = Reconciler(
-        dataclasses.replace(settings, database_url=migrated_dsn), pool, config=config
+        DutyContext.standalone(dataclasses.replace(settings, database_url=migrated_dsn), pool),
+        config=config,
     )
     reconciler.loop.bind(LeaderTerm(epoch=1, node_id="n"))
     connection = await aio_pika.connect(settings.amqp_url, timeout=10)
@@ -281,7 +285,9 @@ async def test_unreadable_schedules_are_paused_and_the_others_planned(
         "INSERT INTO duetime.schedules (name, task, cron) VALUES ('good', 't', '* * * * * *')"
     )
     assert await FenceStore(pool).advance(1, "n")
-    planner = Planner(dataclasses.replace(settings, database_url=migrated_dsn), pool)
+    planner = Planner(
+        DutyContext.standalone(dataclasses.replace(settings, database_url=migrated_dsn), pool)
+    )
     planner.loop.bind(LeaderTerm(epoch=1, node_id="n"))
     await planner.plan_pass()
     rows = {
@@ -421,7 +427,9 @@ async def test_one_poisonous_payload_does_not_stop_dispatch(
         "INSERT INTO duetime.jobs (task, payload, queue) VALUES ('t', '{}', $1)", queue
     )
     assert await FenceStore(pool).advance(1, "n")
-    dispatcher = Dispatcher(dataclasses.replace(settings, database_url=migrated_dsn), pool)
+    dispatcher = Dispatcher(
+        DutyContext.standalone(dataclasses.replace(settings, database_url=migrated_dsn), pool)
+    )
     dispatcher.loop.bind(LeaderTerm(epoch=1, node_id="n"))
     connection = await aio_pika.connect(settings.amqp_url, timeout=10)
     try:

@@ -22,6 +22,7 @@ import pytest
 from scheduler import db
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.errors import Fenced, LeadershipLost
@@ -58,7 +59,7 @@ def make_maintainer(env: Env, *, epoch: int = EPOCH, **config: Any) -> Maintaine
     values: dict[str, Any] = {"days_ahead": 3, "retention_days": 7.0}
     values.update(config)
     config_ = config_from_settings(MaintainerConfig, env.settings, **values)
-    maintainer = Maintainer(env.settings, env.pool, config=config_)
+    maintainer = Maintainer(DutyContext.standalone(env.settings, env.pool), config=config_)
     maintainer.loop.bind(LeaderTerm(epoch=epoch, node_id="test-node"))
     return maintainer
 

@@ -23,9 +23,10 @@ import asyncpg
 import pytest
 
 from scheduler import db
-from scheduler.clock import ManualClock
+from scheduler.clock import SYSTEM_CLOCK, ManualClock
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.errors import Fenced
 from scheduler.metrics import SCHEDULE_FIRES, SCHEDULE_MISFIRES
@@ -52,12 +53,8 @@ class World:
     node: str
 
     def planner(self, clock: ManualClock | None = None, **config: Any) -> Planner:
-        planner = Planner(
-            self.settings,
-            self.pool,
-            config=PlannerConfig(**config),
-            **({"clock": clock} if clock is not None else {}),
-        )
+        ctx = DutyContext.standalone(self.settings, self.pool, clock=clock or SYSTEM_CLOCK)
+        planner = Planner(ctx, config=PlannerConfig(**config))
         planner.loop.bind(LeaderTerm(EPOCH, self.node))
         return planner
 
@@ -152,7 +149,9 @@ async def test_row_inserted_by_sql_with_name_task_cron_is_planned(world: World) 
 
 async def test_stale_epoch_is_fenced_and_writes_nothing(world: World) -> None:
     sid = await world.add("fenced", cron="* * * * * *")
-    planner = Planner(world.settings, world.pool, clock=ManualClock(utc(2026, 12, 1)))
+    planner = Planner(
+        DutyContext.standalone(world.settings, world.pool, clock=ManualClock(utc(2026, 12, 1)))
+    )
     planner.loop.bind(LeaderTerm(EPOCH - 1, "zombie"))
     with pytest.raises(Fenced):
         await planner.plan_pass()
@@ -171,7 +170,9 @@ async def test_fire_time_is_never_materialized_twice(world: World) -> None:
         "UPDATE duetime.schedules SET next_fire_at = $2 WHERE id = $1", sid, clock.now()
     )
     await FenceStore(world.pool).advance(EPOCH + 1, "new-leader")
-    newer = Planner(world.settings, world.pool, config=PlannerConfig(), clock=clock)
+    newer = Planner(
+        DutyContext.standalone(world.settings, world.pool, clock=clock), config=PlannerConfig()
+    )
     newer.loop.bind(LeaderTerm(EPOCH + 1, "new-leader"))
     report = await newer.plan_pass()
     assert report.duplicates == 11 and report.fired == 0

@@ -25,6 +25,7 @@ from prometheus_client import REGISTRY
 from scheduler import broker, db
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.migrate import migrate
 from scheduler.sql import migrations
@@ -114,7 +115,8 @@ async def test_job_for_an_undeclared_queue_is_held_not_published_and_released_by
     await insert_job(pool, declared)
     await insert_job(pool, undeclared)
     dispatcher = Dispatcher(
-        settings, pool, config=DispatcherConfig(backlog_interval=0.001, probe_interval=0.05)
+        DutyContext.standalone(settings, pool),
+        config=DispatcherConfig(backlog_interval=0.001, probe_interval=0.05),
     )
     await dispatcher.setup()
     dispatcher.loop.bind(LeaderTerm(epoch=1, node_id="test-1"))
@@ -149,7 +151,7 @@ async def test_cli_add_releases_held_jobs_within_seconds_without_a_restart(
     settings = dataclasses.replace(settings, database_url=migrated_dsn)
     env = {**test_env, "DUETIME_DATABASE_URL": migrated_dsn}
     job_id = await insert_job(pool, undeclared)
-    dispatcher = Dispatcher(settings, pool)
+    dispatcher = Dispatcher(DutyContext.standalone(settings, pool))
     dispatcher.loop.start(LeaderTerm(epoch=1, node_id="test-1"))
     try:
         await asyncio.sleep(1.0)  # the running dispatcher leaves it alone

@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY
 from scheduler import broker, db, messages
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.reconciler import Reconciler, ReconcilerConfig, ReconcileReport
 from scheduler.errors import Fenced
@@ -53,7 +54,7 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
 
 def make_reconciler(env: Env, **config: Any) -> Reconciler:
     cfg = config_from_settings(ReconcilerConfig, env.settings, visibility_timeout=60.0, **config)
-    reconciler = Reconciler(env.settings, env.pool, config=cfg)
+    reconciler = Reconciler(DutyContext.standalone(env.settings, env.pool), config=cfg)
     reconciler.loop.bind(LeaderTerm(epoch=1, node_id="test-1"))
     return reconciler
 
@@ -229,7 +230,7 @@ async def test_reconciler_loop_rescues_jobs(env: Env) -> None:
     """Through start()/stop(): a job that goes silent while the loop runs is rescued
     once its visibility timeout (1 s here) has passed."""
     cfg = config_from_settings(ReconcilerConfig, env.settings, visibility_timeout=1.0, interval=0.2)
-    reconciler = Reconciler(env.settings, env.pool, config=cfg)
+    reconciler = Reconciler(DutyContext.standalone(env.settings, env.pool), config=cfg)
     reconciler.loop.start(LeaderTerm(epoch=1, node_id="test-1"))
     try:
         started = time.monotonic()
@@ -264,7 +265,7 @@ async def test_republishing_is_capped_and_the_count_survives_failover(
         cfg = config_from_settings(
             ReconcilerConfig, env.settings, max_republishes=2, defer_backlogged_queues=False
         )
-        reconciler = Reconciler(env.settings, env.pool, config=cfg)
+        reconciler = Reconciler(DutyContext.standalone(env.settings, env.pool), config=cfg)
         reconciler.loop.bind(LeaderTerm(epoch=epoch, node_id=f"leader-{epoch}"))
         await reconciler.setup()
         try:

@@ -20,7 +20,9 @@ import pytest
 from scheduler import db
 from scheduler.config import Settings
 from scheduler.duties import FenceHeartbeat, default_duties
-from scheduler.duties.base import Duty, DutyContext, DutyLoop, LeaderTerm
+from scheduler.duties.base import Duty, DutyLoop, LeaderTerm
+from scheduler.duties.context import DutyContext
+from scheduler.duties.fence_heartbeat import FenceHeartbeatConfig
 from scheduler.errors import Fenced
 from scheduler.leadership.fence import fenced_transaction
 from scheduler.leadership.policy import session_settings
@@ -171,7 +173,7 @@ async def test_crashing_duty_is_logged_and_restarted_with_backoff(
     flaky = FlakyDuty(failures=3)
 
     def factory(ctx: DutyContext) -> list[Duty]:
-        return [FenceHeartbeat.from_context(ctx), flaky]
+        return [FenceHeartbeat(ctx), flaky]
 
     before = counter(DUTY_FAILURES, "main", "flaky")
     caplog.set_level(logging.ERROR)
@@ -214,7 +216,10 @@ async def test_fenced_duty_makes_the_replica_step_down_and_campaign_again(
         with pytest.raises(Fenced):
             async with fenced_transaction(conn, old):
                 pytest.fail("a fenced transaction of a stale epoch ran its body")
-    stale = FenceHeartbeat(fence, interval=1.0)
+    stale = FenceHeartbeat(
+        dataclasses.replace(DutyContext.standalone(base_settings, fence_pool), fence=fence),
+        config=FenceHeartbeatConfig(interval=1.0),
+    )
     stale.loop.bind(LeaderTerm(old, replica.node_id))
     with pytest.raises(Fenced):
         await stale.run_once()

@@ -26,6 +26,7 @@ from scheduler import db
 from scheduler.broker import declare_job_queue
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
@@ -251,7 +252,9 @@ async def test_producer_schedules_only_with_the_flag(
                 await w.producer.execute(sql)
         # and the scheduler role plans it
         assert await FenceStore(w.scheduler).advance(1, "n1")
-        planner = Planner(w.as_role("scheduler"), w.scheduler, config=PlannerConfig())
+        planner = Planner(
+            DutyContext.standalone(w.as_role("scheduler"), w.scheduler), config=PlannerConfig()
+        )
         planner.loop.bind(LeaderTerm(1, "n1"))
         await planner.plan_pass()
         row = await w.owner.fetchrow(
@@ -454,8 +457,7 @@ async def test_scheduler_maintainer_ddl_goes_through_definer_functions(world: Wo
     )
     settings = world.as_role("scheduler")
     maintainer = Maintainer(
-        settings,
-        world.scheduler,
+        DutyContext.standalone(settings, world.scheduler),
         config=config_from_settings(MaintainerConfig, settings, days_ahead=20, retention_days=7.0),
     )
     maintainer.loop.bind(LeaderTerm(epoch=2, node_id="leader"))
@@ -499,7 +501,7 @@ async def test_end_to_end_as_least_privilege_roles(world: World, unique: str) ->
         await declare_queues(world.owner, queue)
         job = await JobStore(world.producer).enqueue("w.ok", {"n": 1}, queue=queue)
         assert await FenceStore(world.scheduler).advance(9, "leader")
-        dispatcher = Dispatcher(world.as_role("scheduler"), world.scheduler)
+        dispatcher = Dispatcher(DutyContext.standalone(world.as_role("scheduler"), world.scheduler))
         dispatcher.loop.bind(LeaderTerm(epoch=9, node_id="leader"))
         worker = Worker(
             world.as_role("worker"), queues=[queue], registry=_registry(calls), concurrency=2

@@ -16,7 +16,8 @@ import asyncpg
 import pytest
 
 from scheduler.config import Settings, load_settings
-from scheduler.duties.base import Duty, DutyContext, DutyLoop
+from scheduler.duties.base import Duty, DutyLoop
+from scheduler.duties.context import DutyContext
 from scheduler.duties.fence_heartbeat import FenceHeartbeat
 from scheduler.leadership.sharded import ShardedReplica
 from tests.conftest import own_database
@@ -73,7 +74,7 @@ class Crash:
 
 
 def heartbeat_only(ctx: DutyContext) -> Sequence[Duty]:
-    return [FenceHeartbeat.from_context(ctx)]
+    return [FenceHeartbeat(ctx)]
 
 
 @contextlib.asynccontextmanager
@@ -146,7 +147,7 @@ async def test_fence_ahead_hands_the_shard_over_and_holds_off(
 
 async def test_a_duty_that_ends_hands_only_its_shard_over(shard_settings: Settings) -> None:
     def factory(ctx: DutyContext) -> Sequence[Duty]:
-        duties: list[Duty] = [FenceHeartbeat.from_context(ctx)]
+        duties: list[Duty] = [FenceHeartbeat(ctx)]
         if ctx.shard == "b":
             duties.append(Crash())
         return duties
