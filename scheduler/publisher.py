@@ -57,6 +57,10 @@ SLOW_BATCH_FRACTION = 0.5
 MAX_THROTTLE = 2.0
 #: How often a caller re-checks a blocked connection.
 BLOCKED_RECHECK = 0.25
+#: Longest wait for the broker to acknowledge a close. A healthy broker answers in
+#: milliseconds; an unreachable one never does, and a stop (SIGTERM, a lost term) must
+#: not wait for it: the connection is dropped instead.
+CLOSE_TIMEOUT = 1.0
 
 OUTCOMES = ("nack", "returned", "timeout", "connection", "declare", "error")
 
@@ -161,7 +165,7 @@ class Publisher:
             channel = connection.channel(publisher_confirms=True, on_return_raises=True)
             await asyncio.wait_for(channel.initialize(), self.connect_timeout)
         except BaseException:
-            await connection.close()
+            await broker.close_connection(connection, CLOSE_TIMEOUT)
             raise
         self._connection, self._channel = connection, channel
         return self
@@ -169,11 +173,8 @@ class Publisher:
     async def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
         self._declared.clear()
-        if connection is not None:
-            try:
-                await asyncio.wait_for(connection.close(), self.connect_timeout)
-            except Exception as exc:  # closing a dead connection must not fail teardown
-                log.warning("publisher_close_failed", error=repr(exc))
+        if connection is not None:  # bounded, never raises: teardown must not fail on it
+            await broker.close_connection(connection, CLOSE_TIMEOUT)
 
     async def __aenter__(self) -> Publisher:
         return await self.open()
