@@ -54,6 +54,10 @@ QUEUE_PREFIX = "duetime."
 DEAD_LETTER_EXCHANGE = "duetime.dlx"
 DEAD_LETTER_QUEUE = "duetime.dead-letter"
 
+#: Longest wait for the broker to answer a close or a consumer cancel. A healthy broker
+#: answers in milliseconds; an unreachable one never does, and a stop (SIGTERM, a lost
+#: term) must not wait for it: the connection is dropped instead.
+CLOSE_TIMEOUT = 1.0
 #: Seconds to wait for a connection that never opened to be closed, and for a close
 #: that ran out of time to end once cancelled.
 ABANDON_TIMEOUT = 0.5

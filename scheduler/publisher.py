@@ -57,10 +57,6 @@ SLOW_BATCH_FRACTION = 0.5
 MAX_THROTTLE = 2.0
 #: How often a caller re-checks a blocked connection.
 BLOCKED_RECHECK = 0.25
-#: Longest wait for the broker to acknowledge a close. A healthy broker answers in
-#: milliseconds; an unreachable one never does, and a stop (SIGTERM, a lost term) must
-#: not wait for it: the connection is dropped instead.
-CLOSE_TIMEOUT = 1.0
 
 OUTCOMES = ("nack", "returned", "timeout", "connection", "declare", "error")
 
@@ -165,7 +161,7 @@ class Publisher:
             channel = connection.channel(publisher_confirms=True, on_return_raises=True)
             await asyncio.wait_for(channel.initialize(), self.connect_timeout)
         except BaseException:
-            await broker.close_connection(connection, CLOSE_TIMEOUT)
+            await broker.close_connection(connection, broker.CLOSE_TIMEOUT)
             raise
         self._connection, self._channel = connection, channel
         return self
@@ -174,7 +170,7 @@ class Publisher:
         connection, self._connection, self._channel = self._connection, None, None
         self._declared.clear()
         if connection is not None:  # bounded, never raises: teardown must not fail on it
-            await broker.close_connection(connection, CLOSE_TIMEOUT)
+            await broker.close_connection(connection, broker.CLOSE_TIMEOUT)
 
     async def __aenter__(self) -> Publisher:
         return await self.open()

@@ -171,3 +171,48 @@ async def insert_job(conn: asyncpg.Connection, queue: str) -> int:
         queue,
     )
     return job_id
+
+
+# -- the worker ------------------------------------------------------------------------
+
+
+def worker_argv(queue: str) -> list[str]:
+    return duetime_argv("worker", "--import", TASKS, "--queue", queue, "--concurrency", "2")
+
+
+def worker_env(test_env: dict[str, str], proxy: FaultProxy, node_id: str) -> dict[str, str]:
+    return {
+        **test_env,
+        "DUETIME_AMQP_URL": proxy.route(test_env["DUETIME_AMQP_URL"]),
+        "DUETIME_AMQP_TIMEOUT": "10",
+        "DUETIME_NODE_ID": node_id,
+    }
+
+
+@pytest.mark.parametrize("fault", ["refused", "partition"])
+async def test_worker_stops_on_one_sigterm_while_connecting_to_an_unreachable_broker(
+    procs: Processes, test_env: dict[str, str], queue: str, unique: str, fault: str
+) -> None:
+    async with broker_proxy(test_env["DUETIME_AMQP_URL"]) as proxy:
+        break_broker(proxy, fault)
+        worker = procs.spawn(
+            worker_argv(queue), name="worker", env=worker_env(test_env, proxy, f"wb-{unique}")
+        )
+        await wait_for(lambda: proxy.accepted >= 2, 20, message=worker.tail())
+        await one_sigterm_ends_it(worker, "service_start_abandoned")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+async def test_worker_stops_on_one_sigterm_after_the_broker_went_away(
+    procs: Processes, test_env: dict[str, str], queue: str, unique: str, fault: str
+) -> None:
+    async with broker_proxy(test_env["DUETIME_AMQP_URL"]) as proxy:
+        worker = procs.spawn(
+            worker_argv(queue), name="worker", env=worker_env(test_env, proxy, f"wb-{unique}")
+        )
+        await wait_for(lambda: bool(events(worker, "worker_started")), 30, message=worker.tail())
+        accepted = proxy.accepted
+        break_broker(proxy, fault)
+        if fault != "partition":
+            await wait_for(lambda: proxy.accepted > accepted, 20, message=worker.tail())
+        await one_sigterm_ends_it(worker, "worker_stopped")
