@@ -596,3 +596,58 @@ async def test_scheduler_maintenance_stays_in_the_maintainers_box(world: World) 
     assert await s.fetchval("SELECT duetime.prune_default($1, 100000000)", week) == 1  # old
     assert await s.fetchval("SELECT duetime.prune_default(-1e300, 10)") == 1  # recent
     assert await owner.fetchval("SELECT array_agg(status) FROM duetime.jobs_default") == ["pending"]
+
+
+async def test_scheduler_prunes_the_ledger_only_past_a_day_and_never_a_live_jobs_row(
+    world: World,
+) -> None:
+    """The scheduler role prunes the idempotency ledger only through
+    ``duetime.prune_ledger``: a retention under one day is refused (0 emptied the ledger,
+    so duplicates of completed keys ran again), and the row of a job still pending or
+    dispatched stays until that job is no longer live."""
+    s, owner = world.scheduler, world.owner
+    for sql in (
+        "DELETE FROM duetime.job_ledger",
+        "UPDATE duetime.job_ledger SET completed_at = now() - interval '1 year'",
+        "SELECT 1 FROM duetime.job_ledger FOR UPDATE",
+    ):
+        with pytest.raises(DENIED):
+            await s.execute(sql)
+    ids = {}
+    for name, status in (
+        ("dispatched", "pending"),
+        ("pending", "pending"),
+        ("old", "succeeded"),
+        ("recent", "succeeded"),
+    ):
+        ids[name] = await owner.fetchval(
+            "INSERT INTO duetime.jobs (task, status) VALUES ('l', $1) RETURNING id", status
+        )
+    await owner.execute(
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+        f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
+        ids["dispatched"],
+    )
+    for name, age in (("dispatched", 30), ("pending", 30), ("old", 30), ("recent", 0.5)):
+        await owner.execute(
+            "INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task, "
+            "completed_at) VALUES ($1, $2, 1, 'l', now() - $3 * interval '1 day')",
+            name,
+            ids[name],
+            age,
+        )
+    for retention in (0.0, -1e300, 3600.0, 86399.0, float("nan"), None):
+        with pytest.raises(asyncpg.InvalidParameterValueError, match="under the floor"):
+            await s.fetchval("SELECT duetime.prune_ledger($1, 1000)", retention)
+    day = 86400.0
+    assert await s.fetchval("SELECT duetime.prune_ledger($1, 1000)", day) == 1  # "old"
+    keys = {r["idempotency_key"] for r in await owner.fetch("SELECT * FROM duetime.job_ledger")}
+    assert keys == {"dispatched", "pending", "recent"}
+    # once the dispatched job has settled, its row is past the retention like any other
+    await owner.execute(
+        "UPDATE duetime.jobs SET status = 'succeeded', finished_at = now() WHERE id = $1",
+        ids["dispatched"],
+    )
+    assert await s.fetchval("SELECT duetime.prune_ledger($1, 1000)", day) == 1
+    keys = {r["idempotency_key"] for r in await owner.fetch("SELECT * FROM duetime.job_ledger")}
+    assert keys == {"pending", "recent"}
