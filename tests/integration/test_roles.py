@@ -651,3 +651,56 @@ async def test_scheduler_prunes_the_ledger_only_past_a_day_and_never_a_live_jobs
     assert await s.fetchval("SELECT duetime.prune_ledger($1, 1000)", day) == 1
     keys = {r["idempotency_key"] for r in await owner.fetch("SELECT * FROM duetime.job_ledger")}
     assert keys == {"pending", "recent"}
+
+
+async def test_scheduler_may_rewrite_dispatch_columns_and_nothing_else_of_a_job(
+    world: World,
+) -> None:
+    """What the scheduler role can still do to a job, and where that stops. It is the
+    trusted dispatcher: it may set the dispatch columns of any job (here a pending job is
+    cancelled with a made-up error), but a dispatch must carry the fence's epoch, and what
+    a job runs, when and how often (task, payload, queue, run_at, attempt, keys, owner) is
+    not its to change; it inserts jobs only as pending (the planner's grant), deletes no job
+    and writes no ledger row."""
+    s, owner = world.scheduler, world.owner
+    job = await _job(owner)
+    where = f"WHERE id = {job.job_id}"
+    await s.execute(
+        "UPDATE duetime.jobs SET status = 'cancelled', finished_at = now(), "
+        f"last_error = 'cancelled by the scheduler role' {where}"
+    )
+    row = await owner.fetchrow(f"SELECT status, last_error FROM duetime.jobs {where}")
+    assert row is not None and row["status"] == "cancelled"
+    epoch = await owner.fetchval("SELECT epoch FROM duetime.leader_fence WHERE shard = 0")
+    with pytest.raises(asyncpg.IntegrityConstraintViolationError, match="fence holds epoch"):
+        await s.execute(
+            "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+            f"dispatch_epoch = {epoch + 7} {where}"
+        )
+    for assignment in (
+        "task = 'other.task'",
+        "payload = '{\"x\": 1}'",
+        "queue = 'other'",
+        "run_at = now() + interval '1 year'",
+        "attempt = 99",
+        "max_attempts = 1000",
+        "idempotency_key = 'k'",
+        "created_by = 'someone'",
+        "schedule_id = 1",
+        "due_at = now() + interval '1 day'",
+    ):
+        with pytest.raises(DENIED):
+            await s.execute(f"UPDATE duetime.jobs SET {assignment} {where}")
+    # the planner's grant: it inserts jobs (any registered task, any payload), but not
+    # in a state other than pending
+    assert await s.fetchval(
+        "INSERT INTO duetime.jobs (task, payload) VALUES ('any.task', '{}') RETURNING id"
+    )
+    for sql in (
+        "INSERT INTO duetime.jobs (task, status) VALUES ('any.task', 'succeeded')",
+        f"DELETE FROM duetime.jobs {where}",
+        "INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task) "
+        f"VALUES ('job:{job.job_id}', {job.job_id}, 1, 't')",
+    ):
+        with pytest.raises(DENIED):
+            await s.execute(sql)
