@@ -30,6 +30,8 @@ instead of silently losing failover).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +53,14 @@ log = get_logger(__name__)
 QUEUE_PREFIX = "duetime."
 DEAD_LETTER_EXCHANGE = "duetime.dlx"
 DEAD_LETTER_QUEUE = "duetime.dead-letter"
+
+#: Longest wait for the broker to answer a close or a consumer cancel. A healthy broker
+#: answers in milliseconds; an unreachable one never does, and a stop (SIGTERM, a lost
+#: term) must not wait for it: the connection is dropped instead.
+CLOSE_TIMEOUT = 1.0
+#: Seconds to wait for a connection that never opened to be closed, and for a close
+#: that ran out of time to end once cancelled.
+ABANDON_TIMEOUT = 0.5
 
 # RobustConnection's one connect step (name-mangled private method): its reconnect
 # loop calls it for every attempt; ClusterConnection overrides it to pick the node.
@@ -169,9 +179,16 @@ async def connect(
     )
     try:
         await connection.connect(timeout=timeout)
-    except (OSError, TimeoutError, aiormq.exceptions.AMQPError) as exc:
-        failures = connection.failures or [(redact_url(url), exc)]
+    except BaseException as exc:
+        # Whatever ended the attempt (a refusal, a timeout, or the caller's cancellation:
+        # a stop while the broker is unreachable), the connection's reconnect task must
+        # not outlive it. That task takes a cancellation it did not ask for as a reason
+        # to reconnect, so left behind it would keep the event loop, and the process,
+        # alive after shutdown.
         await _abandon(connection)
+        if not isinstance(exc, OSError | TimeoutError | aiormq.exceptions.AMQPError):
+            raise
+        failures = connection.failures or [(redact_url(url), exc)]
         if len(failures) == 1:
             where, error = failures[0]
             detail = f"{where}: {_reason(error)}"
@@ -212,11 +229,48 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _abandon(connection: ClusterConnection) -> None:
-    """Stop the reconnect task of a connection that never opened."""
-    try:
-        await connection.close()
-    except Exception as exc:  # nothing was open: only its task to stop
-        log.debug("amqp_abandon_failed", error=repr(exc))
+    """Stop the reconnect task of a connection that never opened (nothing was open, so
+    there is nothing to close politely: a short bound)."""
+    await close_connection(connection, ABANDON_TIMEOUT)
+
+
+async def close_connection(connection: AbstractRobustConnection, timeout: float) -> bool:
+    """Close ``connection`` within ``timeout`` seconds, even when the caller is being
+    cancelled; False (logged) when it failed or took too long.
+
+    Why not a plain ``wait_for(connection.close())``: a caller cancelled before the close
+    starts would cancel it unstarted, and aio-pika's reconnect task, which only closing
+    stops, would outlive the connection and keep the process alive after shutdown. The
+    close runs in a task of its own, shielded from the caller's cancellation, and is
+    cancelled only once the bound is spent; by then the reconnect task was cancelled
+    (that is the close's first step), and cancelling the close ends the polite part
+    aiormq adds (sending ``Connection.Close`` and waiting up to 2 s for the answer,
+    which a partitioned broker never sends).
+    """
+    closing = asyncio.ensure_future(connection.close())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    cancelled = False
+    while not closing.done() and (remaining := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait({closing}, timeout=remaining)
+        except asyncio.CancelledError:
+            cancelled = True  # finish the bounded close first, then let it through
+    if not closing.done():
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({closing}, timeout=ABANDON_TIMEOUT)
+    if cancelled:
+        raise asyncio.CancelledError
+    if closing.done() and not closing.cancelled() and closing.exception() is None:
+        return True
+    failed = closing.done() and not closing.cancelled()
+    log.warning(
+        "amqp_close_failed",
+        timeout=timeout,
+        error=repr(closing.exception()) if failed else "timed out",
+    )
+    return False
 
 
 async def declare_dead_letter(channel: AbstractChannel) -> AbstractQueue:

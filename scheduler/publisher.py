@@ -164,7 +164,7 @@ class Publisher:
             channel = connection.channel(publisher_confirms=True, on_return_raises=True)
             await asyncio.wait_for(channel.initialize(), self.connect_timeout)
         except BaseException:
-            await connection.close()
+            await broker.close_connection(connection, broker.CLOSE_TIMEOUT)
             raise
         self._connection, self._channel = connection, channel
         return self
@@ -172,11 +172,8 @@ class Publisher:
     async def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
         self._declared.clear()
-        if connection is not None:
-            try:
-                await asyncio.wait_for(connection.close(), self.connect_timeout)
-            except Exception as exc:  # closing a dead connection must not fail teardown
-                log.warning("publisher_close_failed", error=repr(exc))
+        if connection is not None:  # bounded, never raises: teardown must not fail on it
+            await broker.close_connection(connection, broker.CLOSE_TIMEOUT)
 
     async def __aenter__(self) -> Publisher:
         return await self.open()

@@ -6,8 +6,9 @@ a loaded broker), or because PostgreSQL was restarting at that moment, turns a b
 a process restart at best (systemd, ``RestartSec=2s``) and a silent outage at worst (any
 supervisor that gives up, or none). Long-running services therefore retry their start
 on *transient* errors with a jittered, bounded back-off, log every failed attempt with
-the reason and the delay, and stay stoppable throughout (SIGTERM while retrying is a
-clean exit).
+the reason and the delay, and stay stoppable throughout: SIGTERM while retrying is a
+clean exit, and so is SIGTERM during an attempt (a connect to a broker that accepts TCP
+and never answers waits ``amqp_timeout``; the attempt is cancelled, not awaited).
 
 What is *not* transient fails at once, with its one-line error: bad credentials, a
 missing database or vhost, a TLS certificate that does not verify, a queue declared
@@ -71,13 +72,16 @@ async def start_with_retry(
 ) -> bool:
     """Run ``start`` until it succeeds (True) or ``stop`` is set while waiting (False).
 
-    ``start`` must clean up after itself when it raises (close what it opened), so that
-    it can simply be called again. A non-transient error propagates unchanged.
+    ``start`` must clean up after itself when it raises or is cancelled (close what it
+    opened), so that it can simply be called again, or abandoned when ``stop`` is set
+    during an attempt. A non-transient error propagates unchanged.
     """
     failures = 0
     while True:
         try:
-            await start()
+            if not await _unless_stopped(start, stop):
+                log.info("service_start_abandoned", service=service, attempts=failures + 1)
+                return False
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -98,3 +102,22 @@ async def start_with_retry(
         if failures:
             log.info("service_start_recovered", service=service, attempts=failures + 1)
         return True
+
+
+async def _unless_stopped(start: Callable[[], Awaitable[None]], stop: asyncio.Event) -> bool:
+    """Run one ``start`` attempt; False (the attempt cancelled and awaited) if ``stop``
+    is set first. The attempt's own errors propagate."""
+    if stop.is_set():
+        return False
+    attempt = asyncio.ensure_future(start())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({attempt, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # both tasks are owned here: none outlives the call
+        stopped.cancel()
+        attempt.cancel()  # a no-op once it finished
+        await asyncio.gather(stopped, attempt, return_exceptions=True)
+    if attempt.cancelled():
+        return False
+    attempt.result()  # raises the attempt's error
+    return True

@@ -50,7 +50,7 @@ from typing import Any
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
 from scheduler.backoff import bounded_jitter
-from scheduler.broker import declare_job_queue
+from scheduler.broker import CLOSE_TIMEOUT, declare_job_queue
 from scheduler.log import get_logger
 from scheduler.messages import MalformedMessage, decode
 from scheduler.metrics import DELIVERIES_DROPPED, DELIVERIES_REQUEUED, MALFORMED_MESSAGES
@@ -134,10 +134,13 @@ class Consumer:
         """Cancel the broker consumers (no new deliveries); safe twice."""
         self.stopping = True
         consumers, self._consumers = self._consumers, []
+        # Bounded by CLOSE_TIMEOUT, not amqp_timeout: a robust channel waits to be
+        # reconnected first, and a stop must not wait for an unreachable broker. A cancel
+        # that does not finish loses nothing: the deliveries it would have stopped stay
+        # unacked, and the broker requeues them when the connection closes.
         for queue, tag in consumers:
             try:
-                # bounded as a whole: a robust channel may wait to be reconnected first
-                await asyncio.wait_for(queue.cancel(tag, timeout=self._timeout), self._timeout)
+                await asyncio.wait_for(queue.cancel(tag, timeout=CLOSE_TIMEOUT), CLOSE_TIMEOUT)
             except Exception as exc:  # channel already gone: nothing will arrive anyway
                 log.warning("consumer_cancel_failed", queue=queue.name, error=repr(exc))
         if consumers:

@@ -200,15 +200,15 @@ class Worker:
         self.executors = None
         for shard in shards.values():
             await shard.executor.close()
-        timeout = self.settings.amqp_timeout
         channel, self.channel = self.channel, None
         connection, self.connection = self.connection, None
-        for resource in (channel, connection):
-            if resource is not None:
-                try:
-                    await asyncio.wait_for(resource.close(), timeout)
-                except Exception as exc:
-                    log.warning("broker_close_failed", error=repr(exc))
+        if channel is not None:  # bounded: the broker may be unreachable (broker.py)
+            try:
+                await asyncio.wait_for(channel.close(), broker.CLOSE_TIMEOUT)
+            except Exception as exc:
+                log.warning("broker_close_failed", error=repr(exc))
+        if connection is not None:
+            await broker.close_connection(connection, broker.CLOSE_TIMEOUT)
         pools = [pool for shard in shards.values() for pool in (shard.pool, shard.store_pool)]
         await close_pools(pools, self.settings.db_timeout)
 

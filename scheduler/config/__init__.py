@@ -17,12 +17,19 @@ Import from here: ``from scheduler.config import Settings, load_settings``.
 
 from scheduler.config.loading import ENV_PREFIX, env_name, load_settings
 from scheduler.config.parsers import redact_url
-from scheduler.config.settings import DEFAULT_DB_TIMEOUT, FIELDS, Field, Settings
+from scheduler.config.settings import (
+    DEFAULT_DB_TIMEOUT,
+    FIELDS,
+    MIN_RETENTION_DAYS,
+    Field,
+    Settings,
+)
 
 __all__ = [
     "DEFAULT_DB_TIMEOUT",
     "ENV_PREFIX",
     "FIELDS",
+    "MIN_RETENTION_DAYS",
     "Field",
     "Settings",
     "env_name",

@@ -7,6 +7,7 @@ environment or a flag, a typed value from TOML) and returns it typed, or raises
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import socket
@@ -138,6 +139,8 @@ def number(kind: type, *, minimum: float | None = None, exclusive: bool = False)
             number = kind(value)
         except (TypeError, ValueError):
             raise ValueError(f"must be a {kind.__name__} (got {value!r})") from None
+        if not math.isfinite(number):  # nan passes every comparison below
+            raise ValueError(f"must be a finite number (got {value!r})")
         if minimum is not None and (number <= minimum if exclusive else number < minimum):
             relation = ">" if exclusive else ">="
             raise ValueError(f"must be {relation} {minimum} (got {value!r})")

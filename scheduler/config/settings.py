@@ -19,6 +19,13 @@ from scheduler.shards.config import DEFAULT_SHARD, Shard
 #: a pool, one statement (x3, client side). Stores built without settings use it too.
 DEFAULT_DB_TIMEOUT = 10.0
 
+#: The shortest retention accepted. The retention is the idempotency window (a job whose
+#: key completed less than this long ago is settled as a duplicate without running) and
+#: how long a dead job stays for ``duetime jobs retry``; under a day, a duplicate sent the
+#: next morning runs again and failures vanish before anyone looks. ``duetime.prune_ledger``
+#: refuses less (migration 0013).
+MIN_RETENTION_DAYS = 1.0
+
 
 @dataclass(frozen=True)
 class Field:
@@ -212,7 +219,11 @@ FIELDS: dict[str, Field] = {
         ),
         Field("planner_horizon", p.number(float, minimum=1.0), "seconds of fire times planned"),
         Field("partition_days_ahead", p.number(int, minimum=1), "daily partitions created ahead"),
-        Field("retention_days", p.number(float, minimum=0.0), "days finished jobs are kept"),
+        Field(
+            "retention_days",
+            p.number(float, minimum=MIN_RETENTION_DAYS),
+            "days finished jobs, ledger rows and fire rows are kept (the idempotency window)",
+        ),
         Field("worker_concurrency", p.number(int, minimum=1), "handlers run at once per worker"),
         Field(
             "worker_grace_period",

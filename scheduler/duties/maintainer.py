@@ -63,6 +63,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
+from scheduler.config import MIN_RETENTION_DAYS
 from scheduler.duties.base import DutyLoop
 from scheduler.duties.context import DutyContext, FencedWrites
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
@@ -88,8 +89,9 @@ class MaintainerConfig:
 
     days_ahead: int = knob(14, setting="partition_days_ahead", ge=0)
     """Buckets exist from today to today + this many days (UTC)."""
-    retention_days: float = knob(7.0, setting="retention_days", ge=0)
-    """Buckets, ledger and fire rows older than this many days are removed."""
+    retention_days: float = knob(7.0, setting="retention_days", ge=MIN_RETENTION_DAYS)
+    """Buckets, ledger and fire rows older than this many days are removed (at least one
+    day: ``scheduler.config.MIN_RETENTION_DAYS``)."""
     interval: float = knob(600.0, gt=0)
     """Seconds between passes."""
     retry_interval: float = knob(30.0, gt=0)

@@ -60,22 +60,10 @@ SELECT duetime.detach_terminal_partition($1::date);
 SELECT duetime.drop_detached_partition($1::text);
 
 -- name: prune_ledger
--- (fenced) One batch of ledger rows completed more than $1 seconds ago, oldest first
--- along job_ledger_completed_idx; returns how many went.
-WITH doomed AS (
-    SELECT idempotency_key
-      FROM duetime.job_ledger
-     WHERE completed_at < now() - make_interval(secs => $1::float8)
-     ORDER BY completed_at
-     LIMIT $2
-       FOR UPDATE SKIP LOCKED
-), gone AS (
-    DELETE FROM duetime.job_ledger l
-     USING doomed d
-     WHERE l.idempotency_key = d.idempotency_key
-    RETURNING 1
-)
-SELECT count(*) FROM gone;
+-- (fenced) One batch of at most $2 ledger rows completed more than $1 seconds ago,
+-- oldest first, never the row of a job still pending or dispatched; a retention under
+-- one day is refused (duetime.prune_ledger, migration 0013). Returns how many went.
+SELECT duetime.prune_ledger($1::float8, $2::int);
 
 -- name: prune_fires
 -- (fenced) One batch of schedule_fires rows older than $1 seconds. A fire row is only

@@ -98,7 +98,8 @@ GRANT SELECT ON duetime.queues TO "{worker}";
 -- name: grant_scheduler
 -- Fence (fence.sql); dispatch and reconcile (dispatch.sql); planner (schedules.sql
 -- claim_due, apply_plan, prune_fires); maintainer (maintenance.sql): bucket DDL and
--- DEFAULT's pruning only through SECURITY DEFINER functions (migrations 0005, 0010);
+-- DEFAULT's and the ledger's pruning only through SECURITY DEFINER functions
+-- (migrations 0005, 0010, 0013);
 -- `duetime status`/readiness (status.sql). Not INSERT/DELETE on the fence, not
 -- producer columns of schedules, no DDL of its own.
 GRANT SELECT, UPDATE (epoch, leader_node, elected_at, renewed_at)
@@ -118,18 +119,20 @@ GRANT UPDATE (next_fire_at, plan_at, buffered_fire_at, paused, last_error, fired
               skipped_count, missed_count, last_fired_at, last_job_id, last_job_due_at)
     ON duetime.schedules TO "{scheduler}";
 GRANT SELECT, INSERT, DELETE ON duetime.schedule_fires TO "{scheduler}";
--- prune_ledger locks rows FOR UPDATE before deleting them: that needs UPDATE on a column.
-GRANT SELECT, DELETE, UPDATE (completed_at) ON duetime.job_ledger TO "{scheduler}";
+-- The ledger is pruned only through duetime.prune_ledger (migration 0013): no DELETE.
+GRANT SELECT ON duetime.job_ledger TO "{scheduler}";
 GRANT SELECT ON duetime.schema_migrations TO "{scheduler}";
 -- The maintainer's box (migration 0010): create buckets from today to today + 100 days,
 -- detach buckets whose range ended and whose rows are all terminal, drop what it
--- detached, delete terminal rows of DEFAULT past the retention. Not ensure_partition(s)
+-- detached, delete terminal rows of DEFAULT past the retention, prune the ledger past
+-- the retention (never under a day, never a live job's row). Not ensure_partition(s)
 -- (any day, any number of days: the owner's), not DELETE on jobs_default.
 GRANT EXECUTE ON FUNCTION duetime.create_bucket(date),
                           duetime.detach_terminal_partition(date),
                           duetime.drop_detached_partition(text),
                           duetime.partition_is_live(regclass),
-                          duetime.prune_default(float8, integer)
+                          duetime.prune_default(float8, integer),
+                          duetime.prune_ledger(float8, integer)
     TO "{scheduler}";
 CREATE POLICY "{scheduler}_jobs" ON duetime.jobs FOR ALL TO "{scheduler}"
     USING (true) WITH CHECK (true);

@@ -598,3 +598,111 @@ async def test_scheduler_maintenance_stays_in_the_maintainers_box(world: World) 
     assert await s.fetchval("SELECT duetime.prune_default($1, 100000000)", week) == 1  # old
     assert await s.fetchval("SELECT duetime.prune_default(-1e300, 10)") == 1  # recent
     assert await owner.fetchval("SELECT array_agg(status) FROM duetime.jobs_default") == ["pending"]
+
+
+async def test_scheduler_prunes_the_ledger_only_past_a_day_and_never_a_live_jobs_row(
+    world: World,
+) -> None:
+    """The scheduler role prunes the idempotency ledger only through
+    ``duetime.prune_ledger``: a retention under one day is refused (0 emptied the ledger,
+    so duplicates of completed keys ran again), and the row of a job still pending or
+    dispatched stays until that job is no longer live."""
+    s, owner = world.scheduler, world.owner
+    for sql in (
+        "DELETE FROM duetime.job_ledger",
+        "UPDATE duetime.job_ledger SET completed_at = now() - interval '1 year'",
+        "SELECT 1 FROM duetime.job_ledger FOR UPDATE",
+    ):
+        with pytest.raises(DENIED):
+            await s.execute(sql)
+    ids = {}
+    for name, status in (
+        ("dispatched", "pending"),
+        ("pending", "pending"),
+        ("old", "succeeded"),
+        ("recent", "succeeded"),
+    ):
+        ids[name] = await owner.fetchval(
+            "INSERT INTO duetime.jobs (task, status) VALUES ('l', $1) RETURNING id", status
+        )
+    await owner.execute(
+        "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+        f"dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
+        ids["dispatched"],
+    )
+    for name, age in (("dispatched", 30), ("pending", 30), ("old", 30), ("recent", 0.5)):
+        await owner.execute(
+            "INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task, "
+            "completed_at) VALUES ($1, $2, 1, 'l', now() - $3 * interval '1 day')",
+            name,
+            ids[name],
+            age,
+        )
+    for retention in (0.0, -1e300, 3600.0, 86399.0, float("nan"), None):
+        with pytest.raises(asyncpg.InvalidParameterValueError, match="under the floor"):
+            await s.fetchval("SELECT duetime.prune_ledger($1, 1000)", retention)
+    day = 86400.0
+    assert await s.fetchval("SELECT duetime.prune_ledger($1, 1000)", day) == 1  # "old"
+    keys = {r["idempotency_key"] for r in await owner.fetch("SELECT * FROM duetime.job_ledger")}
+    assert keys == {"dispatched", "pending", "recent"}
+    # once the dispatched job has settled, its row is past the retention like any other
+    await owner.execute(
+        "UPDATE duetime.jobs SET status = 'succeeded', finished_at = now() WHERE id = $1",
+        ids["dispatched"],
+    )
+    assert await s.fetchval("SELECT duetime.prune_ledger($1, 1000)", day) == 1
+    keys = {r["idempotency_key"] for r in await owner.fetch("SELECT * FROM duetime.job_ledger")}
+    assert keys == {"pending", "recent"}
+
+
+async def test_scheduler_may_rewrite_dispatch_columns_and_nothing_else_of_a_job(
+    world: World,
+) -> None:
+    """What the scheduler role can still do to a job, and where that stops. It is the
+    trusted dispatcher: it may set the dispatch columns of any job (here a pending job is
+    cancelled with a made-up error), but a dispatch must carry the fence's epoch, and what
+    a job runs, when and how often (task, payload, queue, run_at, attempt, keys, owner) is
+    not its to change; it inserts jobs only as pending (the planner's grant), deletes no job
+    and writes no ledger row."""
+    s, owner = world.scheduler, world.owner
+    job = await _job(owner)
+    where = f"WHERE id = {job.job_id}"
+    await s.execute(
+        "UPDATE duetime.jobs SET status = 'cancelled', finished_at = now(), "
+        f"last_error = 'cancelled by the scheduler role' {where}"
+    )
+    row = await owner.fetchrow(f"SELECT status, last_error FROM duetime.jobs {where}")
+    assert row is not None and row["status"] == "cancelled"
+    epoch = await owner.fetchval("SELECT epoch FROM duetime.leader_fence WHERE shard = 0")
+    with pytest.raises(asyncpg.IntegrityConstraintViolationError, match="fence holds epoch"):
+        await s.execute(
+            "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(), "
+            f"dispatch_epoch = {epoch + 7} {where}"
+        )
+    for assignment in (
+        "task = 'other.task'",
+        "payload = '{\"x\": 1}'",
+        "queue = 'other'",
+        "run_at = now() + interval '1 year'",
+        "attempt = 99",
+        "max_attempts = 1000",
+        "idempotency_key = 'k'",
+        "created_by = 'someone'",
+        "schedule_id = 1",
+        "due_at = now() + interval '1 day'",
+    ):
+        with pytest.raises(DENIED):
+            await s.execute(f"UPDATE duetime.jobs SET {assignment} {where}")
+    # the planner's grant: it inserts jobs (any registered task, any payload), but not
+    # in a state other than pending
+    assert await s.fetchval(
+        "INSERT INTO duetime.jobs (task, payload) VALUES ('any.task', '{}') RETURNING id"
+    )
+    for sql in (
+        "INSERT INTO duetime.jobs (task, status) VALUES ('any.task', 'succeeded')",
+        f"DELETE FROM duetime.jobs {where}",
+        "INSERT INTO duetime.job_ledger (idempotency_key, job_id, attempt, task) "
+        f"VALUES ('job:{job.job_id}', {job.job_id}, 1, 't')",
+    ):
+        with pytest.raises(DENIED):
+            await s.execute(sql)

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.config import FIELDS, Settings, env_name, load_settings, redact_url
+from scheduler.config import (
+    FIELDS,
+    MIN_RETENTION_DAYS,
+    Settings,
+    env_name,
+    load_settings,
+    redact_url,
+)
+from scheduler.duties.maintainer import MaintainerConfig
 from scheduler.errors import ConfigError
 from scheduler.log import scrub
 
@@ -238,6 +246,21 @@ def test_max_republishes_default_and_validation() -> None:
     assert load_settings(env={"DUETIME_MAX_REPUBLISHES": "3"}).max_republishes == 3
     message = _error(env={"DUETIME_MAX_REPUBLISHES": "0"})
     assert "DUETIME_MAX_REPUBLISHES" in message and ">= 1" in message
+
+
+@pytest.mark.parametrize("value", ["0", "0.5", "-1", "nan", "inf"])
+def test_a_retention_under_a_day_or_not_finite_is_refused_at_load(value: str) -> None:
+    """The retention is the idempotency window: 0 let the maintainer empty the ledger at
+    once, so a duplicate of a completed key ran again."""
+    message = _error(env={"DUETIME_RETENTION_DAYS": value})
+    assert message.count("\n") == 0
+    assert message.startswith(f"invalid configuration: DUETIME_RETENTION_DAYS={value}: ")
+    bound = "a finite number" if value in ("nan", "inf") else f">= {MIN_RETENTION_DAYS}"
+    assert f"retention_days must be {bound}" in message
+    assert load_settings(env={"DUETIME_RETENTION_DAYS": "1"}).retention_days == 1.0
+    if value != "inf":  # a config built by hand has the same floor
+        with pytest.raises(ValueError, match="retention_days must be >= 1"):
+            MaintainerConfig(retention_days=float(value))
 
 
 def test_queues_from_env_and_toml(tmp_path: Path) -> None:

@@ -109,3 +109,38 @@ async def test_stop_while_waiting_to_retry_returns_false_promptly() -> None:
     assert started is False
     assert calls == 1
     assert loop.time() - began < 1.0  # did not sit out the 15-30 s back-off
+
+
+async def test_stop_during_an_attempt_cancels_the_attempt() -> None:
+    """A start attempt that hangs (a broker that accepts TCP and never answers: the
+    connect waits amqp_timeout) is cancelled when stop is set, not awaited to its end."""
+    stop = asyncio.Event()
+    entered = asyncio.Event()
+    cleaned_up = False
+
+    async def start() -> None:
+        nonlocal cleaned_up
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cleaned_up = True  # what a start closes on its way out
+
+    retrying = asyncio.create_task(start_with_retry(start, stop, service="t"))
+    await entered.wait()
+    stop.set()
+    assert await asyncio.wait_for(retrying, 1.0) is False
+    assert cleaned_up
+
+
+async def test_a_stop_set_before_the_first_attempt_starts_nothing() -> None:
+    stop = asyncio.Event()
+    stop.set()
+    calls = 0
+
+    async def start() -> None:
+        nonlocal calls
+        calls += 1
+
+    assert await start_with_retry(start, stop, service="t") is False
+    assert calls == 0
