@@ -7,35 +7,13 @@ VALUES ($1, $2, coalesce($3, now()), $4, $5, $6)
 RETURNING *;
 
 -- name: insert_unique
--- A job with a unique key (migration 0014). The BEFORE INSERT trigger reads the policy
--- from two transaction-local settings, set here in the subquery the row comes from, so
--- they are in place before the row reaches the trigger: $7 the key, $8 'skip' |
--- 'replace' | 'error', $9 the unique_for window (an interval as text, '' for none).
--- No row comes back when the key was held (skipped, or the holder replaced in place):
--- `unique_holder` then reads which job holds it. The RETURNING clears the policy, so
--- the caller's later plain-SQL inserts in the same transaction get the default (skip).
-INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key,
-                          unique_key)
-SELECT $1, $2, coalesce($3, now()), $4, $5, $6, $7
-  FROM (SELECT set_config('duetime.unique_on_conflict', $8, true),
-               set_config('duetime.unique_for', $9, true)) AS policy
-RETURNING *, current_setting('duetime.unique_outcome', true) AS unique_outcome,
-          set_config('duetime.unique_on_conflict', '', true) AS policy_cleared,
-          set_config('duetime.unique_for', '', true) AS window_cleared;
-
--- name: unique_holder
--- After an insert_unique that returned no row: the job holding the key (row-level
--- security shows it to its producer, whose scope the key is in), what happened to the
--- new row ('skipped' or 'replaced'), and the policy cleared as insert_unique would.
--- No job (all columns NULL) when the holder is a finished job already removed by
--- retention while its unique_for window runs.
-SELECT h.holder_id, h.unique_outcome, j.*
-  FROM (SELECT nullif(current_setting('duetime.unique_holder', true), '')::bigint
-                   AS holder_id,
-               current_setting('duetime.unique_outcome', true) AS unique_outcome,
-               set_config('duetime.unique_on_conflict', '', true) AS policy_cleared,
-               set_config('duetime.unique_for', '', true) AS window_cleared) AS h
-  LEFT JOIN duetime.jobs j ON j.id = h.holder_id;
+-- A job with a unique key (migration 0014's duetime.enqueue_unique, one round trip): $7
+-- the key, $8 'skip' | 'replace' | 'error', $9 the unique_for window (an interval as
+-- text, '' for none). One row: the outcome ('inserted', 'skipped', 'replaced' or
+-- 'refused'), the id of the job holding the key, and that job's columns (all NULL when
+-- it is no longer stored).
+SELECT e.outcome, e.holder_id, (e.job).*
+  FROM duetime.enqueue_unique($1, $2, $3, $4, $5, $6, $7, $8, $9) AS e;
 
 -- name: get
 SELECT * FROM duetime.jobs WHERE id = $1;

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -53,9 +52,6 @@ OnConflict = Literal["skip", "replace", "error"]
 ON_CONFLICT: tuple[str, ...] = ("skip", "replace", "error")
 #: The longest ``unique_for`` window; the trigger refuses longer ones too (migration 0014).
 MAX_UNIQUE_FOR = timedelta(days=366)
-#: The constraint name the claim trigger raises under ``on_conflict="error"``.
-UNIQUE_TAKEN = "jobs_unique_key_taken"
-_HELD_BY = re.compile(r"held by job (\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +151,10 @@ class JobStore(PooledStore):
         on_conflict: str,
         unique_for: timedelta | None,
     ) -> Job:
-        """``insert_unique``, then ``unique_holder`` when no row came back. Both run in one
-        transaction (a savepoint inside the caller's): the trigger's verdict lives in
-        transaction-local settings, and an ``"error"`` rolls back only this insert."""
+        """One call of ``duetime.enqueue_unique``: the trigger's verdict lives in
+        transaction-local settings, which the function reads inside the statement, so no
+        transaction of our own is needed, and an ``"error"`` refusal comes back as an
+        outcome without aborting the caller's transaction."""
         validate_unique_key(unique_key)
         if on_conflict not in ON_CONFLICT:
             raise InvalidInput(f"on_conflict must be one of {', '.join(ON_CONFLICT)}")
@@ -168,29 +165,15 @@ class JobStore(PooledStore):
             ):
                 raise InvalidInput(f"unique_for must be a timedelta from 0 to {MAX_UNIQUE_FOR}")
             window = f"{unique_for.total_seconds()} seconds"
-        queue = args[3]
-        try:
-            async with c.transaction():
-                record = await c.fetchrow(
-                    Q["insert_unique"], *args, unique_key, on_conflict, window
-                )
-                if record is not None:
-                    if record["unique_outcome"] == "replaced":
-                        UNIQUE_CONFLICTS.labels(outcome="replaced").inc()
-                    return Job.from_record(record)
-                held = await c.fetchrow(Q["unique_holder"])
-        except asyncpg.UniqueViolationError as exc:
-            if exc.constraint_name != UNIQUE_TAKEN:
-                raise
-            UNIQUE_CONFLICTS.labels(outcome="refused").inc()
-            found = _HELD_BY.search(getattr(exc, "detail", None) or "")
-            raise UniqueKeyTaken(queue, unique_key, int(found[1]) if found else None) from None
-        assert held is not None  # a FROM-less subquery always yields its one row
-        UNIQUE_CONFLICTS.labels(outcome=held["unique_outcome"]).inc()
-        if held["id"] is None:
-            # the holder finished and retention removed it while its window runs
-            raise UniqueKeyTaken(queue, unique_key, held["holder_id"])
-        return Job.from_record(held)
+        record = await c.fetchrow(Q["insert_unique"], *args, unique_key, on_conflict, window)
+        assert record is not None  # the function returns exactly one row
+        outcome = record["outcome"]
+        if outcome != "inserted":
+            UNIQUE_CONFLICTS.labels(outcome=outcome).inc()
+        if outcome == "refused" or record["id"] is None:
+            # refused, or the holder finished and retention removed it in its window
+            raise UniqueKeyTaken(args[3], unique_key, record["holder_id"])
+        return Job.from_record(record)
 
     async def bulk_enqueue(self, specs: Iterable[JobSpec], *, conn: Conn | None = None) -> int:
         """COPY many jobs in one statement (hundreds of thousands per second).

@@ -253,6 +253,65 @@ BEGIN
         USING ERRCODE = 'check_violation', CONSTRAINT = 'jobs_unique_key_fixed';
 END $$;
 
+-- JobStore.enqueue of a job with a unique key, in one round trip and without a
+-- transaction of its own: sets the policy, inserts, reads the trigger's verdict, clears
+-- the policy, and returns what happened with the job that holds the key afterwards
+-- (NULL when that job is no longer stored: a finished holder removed by retention while
+-- its window runs). SECURITY INVOKER: the caller's privileges and row-level security
+-- apply, so a producer reads only its own holder. Under 'error' the refusal is caught
+-- in a block of its own (a subtransaction) and returned as outcome 'refused', so it
+-- does not abort the caller's transaction; the other policies never raise for a held
+-- key and take no subtransaction.
+CREATE FUNCTION duetime.enqueue_unique(
+        new_task text, new_payload jsonb, new_due_at timestamptz, new_queue text,
+        new_max_attempts integer, new_idempotency_key text, new_unique_key text,
+        on_conflict text, unique_for text)
+    RETURNS TABLE (outcome text, holder_id bigint, job duetime.jobs)
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    inserted duetime.jobs;
+    failed text;
+    detail_text text;
+BEGIN
+    PERFORM set_config('duetime.unique_on_conflict', coalesce(on_conflict, ''), true),
+            set_config('duetime.unique_for', coalesce(unique_for, ''), true);
+    IF on_conflict = 'error' THEN
+        BEGIN
+            INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts,
+                                      idempotency_key, unique_key)
+            VALUES (new_task, new_payload, coalesce(new_due_at, now()), new_queue,
+                    new_max_attempts, new_idempotency_key, new_unique_key)
+            RETURNING * INTO inserted;
+        EXCEPTION WHEN unique_violation THEN
+            GET STACKED DIAGNOSTICS failed = CONSTRAINT_NAME,
+                                    detail_text = PG_EXCEPTION_DETAIL;
+            IF failed IS DISTINCT FROM 'jobs_unique_key_taken' THEN
+                RAISE;
+            END IF;
+            outcome := 'refused';
+            holder_id := substring(detail_text FROM 'held by job ([0-9]+)')::bigint;
+        END;
+    ELSE
+        INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts,
+                                  idempotency_key, unique_key)
+        VALUES (new_task, new_payload, coalesce(new_due_at, now()), new_queue,
+                new_max_attempts, new_idempotency_key, new_unique_key)
+        RETURNING * INTO inserted;
+    END IF;
+    IF outcome IS NULL THEN
+        outcome := current_setting('duetime.unique_outcome', true);
+        holder_id := nullif(current_setting('duetime.unique_holder', true), '')::bigint;
+    END IF;
+    PERFORM set_config('duetime.unique_on_conflict', '', true),
+            set_config('duetime.unique_for', '', true);
+    IF inserted.id IS NOT NULL THEN
+        job := inserted;
+    ELSIF holder_id IS NOT NULL THEN
+        SELECT j.* INTO job FROM duetime.jobs j WHERE j.id = holder_id;
+    END IF;
+    RETURN NEXT;
+END $$;
+
 REVOKE EXECUTE ON FUNCTION duetime.unique_key_held(duetime.unique_keys) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION duetime.unique_claim() FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION duetime.unique_release() FROM PUBLIC;
