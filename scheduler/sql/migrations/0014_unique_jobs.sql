@@ -5,7 +5,8 @@
 -- (pending or dispatched). At most one live job per (queue, created_by, unique_key),
 -- for every producer including plain SQL, under concurrency. A duplicate INSERT does not
 -- fail: the row is skipped (INSERT ... RETURNING returns no row for it) and the id of the
--- job holding the key is left in the transaction-local setting duetime.unique_holder.
+-- job holding the key is left in the transaction-local setting duetime.unique_holder
+-- (its due_at in duetime.unique_holder_due_at, for a lookup by primary key).
 --
 -- Why a side table and not a unique index: duetime.jobs is partitioned by due_at, and a
 -- unique index on a partitioned table must contain the partition key, so it cannot say
@@ -111,6 +112,7 @@ BEGIN
         until := NEW.created_at + hold::interval;
     END IF;
     PERFORM set_config('duetime.unique_holder', '', true),
+            set_config('duetime.unique_holder_due_at', '', true),
             set_config('duetime.unique_outcome', 'inserted', true);
     LOOP
         INSERT INTO duetime.unique_keys (queue, scope, unique_key, job_id, job_due_at,
@@ -166,6 +168,7 @@ BEGIN
                    run_at = NEW.due_at
              WHERE id = k.job_id AND due_at = k.job_due_at;
             PERFORM set_config('duetime.unique_holder', k.job_id::text, true),
+                    set_config('duetime.unique_holder_due_at', k.job_due_at::text, true),
                     set_config('duetime.unique_outcome', 'replaced', true);
             IF until > coalesce(k.held_until, '-infinity') THEN
                 UPDATE duetime.unique_keys SET held_until = until
@@ -193,6 +196,7 @@ BEGIN
         END IF;
     END IF;
     PERFORM set_config('duetime.unique_holder', k.job_id::text, true),
+            set_config('duetime.unique_holder_due_at', k.job_due_at::text, true),
             set_config('duetime.unique_outcome', 'skipped', true);
     RETURN NULL;
 END $$;
@@ -306,8 +310,12 @@ BEGIN
             set_config('duetime.unique_for', '', true);
     IF inserted.id IS NOT NULL THEN
         job := inserted;
-    ELSIF holder_id IS NOT NULL THEN
-        SELECT j.* INTO job FROM duetime.jobs j WHERE j.id = holder_id;
+    ELSIF outcome <> 'refused' THEN
+        -- by its primary key: one bucket (the id alone would probe every bucket's index)
+        SELECT j.* INTO job FROM duetime.jobs j
+         WHERE j.id = holder_id
+           AND j.due_at = nullif(current_setting('duetime.unique_holder_due_at', true),
+                                 '')::timestamptz;
     END IF;
     RETURN NEXT;
 END $$;
