@@ -2,7 +2,7 @@
 
 Usage::
 
-    .venv/bin/python bench/insert_rate.py --dsn postgresql://postgres@127.0.0.1:5432/postgres
+    .venv/bin/python -m bench.insert_rate --dsn postgresql://postgres@127.0.0.1:5432/postgres
 
 ``--dsn`` names a server (any database on it we may connect to); the script creates a
 scratch database of its own, migrates it, measures, drops it, and prints one JSON
