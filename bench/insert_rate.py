@@ -2,7 +2,7 @@
 
 Usage::
 
-    .venv/bin/python bench/insert_rate.py --dsn postgresql://postgres@127.0.0.1:5432/postgres
+    .venv/bin/python -m bench.insert_rate --dsn postgresql://postgres@127.0.0.1:5432/postgres
 
 ``--dsn`` names a server (any database on it we may connect to); the script creates a
 scratch database of its own, migrates it, measures, drops it, and prints one JSON
@@ -18,6 +18,11 @@ document. What it measures:
 - ``trigger_variants`` (``--variants``): the alternatives DESIGN §5 mentions, a
   row-level trigger with a WHEN horizon and a statement trigger with a transition table,
   so the choice stays measured.
+- ``unique`` (``--only unique``): what migration 0014's unique-key claim costs. Jobs
+  without a key, with the BEFORE INSERT trigger ``jobs_unique_claim`` enabled vs
+  disabled (paired, as above; disabled is the table as it was before 0014, plus a NULL
+  column); then jobs that each carry a distinct key (every insert claims one), and
+  duplicates of one key (every insert is skipped), against the keyless rate.
 
 Jobs are spread over the next seven days (several daily partitions), with a small
 payload, as producers would send them. The table is truncated before every run so each
@@ -46,6 +51,10 @@ from scheduler.store import JobStore
 WEEK = 7 * 86_400
 INSERT = "INSERT INTO duetime.jobs (task, payload, due_at) VALUES ($1, $2, $3)"
 SHIPPED_TRIGGER = "jobs_notify_insert"
+UNIQUE_TRIGGER = "jobs_unique_claim"
+INSERT_KEYED = (
+    "INSERT INTO duetime.jobs (task, payload, due_at, unique_key) VALUES ($1, $2, $3, $4)"
+)
 WORKLOADS = (
     "copy",
     "single_insert_loop",
@@ -104,7 +113,8 @@ class Bench:
 
     async def reset(self) -> None:
         """Same starting state for every run: empty table, nothing dirty to flush."""
-        await self.pool.execute("TRUNCATE duetime.jobs")
+        # unique_keys too: TRUNCATE fires no trigger, so the keys would stay held
+        await self.pool.execute("TRUNCATE duetime.jobs, duetime.unique_keys")
         try:
             await self.pool.execute("CHECKPOINT")
         except asyncpg.PostgresError:
@@ -121,7 +131,13 @@ class Bench:
         return time.perf_counter() - started
 
     async def _enqueue_many(
-        self, conn: asyncpg.Connection, first: int, n: int, *, due_now: bool = False
+        self,
+        conn: asyncpg.Connection,
+        first: int,
+        n: int,
+        *,
+        due_now: bool = False,
+        key: Callable[[int], str | None] = lambda i: None,
     ) -> None:
         start = datetime.now(UTC)
         for i in range(first, first + n):
@@ -129,6 +145,7 @@ class Bench:
                 "bench",
                 {"i": i, "to": "user@example.com"},
                 due_at=None if due_now else start + timedelta(seconds=i % WEEK),
+                unique_key=key(i),
                 conn=conn,
             )
 
@@ -146,6 +163,77 @@ class Bench:
                     await conn.execute("RESET synchronous_commit")
 
         return await self.timed(run)
+
+    async def keyed_loop(
+        self, n: int, key: Callable[[int], str | None], *, synchronous_commit: bool = True
+    ) -> float:
+        """``single_loop`` with ``unique_key=key(i)``; without ``synchronous_commit`` the
+        WAL flush, which dominates and varies with the machine's load, leaves the loop."""
+
+        async def run() -> None:
+            async with self.pool.acquire() as conn:
+                if not synchronous_commit:
+                    await conn.execute("SET synchronous_commit = off")
+                try:
+                    await self._enqueue_many(conn, 0, n, key=key)
+                finally:
+                    await conn.execute("RESET synchronous_commit")
+
+        return await self.timed(run)
+
+    async def keyed_executemany(self, n: int, key: Callable[[int], str | None]) -> float:
+        start = datetime.now(UTC)
+        rows = [("bench", {"i": i}, start + timedelta(seconds=i % WEEK), key(i)) for i in range(n)]
+
+        async def run() -> None:
+            async with self.pool.acquire() as conn:
+                await conn.executemany(INSERT_KEYED, rows)
+
+        return await self.timed(run)
+
+    async def unique_cost(self, args: argparse.Namespace) -> dict[str, Any]:
+        single_n, many_n, copy_n = args.trigger_single, args.many, args.trigger_copy
+        out: dict[str, Any] = {
+            "null_key_trigger_on_vs_off": {
+                "single_insert_loop": await self.paired(
+                    UNIQUE_TRIGGER, lambda: self.single_loop(single_n), single_n, args.repeat
+                ),
+                "executemany": await self.paired(
+                    UNIQUE_TRIGGER, lambda: self.executemany(many_n), many_n, args.repeat
+                ),
+                "copy": await self.paired(
+                    UNIQUE_TRIGGER, lambda: self.copy(copy_n), copy_n, args.repeat
+                ),
+            }
+        }
+        distinct: Callable[[int], str | None] = lambda i: f"key:{i}"  # noqa: E731
+        same: Callable[[int], str | None] = lambda i: "one-key"  # noqa: E731
+        none: Callable[[int], str | None] = lambda i: None  # noqa: E731
+        loops: dict[str, list[float]] = {"no_key": [], "distinct_keys": [], "one_key_skipped": []}
+        quick: dict[str, list[float]] = {"no_key": [], "distinct_keys": [], "one_key_skipped": []}
+        many: dict[str, list[float]] = {"no_key": [], "distinct_keys": [], "one_key_skipped": []}
+        for _ in range(args.repeat):
+            for name, key in (
+                ("no_key", none),
+                ("distinct_keys", distinct),
+                ("one_key_skipped", same),
+            ):
+                loops[name].append(await self.keyed_loop(single_n, key))
+                quick[name].append(await self.keyed_loop(single_n, key, synchronous_commit=False))
+                many[name].append(await self.keyed_executemany(many_n, key))
+        out["enqueue_loop_jobs_per_s"] = {
+            k: round(single_n / statistics.median(v)) for k, v in loops.items()
+        }
+        out["enqueue_loop_synchronous_commit_off_jobs_per_s"] = {
+            k: round(single_n / statistics.median(v)) for k, v in quick.items()
+        }
+        out["executemany_jobs_per_s"] = {
+            k: round(many_n / statistics.median(v)) for k, v in many.items()
+        }
+        out["enqueue_loop_jobs"] = single_n
+        out["executemany_jobs"] = many_n
+        out["repeat"] = args.repeat
+        return out
 
     async def concurrent_loop(self, n: int, producers: int) -> float:
         """``producers`` connections inserting one job per transaction at once, due now
@@ -259,6 +347,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 result["executemany"] = _rate(args.many, await bench.executemany(args.many))
                 result["bulk_copy"] = [_rate(n, await bench.copy(n)) for n in args.bulk]
+            if "unique" in args.only:
+                result["unique"] = await bench.unique_cost(args)
             if "trigger" in args.only:
                 result["notify_trigger"] = await bench.trigger_cost(SHIPPED_TRIGGER, args)
             if args.variants:
@@ -294,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--only",
         type=lambda v: set(v.split(",")),
         default={"throughput", "trigger"},
-        help="sections to run: throughput,trigger (default both)",
+        help="sections to run: throughput,trigger,unique (default throughput,trigger)",
     )
     parser.add_argument(
         "--workloads",

@@ -52,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "JobNotFound": "scheduler.errors",
     "InvalidTransition": "scheduler.errors",
     "ServiceUnavailable": "scheduler.errors",
+    "UniqueKeyTaken": "scheduler.errors",
 }
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "ServiceUnavailable",
     "Settings",
     "ShardRouter",
+    "UniqueKeyTaken",
     "connect",
     "create_pool",
     "load_settings",
@@ -89,6 +91,7 @@ if TYPE_CHECKING:
         InvalidTransition,
         JobNotFound,
         ServiceUnavailable,
+        UniqueKeyTaken,
     )
     from scheduler.jobspec import JobSpec
     from scheduler.planning import Schedule, ScheduleNotFound, ScheduleSpec

@@ -5,6 +5,7 @@
     ├── InvalidInput             bad user input (time, payload, cron, queue name, ...)
     ├── JobNotFound              no job with that id
     ├── InvalidTransition        e.g. cancelling a job that is not pending
+    ├── UniqueKeyTaken           enqueue(on_conflict="error"): a job holds the unique key
     ├── Fenced                   a newer leader fenced this epoch: stop acting now
     ├── LeadershipLost           the etcd lease can no longer be proven alive
     └── ServiceUnavailable       PostgreSQL / RabbitMQ / etcd cannot be reached
@@ -39,6 +40,20 @@ class JobNotFound(DuetimeError):
 
 class InvalidTransition(DuetimeError):
     """A state change that the job's current status does not allow."""
+
+
+class UniqueKeyTaken(DuetimeError):
+    """``JobStore.enqueue(..., on_conflict="error")`` found the unique key held by
+    ``holder_id``: a live job of the same queue and producer, or one whose
+    ``unique_for`` window has not ended. Naming the holder leaks nothing, because keys
+    are scoped by producer (docs/security.md): the holder is always the caller's own."""
+
+    def __init__(self, queue: str, key: str, holder_id: int | None) -> None:
+        held = f"job {holder_id}" if holder_id is not None else "a job no longer stored"
+        super().__init__(f"unique key {key!r} of queue {queue!r} is held by {held}")
+        self.queue = queue
+        self.key = key
+        self.holder_id = holder_id
 
 
 class Fenced(DuetimeError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -18,6 +19,7 @@ from scheduler.errors import InvalidInput
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 MAX_TASK_LENGTH = 200
 MAX_KEY_LENGTH = 500
+MAX_UNIQUE_KEY_LENGTH = 200
 MAX_ATTEMPTS_LIMIT = 1000
 DEFAULT_QUEUE = "default"
 DEFAULT_MAX_ATTEMPTS = 5
@@ -47,6 +49,16 @@ def validate_max_attempts(max_attempts: int) -> int:
     if not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT:
         raise InvalidInput(f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}")
     return max_attempts
+
+
+def validate_unique_key(key: str) -> str:
+    """The rule of CHECK jobs_unique_key_invalid (migration 0014): 1-200 characters and
+    no control characters, which would make keys unreadable in logs and the CLI."""
+    if not isinstance(key, str) or not 1 <= len(key) <= MAX_UNIQUE_KEY_LENGTH:
+        raise InvalidInput(f"unique_key must be 1-{MAX_UNIQUE_KEY_LENGTH} characters")
+    if any(unicodedata.category(ch) == "Cc" for ch in key):
+        raise InvalidInput("unique_key must not contain control characters")
+    return key
 
 
 def validate_queue(queue: str) -> str:

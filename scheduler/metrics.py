@@ -91,6 +91,12 @@ JOBS_FINISHED = Counter(
     "deliveries finished, by task and outcome (succeeded, retried, dead, skipped)",
     ["shard", "task", "outcome"],
 )
+UNIQUE_CONFLICTS = Counter(
+    "duetime_unique_conflicts_total",
+    "JobStore.enqueue calls whose unique key was held: skipped, replaced (debounce), "
+    "refused (on_conflict='error'); plain-SQL inserts are not counted",
+    ["outcome"],
+)
 JOB_DURATION = Histogram(
     "duetime_job_duration_seconds", "handler run time", ["shard", "task"], buckets=LAG_BUCKETS
 )

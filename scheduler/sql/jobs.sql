@@ -6,6 +6,15 @@ INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts, idempotenc
 VALUES ($1, $2, coalesce($3, now()), $4, $5, $6)
 RETURNING *;
 
+-- name: insert_unique
+-- A job with a unique key (migration 0014's duetime.enqueue_unique, one round trip): $7
+-- the key, $8 'skip' | 'replace' | 'error', $9 the unique_for window (an interval as
+-- text, '' for none). One row: the outcome ('inserted', 'skipped', 'replaced' or
+-- 'refused'), the id of the job holding the key, and that job's columns (all NULL when
+-- it is no longer stored).
+SELECT e.outcome, e.holder_id, (e.job).*
+  FROM duetime.enqueue_unique($1, $2, $3, $4, $5, $6, $7, $8, $9) AS e;
+
 -- name: get
 SELECT * FROM duetime.jobs WHERE id = $1;
 

@@ -53,7 +53,9 @@ ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
 -- dispatched, finished, or someone else's. SELECT is needed by INSERT ... RETURNING
 -- and to read status; row-level security limits it to the producer's own rows.
 -- No UPDATE/DELETE: no cancel, no retry, no claim (FOR UPDATE needs UPDATE).
-GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key)
+-- unique_key (migration 0014): the key is claimed by a SECURITY DEFINER trigger, so the
+-- producer holds no privilege on duetime.unique_keys and cannot read other scopes' keys.
+GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, unique_key)
     ON duetime.jobs TO "{producer}";
 GRANT SELECT ON duetime.jobs TO "{producer}";
 GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{producer}";

@@ -12,14 +12,21 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import DEFAULT_DB_TIMEOUT
-from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound
-from scheduler.jobspec import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec, resolve_due
+from scheduler.errors import InvalidInput, InvalidTransition, JobNotFound, UniqueKeyTaken
+from scheduler.jobspec import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_QUEUE,
+    JobSpec,
+    resolve_due,
+    validate_unique_key,
+)
+from scheduler.metrics import UNIQUE_CONFLICTS
 from scheduler.sql import compose, fragment, load
 from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.rows import JOB_STATUSES, BulkPreview, Job
@@ -43,6 +50,11 @@ MAX_PAGE = 10_000
 BULK_BATCH = 1000
 #: The state a bulk action starts from: only these may be spliced into ``matching``.
 BULK_SOURCE = {"cancel": "pending", "retry": "dead"}
+
+OnConflict = Literal["skip", "replace", "error"]
+ON_CONFLICT: tuple[str, ...] = ("skip", "replace", "error")
+#: The longest ``unique_for`` window; the trigger refuses longer ones too (migration 0014).
+MAX_UNIQUE_FOR = timedelta(days=366)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +103,21 @@ class JobStore(PooledStore):
         queue: str = DEFAULT_QUEUE,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         idempotency_key: str | None = None,
+        unique_key: str | None = None,
+        on_conflict: OnConflict = "skip",
+        unique_for: timedelta | None = None,
         conn: Conn | None = None,
     ) -> Job:
-        """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now."""
+        """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now.
+
+        With ``unique_key`` the job holds that key in its queue (for this producer) while
+        it is live, and for ``unique_for`` after the enqueue even once finished. When the
+        key is already held, ``on_conflict`` decides: ``"skip"`` returns the holder
+        unchanged; ``"replace"`` (debounce) gives a pending holder this task, payload and
+        run time and returns it (a dispatched holder has started and is returned
+        unchanged; a holder due later than this job is cancelled and this job inserted);
+        ``"error"`` raises ``UniqueKeyTaken`` naming the holder. In every case the job
+        returned is the one holding the key afterwards (docs/api.md "Unique jobs")."""
         when = resolve_due(due_at=due_at, delay=delay, now=self._clock.now())
         spec = JobSpec(
             task=task,
@@ -103,20 +127,56 @@ class JobStore(PooledStore):
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
         )
+        args = (
+            spec.task,
+            spec.payload,
+            spec.due_at,
+            spec.queue,
+            spec.max_attempts,
+            spec.idempotency_key,
+        )
         async with self._db.conn(conn) as c:
-            record = await c.fetchrow(
-                Q["insert"],
-                spec.task,
-                spec.payload,
-                spec.due_at,
-                spec.queue,
-                spec.max_attempts,
-                spec.idempotency_key,
-            )
-            job = Job.from_record(record)
-            if job.due_at <= self._clock.now() + NOTIFY_HORIZON:
+            if unique_key is None:
+                if on_conflict != "skip" or unique_for is not None:
+                    raise InvalidInput("on_conflict and unique_for need a unique_key")
+                job = Job.from_record(await c.fetchrow(Q["insert"], *args))
+            else:
+                job = await self._enqueue_unique(c, args, unique_key, on_conflict, unique_for)
+            if job.next_run_at <= self._clock.now() + NOTIFY_HORIZON:
                 await c.execute(Q["notify"])
         return job
+
+    async def _enqueue_unique(
+        self,
+        c: Conn,
+        args: tuple[Any, ...],
+        unique_key: str,
+        on_conflict: str,
+        unique_for: timedelta | None,
+    ) -> Job:
+        """One call of ``duetime.enqueue_unique``: the trigger's verdict lives in
+        transaction-local settings, which the function reads inside the statement, so no
+        transaction of our own is needed, and an ``"error"`` refusal comes back as an
+        outcome without aborting the caller's transaction."""
+        validate_unique_key(unique_key)
+        if on_conflict not in ON_CONFLICT:
+            raise InvalidInput(f"on_conflict must be one of {', '.join(ON_CONFLICT)}")
+        window = ""
+        if unique_for is not None:
+            if not isinstance(unique_for, timedelta) or not (
+                timedelta(0) <= unique_for <= MAX_UNIQUE_FOR
+            ):
+                raise InvalidInput(f"unique_for must be a timedelta from 0 to {MAX_UNIQUE_FOR}")
+            window = f"{unique_for.total_seconds()} seconds"
+        record = await c.fetchrow(Q["insert_unique"], *args, unique_key, on_conflict, window)
+        assert record is not None  # the function returns exactly one row
+        outcome = record["outcome"]
+        if outcome != "inserted":
+            UNIQUE_CONFLICTS.labels(outcome=outcome).inc()
+        if outcome == "refused" or record["id"] is None:
+            # refused, or the holder finished and retention removed it in its window
+            raise UniqueKeyTaken(args[3], unique_key, record["holder_id"])
+        return Job.from_record(record)
 
     async def bulk_enqueue(self, specs: Iterable[JobSpec], *, conn: Conn | None = None) -> int:
         """COPY many jobs in one statement (hundreds of thousands per second).
@@ -226,7 +286,7 @@ class JobStore(PooledStore):
             [job_id],
             job_id,
             conn,
-            lambda job: f"job {job_id} is {job.status}; only dead jobs can be retried",
+            _retry_refused,
             wakes=True,
         )
 
@@ -330,6 +390,16 @@ class JobStore(PooledStore):
 
 
 _BIGINT_MAX = 2**63 - 1
+
+
+def _retry_refused(job: Job) -> str:
+    if job.status == "dead" and job.unique_key is not None:
+        # the revive trigger (migration 0014) skipped the row: another job holds the key
+        return (
+            f"job {job.id} stays dead: its unique key {job.unique_key!r} is held by another "
+            f"job of queue {job.queue!r}; retry that one or wait until it finishes"
+        )
+    return f"job {job.id} is {job.status}; only dead jobs can be retried"
 
 
 def _bulk_source(action: str, where: JobFilter) -> str:

@@ -57,6 +57,8 @@ class Job:
     schedule_id: int | None
     #: the role that inserted the row (migration 0005): scopes its idempotency key
     created_by: str | None
+    #: the key this job holds in its queue while live (migration 0014), if any
+    unique_key: str | None = None
 
     @property
     def effective_key(self) -> str:

@@ -43,6 +43,10 @@ def test_the_page_has_the_examples_it_promises() -> None:
     text = "\n".join(python)
     for needle in (
         "idempotency_key=",
+        "unique_key=",
+        'on_conflict="replace"',
+        'on_conflict="error"',
+        "unique_for=",
         "due_at=",
         "delay=",
         "conn=conn",
@@ -190,6 +194,16 @@ async def check_effects(conn: asyncpg.Connection) -> None:
     assert len(reports) == 6  # keyed, four in bulk, one pinned (none due yet)
     assert {j["status"] for j in reports} == {"pending"}
     assert [j["idempotency_key"] for j in reports if j["idempotency_key"]] == ["report:2026-12"]
+
+    # unique jobs: one reindex job, debounced to the last payload; the digest's key
+    # held by its window after it was cancelled; the plain-SQL duplicate skipped
+    reindex = [j for j in jobs if j["task"] == "reindex_document"]
+    assert [(j["payload"]["rev"], j["status"]) for j in reindex] == [(3, "pending")]
+    assert reindex[0]["run_at"] > reindex[0]["due_at"]
+    digests = [j for j in jobs if j["task"] == "send_digest"]
+    assert [(j["unique_key"], j["status"]) for j in digests] == [("digest:42", "cancelled")]
+    synced = [j for j in jobs if j["task"] == "sync_customer"]
+    assert [j["unique_key"] for j in synced] == ["customer:7"]
 
     # schedules
     nightly = await conn.fetchrow("SELECT * FROM duetime.schedules WHERE name = 'nightly-report'")

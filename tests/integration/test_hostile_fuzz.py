@@ -1,8 +1,8 @@
 """Property test: one hostile row among ordinary ones never stops dispatch or planning.
 
 For every column a producer may set on ``duetime.jobs`` (``task``, ``payload``,
-``due_at``, ``queue``, ``max_attempts``, ``idempotency_key``) and every column of
-``duetime.schedules`` a user may write, hypothesis draws an extreme value — BC and
+``due_at``, ``queue``, ``max_attempts``, ``idempotency_key``, ``unique_key``) and every
+column of ``duetime.schedules`` a user may write, hypothesis draws an extreme value — BC and
 year-294276 dates, ±infinity, the largest numbers jsonb and integer hold, payloads at
 the 1 MiB ceiling, JSON nested deeper than Python parses, NUL and lone surrogates, very
 long names — and inserts ONE such row next to ordinary ones while a real dispatcher,
@@ -143,6 +143,10 @@ JOB_COLUMNS: dict[str, st.SearchStrategy[Value]] = {
     "max_attempts": INTEGERS,
     "idempotency_key": st.sampled_from(
         [text(v) for v in ("", "k" * 501, "k" * 500, "\x00", "\ud800", "schedule:1:x")]
+    ),
+    # only refused values: an accepted key would make a repeated draw a skipped insert
+    "unique_key": st.sampled_from(
+        [text(v) for v in ("", "k" * 201, "\x00", "\ud800", "a\nb", "\x7f", "\x85")]
     ),
 }
 SCHEDULE_COLUMNS: dict[str, st.SearchStrategy[Value]] = {
