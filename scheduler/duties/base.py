@@ -52,13 +52,13 @@ import asyncpg
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import Clock
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.errors import Fenced, LeadershipLost
-from scheduler.leadership.fence import fenced_transaction
 from scheduler.log import get_logger
 from scheduler.metrics import DUTY_FAILURES, JOBS_PARKED
 from scheduler.publisher import Publisher
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.dispatch import DispatchStore
+from scheduler.store.fenced import fenced_transaction
 from scheduler.store.listener import KeptListener
 
 if TYPE_CHECKING:

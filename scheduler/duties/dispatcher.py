@@ -68,6 +68,7 @@ import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.duties.base import (
     MAX_IDS_LOGGED,
     GateConfig,
@@ -95,7 +96,6 @@ from scheduler.publisher import (
     PublishResult,
     publish_timeout_for,
 )
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
 from scheduler.store.rows import UNREADABLE, ClaimedJob, HeldQueues

@@ -10,8 +10,8 @@ the fence in every term, even an idle one, so the step-down path never waits for
 
 from __future__ import annotations
 
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.duties.base import DutyContext, DutyLoop
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.fence import FenceStore
 
 

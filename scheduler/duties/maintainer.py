@@ -65,9 +65,9 @@ import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.duties.base import DutyLoop, FencedWrites
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.maintenance import MaintenanceStore
 

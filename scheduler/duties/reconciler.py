@@ -49,6 +49,7 @@ import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.duties.base import (
     MAX_IDS_LOGGED,
     GateConfig,
@@ -59,7 +60,6 @@ from scheduler.duties.base import (
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.metrics import JOBS_PARKED, OLDEST_UNSTARTED, PUBLISH_FAILURES, RECONCILED
 from scheduler.publisher import DEFAULT_PUBLISH_TIMEOUT, Publisher, publish_timeout_for
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.conn import Conn
 from scheduler.store.rows import UNREADABLE, StalledJob
 from scheduler.store.status import StatusStore

@@ -19,9 +19,9 @@ from typing import Any
 import aetcd
 import pytest
 import pytest_asyncio
+from scheduler.leadership.election import Election, LeadershipLost, Term
 
 from scheduler.errors import ServiceUnavailable
-from scheduler.leadership.election import Election, LeadershipLost, Term
 from tests.support.etcd import PrivateEtcd, free_port
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from scheduler.leadership.election import Election
 
 from scheduler import db
 from scheduler.config import load_settings
 from scheduler.errors import ConfigError, LeadershipLost, ServiceUnavailable
-from scheduler.leadership.election import Election
 from scheduler.leadership.etcd_client import EtcdTLS, etcd_tls
 from scheduler.status import read_election_key
 from tests.support.etcd import PrivateEtcd

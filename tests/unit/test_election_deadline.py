@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from scheduler.leadership.election import Election
 
 from scheduler.errors import ConfigError
-from scheduler.leadership.election import Election
 from scheduler.leadership.etcd_client import parse_endpoint
 from scheduler.leadership.lease import LeaseDeadline, default_safety_margin
 

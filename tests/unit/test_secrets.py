@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from scheduler.leadership.election import Election
 
 from scheduler import broker, db
 from scheduler.cli import main as cli_main
 from scheduler.config import load_settings
 from scheduler.errors import ConfigError, ServiceUnavailable
-from scheduler.leadership.election import Election
 from scheduler.log import configure_logging, get_logger, scrub
 from scheduler.secrets import read_credentials
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.shards.assignment import Assigner, View, plan, rendezvous_order, score, target
+from scheduler.leadership.assignment import Assigner, View, plan, rendezvous_order, score, target
 
 STEP = 0.5  # seconds per round: the leadership module's poll interval
 

@@ -6,13 +6,13 @@ import tomllib
 
 import pytest
 
-from scheduler.errors import ConfigError
-from scheduler.shards.config import (
+from scheduler.config.shards import (
     Shard,
     parse_shards_env,
     parse_shards_table,
     shards_from,
 )
+from scheduler.errors import ConfigError
 
 URL = "postgresql://postgres@127.0.0.1:5432/duetime"
 
