@@ -82,7 +82,7 @@ import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import aetcd
 
@@ -100,7 +100,7 @@ from scheduler.leadership.etcd_client import (
 from scheduler.leadership.lease import LeaseDeadline, default_safety_margin
 from scheduler.log import get_logger
 
-__all__ = ["Elector", "ShardEvent", "ShardTerm"]
+__all__ = ["Elector", "LeaderInfo", "ShardEvent", "ShardTerm"]
 
 log = get_logger(__name__)
 
@@ -108,6 +108,11 @@ log = get_logger(__name__)
 def _range_end(key: bytes) -> bytes:
     """The end of the range of keys starting with ``key``."""
     return key[:-1] + bytes([key[-1] + 1])
+
+
+class LeaderInfo(NamedTuple):
+    node_id: str
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,26 @@ class Elector:
             self._hold_off[shard] = self._clock.monotonic() + hold_off
         await self._resign(shard, reason)
         self._wake.set()
+
+    def valid_until(self) -> float | None:
+        """The monotonic instant the trust window closes; None while it is closed."""
+        deadline = self._deadline
+        return deadline.valid_until if deadline is not None and self._trusted() else None
+
+    async def current_leader(self, shard: str) -> LeaderInfo | None:
+        """Who holds ``shard``'s key as etcd sees it now, or None (one bounded get).
+
+        Raises ``ServiceUnavailable`` when etcd cannot answer in time."""
+        key = self._shard_keys[shard]
+        try:
+            kv = await self._kv.call(lambda c: c.get(key))
+        except ETCD_ERRORS as exc:
+            if refused_credentials(exc):
+                raise self._refused(exc) from None
+            raise ServiceUnavailable(f"etcd did not answer: {describe(exc)}") from exc
+        if kv is None:
+            return None
+        return LeaderInfo(bytes(kv.value).decode(errors="replace"), kv.create_revision)
 
     async def check(self) -> None:
         """One bounded read of this node's member key (readiness); raises when etcd
@@ -533,8 +558,7 @@ class Elector:
                 continue
             sent_at = now
             try:
-                budget = min(self.call_timeout, deadline.remaining(now))
-                reply = await self._refresh(lease_id, budget)
+                reply = await self._refresh(lease_id, deadline, now, failures)
                 if reply is None:
                     raise aetcd.ClientError("lease keepalive stream closed without a reply")
             except ETCD_ERRORS as exc:
@@ -563,10 +587,28 @@ class Elector:
             next_renew = sent_at + self.renew_interval
             await self._clock.sleep(max(0.0, min(next_renew, deadline.valid_until or now) - now))
 
-    async def _refresh(self, lease_id: int, budget: float) -> Any:
-        """One refresh, given no longer than the trust window has left: the window's
-        end must be noticed when it comes, not a call timeout later."""
-        return await self._kv.call(lambda c: c.refresh_lease(lease_id), budget)
+    async def _refresh(
+        self, lease_id: int, deadline: LeaseDeadline, now: float, failures: int
+    ) -> Any:
+        """One refresh, given no longer than the trust window has left. The window's end
+        must be noticed when it comes, not a call timeout (or the close of a connection
+        that a partition left hanging, up to another second) later: if it closes first,
+        every term is lost at that instant and the call is left to finish."""
+        budget = min(self.call_timeout, deadline.remaining(now))
+        refresh = asyncio.create_task(
+            self._kv.call(lambda c: c.refresh_lease(lease_id), budget), name="elector:refresh"
+        )
+        try:
+            await asyncio.wait({refresh}, timeout=deadline.remaining(now))
+            if not refresh.done():  # the wait ended with the window (to timer precision)
+                if self._terms:
+                    self._log.warning("lease_unconfirmed", failed_renewals=failures + 1)
+                await self._lose_all("lease_unconfirmed")
+                self._wake.set()
+            return await refresh
+        finally:
+            if not refresh.done():
+                refresh.cancel()
 
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
 import pytest
-from scheduler.leadership.replica import Replica
 
 from scheduler.config import Settings, load_settings
 from scheduler.duties.base import Duty, DutyContext, DutyLoop
 from scheduler.duties.fence_heartbeat import FenceHeartbeat
+from scheduler.leadership.replica import Replica
 from tests.conftest import own_database
 from tests.support.wait import wait_for
 
