@@ -8,10 +8,10 @@
   ``sslkey``); a wrong CA, a missing client certificate or no TLS at all fail with one
   ``ServiceUnavailable`` line that never shows the password.
 - etcd TLS: a private etcd with ``--cert-file/--key-file/--trusted-ca-file
-  --client-cert-auth``; the elector (``tests.support.election``) campaigns, holds and resigns over TLS with
-  ``etcd_ca_file``/``etcd_cert_file``/``etcd_key_file``, ``duetime status``'s reader sees
-  the leader; a wrong CA, no client certificate or plain gRPC fail at once with an error
-  saying which. TLS and user/password auth together work.
+  --client-cert-auth``; the elector (through ``tests.support.election``) campaigns,
+  holds and resigns over TLS with ``etcd_ca_file``/``etcd_cert_file``/``etcd_key_file``,
+  ``duetime status``'s reader sees the leader; a wrong CA, no client certificate or
+  plain gRPC fail at once with an error saying which. TLS and user/password auth together work.
 - etcd user/password auth: a private etcd with a root user and ``auth enable``; the
   election wins with credentials, fails with a clear, password-free error without.
 - RabbitMQ TLS: documented only (amqps:// URL parameters), no private broker here.
