@@ -73,7 +73,7 @@ INSERT_AT = (
     "SELECT 'bench.task', jsonb_build_object('i', i), $3::timestamptz, $1::text "
     "  FROM generate_series(1, $2::int) AS i"
 )
-SHARDED_MODULES = ("scheduler.leadership.elector", "scheduler.leadership.sharded")
+SHARDED_MODULES = ("scheduler.leadership.elector",)
 COUNT_DISPATCHED = "SELECT count(*) FROM duetime.jobs WHERE status = 'dispatched'"
 DISPATCH_TIMES = (
     "SELECT extract(epoch FROM dispatched_at - $1::timestamptz)::float8 AS t"

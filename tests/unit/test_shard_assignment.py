@@ -290,7 +290,7 @@ def test_every_shard_has_at_most_one_campaign_winner_and_stays_put(seed: int, k:
 
 class LaggingCluster(Cluster):
     """Each node decides on a view up to ``lag`` rounds old (its own read of etcd) but
-    knows its own terms exactly, as ``ShardLeadership`` does; resignations and
+    knows its own terms exactly, as ``Elector`` does; resignations and
     campaigns apply to the real state."""
 
     def __init__(self, k: int, seed: int, lag: int) -> None:
