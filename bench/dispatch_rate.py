@@ -47,12 +47,12 @@ from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duties.knobs import config_from_settings
-from scheduler.leadership.fence import fenced_transaction
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from scheduler.publisher import Publisher
 from scheduler.store.dispatch import DispatchStore
 from scheduler.store.fence import FenceStore
+from scheduler.store.fenced import fenced_transaction
 from scheduler.store.queues import QueueStore
 from scheduler.store.rows import ClaimedJob
 

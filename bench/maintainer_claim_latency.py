@@ -45,11 +45,11 @@ from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
 from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
-from scheduler.leadership.fence import fenced_transaction
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from scheduler.store.dispatch import DispatchStore
 from scheduler.store.fence import FenceStore
+from scheduler.store.fenced import fenced_transaction
 
 EPOCH = 1
 DAYS_AHEAD = 14

@@ -41,10 +41,10 @@ from bench.harness import Sandbox, Services
 from bench.report import load_average, now_iso, percentiles_ms, ratio, rss_mb
 from scheduler import db
 from scheduler.jobspec import JobSpec
-from scheduler.leadership.fence import fenced_transaction
 from scheduler.store import JobStore
 from scheduler.store.dispatch import DispatchStore
 from scheduler.store.fence import FenceStore
+from scheduler.store.fenced import fenced_transaction
 
 TARGETS = {"claim_ratio": 1.2, "bulk_jobs_per_s": 50_000, "rss_mb": 150.0}
 FILLER_QUEUE = "bench-filler"

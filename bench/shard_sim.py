@@ -1,6 +1,6 @@
 """Shard assignment simulation: K shards, R replica processes, one real etcd.
 
-Each replica is a process running only ``scheduler.shards.leadership`` (no database,
+Each replica is a process running only ``scheduler.leadership.elector`` (no database,
 no dispatch). It prints one JSON line per change of what it believes it leads (the
 full set, with ``time.time()``) and repeats it every 100 ms. The observer (this
 process) samples every shard key and member key every ~100 ms, and runs the phases:
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from scheduler.shards.assignment import target
+from scheduler.leadership.assignment import target
 
 SAMPLE_INTERVAL = 0.1
 REPORT_INTERVAL = 0.1
@@ -69,8 +69,8 @@ def shard_names(k: int) -> list[str]:
 
 
 async def replica_main(args: argparse.Namespace) -> None:
+    from scheduler.leadership.elector import Elector
     from scheduler.log import configure_logging
-    from scheduler.shards.leadership import ShardLeadership
 
     configure_logging("info", "json")
     out = sys.stdout
@@ -88,7 +88,7 @@ async def replica_main(args: argparse.Namespace) -> None:
     async def on_event(event: Any) -> None:
         report()
 
-    leadership = ShardLeadership(
+    leadership = Elector(
         [args.endpoint], args.prefix, node, shard_names(args.shards), ttl=args.ttl,
         poll_interval=args.poll_interval, handler=on_event,
     )  # fmt: skip

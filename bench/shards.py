@@ -61,8 +61,8 @@ from bench.harness import REPO, Services, with_database
 from bench.report import load_average, now_iso, ratio
 from scheduler import broker, db
 from scheduler.config import load_settings
+from scheduler.config.shards import member_key, shard_key
 from scheduler.migrate import migrate
-from scheduler.shards.leadership import member_key, shard_key
 from scheduler.status import election_key
 from scheduler.store.fence import FenceStore
 from scheduler.store.queues import QueueStore
@@ -73,7 +73,7 @@ INSERT_AT = (
     "SELECT 'bench.task', jsonb_build_object('i', i), $3::timestamptz, $1::text "
     "  FROM generate_series(1, $2::int) AS i"
 )
-SHARDED_MODULES = ("scheduler.leadership.sharded", "scheduler.shards.replica")
+SHARDED_MODULES = ("scheduler.leadership.elector",)
 COUNT_DISPATCHED = "SELECT count(*) FROM duetime.jobs WHERE status = 'dispatched'"
 DISPATCH_TIMES = (
     "SELECT extract(epoch FROM dispatched_at - $1::timestamptz)::float8 AS t"

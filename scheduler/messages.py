@@ -34,8 +34,8 @@ from typing import Any
 
 from pamqp import commands as spec
 
+from scheduler.config.shards import DEFAULT_SHARD, SHARD_NAME
 from scheduler.errors import DuetimeError
-from scheduler.shards.config import DEFAULT_SHARD, SHARD_NAME
 
 CONTENT_TYPE = "application/json"
 # A payload the database accepts (<= 1 MiB stored, migration 0005) can encode to ~6x

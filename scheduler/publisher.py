@@ -41,10 +41,10 @@ from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from scheduler import broker
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.errors import DuetimeError
 from scheduler.log import get_logger
 from scheduler.messages import JobMessage, encode_job
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.rows import ClaimedJob
 
 log = get_logger(__name__)

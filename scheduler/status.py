@@ -42,6 +42,7 @@ import asyncpg
 
 from scheduler.broker_view import BrokerView, read_broker
 from scheduler.config import Settings
+from scheduler.config.shards import election_key as shard_election_key
 from scheduler.errors import ConfigError
 from scheduler.log import scrub
 from scheduler.store.rows import DbSnapshot
@@ -137,8 +138,9 @@ def jsonable(value: Any) -> Any:
 
 
 def election_key(prefix: str) -> str:
-    """The election key (DESIGN §4): ``<prefix>/leader``."""
-    return f"{prefix.strip('/')}/leader"
+    """The election key of an unsharded cluster (DESIGN §4): ``<prefix>/leader``, as the
+    elector writes it (``scheduler.config.shards.election_key``)."""
+    return shard_election_key(prefix)
 
 
 class EtcdUnanswered(Exception):

@@ -77,6 +77,7 @@ from typing import Any
 
 import asyncpg
 
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.db import DB_UNAVAILABLE
 from scheduler.log import get_logger
 from scheduler.messages import JobMessage
@@ -87,7 +88,6 @@ from scheduler.metrics import (
     JOBS_FINISHED,
     MESSAGE_ROW_MISMATCH,
 )
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import UNREADABLE, Completion, JobRef, LockedJob
 from workers.batching import Coalescer

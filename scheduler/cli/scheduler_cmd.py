@@ -2,9 +2,9 @@
 
 The replica campaigns for leadership in etcd, runs the leader's duties
 (``scheduler.duties.default_duties``) while it holds the lease, and resigns on the way
-out so a standby takes over at once. With shards configured (``DUETIME_SHARDS``) it is
-a ``ShardedReplica``: it leads its share of the shards, each with its own election key,
-fence and duties; otherwise the single ``Replica`` on ``<prefix>/leader``. Exit status
+out so a standby takes over at once. It leads its share of the shards
+(``DUETIME_SHARDS``), each with its own election key, fence and duties; without shards,
+the one shard ``main`` on ``<prefix>/leader``. Exit status
 0 after a graceful stop, 130 after a second signal, 1 when PostgreSQL cannot be reached
 at start.
 """
@@ -19,7 +19,6 @@ from scheduler.config import Settings
 from scheduler.duties import default_duties
 from scheduler.errors import ConfigError
 from scheduler.leadership.replica import Replica
-from scheduler.leadership.sharded import ShardedReplica
 from scheduler.log import get_logger
 from scheduler.observability import database_check
 from scheduler.service import Service
@@ -43,19 +42,14 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     async with Service(
         "scheduler", metrics_port=settings.metrics_port, metrics_host=settings.metrics_listen
     ) as service:
-        replica: Replica | ShardedReplica
-        if settings.shards is not None:
-            replica = ShardedReplica(settings, default_duties)
-        else:
-            replica = Replica(settings, default_duties)
+        replica = Replica(settings, default_duties)
 
         def ready() -> None:
-            # /readyz: a standby is ready when it can reach PostgreSQL and etcd
-            if isinstance(replica, ShardedReplica):
-                for shard, pool in replica.pools.items():
-                    service.observability.add_check(f"db_{shard}", database_check(pool))
-            elif replica.pool is not None:
-                service.observability.add_check("db", database_check(replica.pool))
+            # /readyz: a standby is ready when it can reach PostgreSQL and etcd; the
+            # check of an unsharded cluster's one database keeps its name, "db"
+            for shard, pool in replica.pools.items():
+                name = f"db_{shard}" if replica.report.sharded else "db"
+                service.observability.add_check(name, database_check(pool))
             service.observability.add_check("etcd", replica.etcd_check)
             service.ready()
 

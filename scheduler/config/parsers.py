@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from scheduler.config.shards import Shard, host_list_problem, parse_shards_env, parse_shards_table
 from scheduler.errors import ConfigError
 from scheduler.jobspec import QUEUE_NAME
-from scheduler.shards.config import Shard, host_list_problem, parse_shards_env, parse_shards_table
 
 # A comma that starts another URL ("...,amqps://..."): the commas of a libpq multi-host
 # netloc ("postgresql://h1:5432,h2:5432/db") are not followed by a scheme.

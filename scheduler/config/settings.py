@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.config import parsers as p
-from scheduler.shards.config import DEFAULT_SHARD, Shard
+from scheduler.config.shards import DEFAULT_SHARD, Shard
 
 #: Seconds any one wait on PostgreSQL may take by default: connecting, a connection from
 #: a pool, one statement (x3, client side). Stores built without settings use it too.
@@ -237,7 +237,7 @@ FIELDS: dict[str, Field] = {
         ),
         Field("delivery_limit", p.number(int, minimum=1), "broker redeliveries before dead-letter"),
         # Zombie leaders (scheduler/leadership/policy.py session_settings,
-        # scheduler/leadership/fence.py).
+        # scheduler/store/fenced.py).
         Field(
             "scheduler_statement_timeout",
             p.optional_seconds(minimum=0.0, exclusive=True),
@@ -255,7 +255,7 @@ FIELDS: dict[str, Field] = {
             "seconds a new leader waits for an older epoch's open transactions before it "
             "terminates their sessions (less than lease_ttl)",
         ),
-        # Shards (scheduler/shards/config.py): URLs hold passwords, shown redacted.
+        # Shards (scheduler/config/shards.py): URLs hold passwords, shown redacted.
         Field(
             "shards",
             p.shards,

@@ -14,9 +14,9 @@ import asyncio
 from dataclasses import dataclass
 
 from scheduler.config import Settings
+from scheduler.config.shards import shard_key
 from scheduler.dashboard.site import Dashboard
 from scheduler.log import scrub
-from scheduler.shards.leadership import shard_key
 from scheduler.shards.status import Member, ShardedReport, collect_shard_status, read_shard_keys
 from scheduler.status import EtcdView
 from scheduler.store import DashboardStore

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from scheduler.backoff import bounded_jitter
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.errors import Fenced, LeadershipLost
 from scheduler.log import get_logger
 from scheduler.metrics import DUTY_FAILURES
-from scheduler.shards.config import DEFAULT_SHARD
 
 #: A failed pass is cheap; lateness is what guarantee 5 promises against.
 MAX_BACKOFF = 2.0

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.errors import LeadershipLost
-from scheduler.leadership.fence import fenced_transaction
-from scheduler.shards.config import DEFAULT_SHARD
 from scheduler.store.fence import FenceStore
+from scheduler.store.fenced import fenced_transaction
 from scheduler.store.listener import KeptListener
 
 if TYPE_CHECKING:

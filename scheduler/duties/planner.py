@@ -57,10 +57,10 @@ from scheduler.duties.base import DutyLoop
 from scheduler.duties.context import DutyContext, FencedWrites, duty_listener
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.duties.plan_report import PlanReport, account_batch
-from scheduler.leadership.fence import fenced_transaction
 from scheduler.metrics import SCHEDULE_FIRES
 from scheduler.planning import PlanConfig, PlanDecision, invalid_decision, plan_schedule
 from scheduler.store.conn import Conn
+from scheduler.store.fenced import fenced_transaction
 from scheduler.store.rows import UNREADABLE, ClaimedSchedule
 from scheduler.store.schedules import NOTIFY_CHANNEL as SCHEDULES_CHANNEL
 from scheduler.store.schedules import ScheduleStore

@@ -2,20 +2,21 @@
 
 Two guarantees of docs/architecture.md live here:
 
-3. **One dispatcher at a time, fenced.** ``election`` grants at most one replica a
-   term, whose epoch is the etcd revision that created the election key (strictly
-   increasing); ``fence`` makes PostgreSQL refuse every claim of an older epoch once a
-   newer leader has raised ``leader_fence``, and takes the fence from a frozen zombie
-   that still holds it.
-4. **Bounded failover.** ``election`` keeps the lease alive and stops trusting it
-   before etcd could hand the key to another (the trust window); standbys watch the key
-   and campaign on delete; ``replica`` stops every duty before it resigns, and resigns
-   at once on SIGTERM, so a crashed leader is replaced within lease TTL + 1 s.
+3. **One dispatcher at a time, fenced.** ``elector`` grants at most one node a term
+   per shard, whose epoch is the etcd revision that created the shard's election key
+   (strictly increasing); ``replica`` raises the shard's ``leader_fence`` to that epoch
+   (``takeover``) before any duty acts, so PostgreSQL refuses every write of an older
+   epoch (``scheduler.store.fenced``).
+4. **Bounded failover.** ``elector`` keeps the node's lease alive and stops trusting it
+   before etcd could hand a key to another (the trust window, ``lease``); standbys
+   watch the prefix and campaign on delete; ``replica`` stops every duty before a key
+   is given up, and revokes the lease at once on SIGTERM, so a crashed leader is
+   replaced within lease TTL + 1 s.
 
-``etcd_client`` builds the gRPC client (keepalives, TLS) the election talks through.
-``sharded`` is the replica of a sharded cluster: per shard it does what ``replica``
-does, on the per-shard keys of ``scheduler.shards.leadership``; both raise the fence
-through ``takeover``.
-The duties (``scheduler.duties``) never import this package's replica: the replica
-imports them and hands each a ``scheduler.duties.context.DutyContext``.
+An unsharded cluster is the one shard ``main`` on ``<prefix>/leader``: the same
+elector and replica, reporting under the single-leader names (``report``).
+``assignment`` is the elector's pure decision of which shards to lead; ``etcd_client``
+builds the gRPC client (keepalives, TLS). This package sits above the duties: the
+replica imports them and hands each a ``scheduler.duties.context.DutyContext``; nothing
+below imports it (tests/unit/test_import_graph.py).
 """

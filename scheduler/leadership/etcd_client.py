@@ -336,6 +336,13 @@ class EtcdConnection:
             return await asyncio.wait_for(
                 op(client), self.call_timeout if timeout is None else timeout
             )
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+            # Not our cancellation: grpc ends a call this way when another task closed
+            # the channel under it. Raised as is it would end the caller's task.
+            raise aetcd.ClientError("etcd call ended: its connection was closed") from None
         except ETCD_ERRORS as exc:
             await self.discard(client, exc)
             raise

@@ -1,9 +1,9 @@
-"""The outer life of a scheduler replica, single-shard (``Replica``) or sharded
-(``ShardedReplica``): open what it needs, retrying while PostgreSQL is unreachable,
-report ready, run until ``stop``, and close everything whatever happened.
+"""The outer life of a scheduler replica: open what it needs, retrying while
+PostgreSQL is unreachable, report ready, run until ``stop``, and close everything
+whatever happened.
 
-One function so both replicas keep the same rules: a permanent refusal at start (bad
-password, no such database) raises at once; a stop requested while the first
+Apart from the replica's term logic so its rules read on their own: a permanent
+refusal at start (bad password, no such database) raises at once; a stop requested while the first
 connections are still being retried returns without running; ``close`` runs after the
 body however it ended (returned, raised, or was cancelled).
 """

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from scheduler.backoff import bounded_jitter
@@ -18,7 +17,6 @@ from scheduler.errors import Fenced, LeadershipLost, describe
 
 __all__ = [
     "STEP_DOWN_REASONS",
-    "Transition",
     "recampaign_delay",
     "session_settings",
     "term_end_reason",
@@ -26,16 +24,6 @@ __all__ = [
 
 # Bounded label values of duetime_leader_transitions_total{reason}; "elected" counts gains.
 STEP_DOWN_REASONS = ("stopped", "lease_lost", "fenced", "fence_error", "duty_exited", "error")
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    """One logged state change, kept in ``Replica.transitions`` for tests and status."""
-
-    event: str  # elected | leading | stepping_down | resigned
-    epoch: int
-    reason: str | None
-    at: float  # clock.monotonic()
 
 
 def term_end_reason(
@@ -94,7 +82,7 @@ def session_settings(settings: Settings) -> dict[str, str]:
       after 2.0-2.5 s). Keepalives and ``client_connection_check_interval`` do not help
       (the frozen client's kernel still answers). Not every kernel enforces the user
       timeout on a zero window, so the new leader also terminates the sessions that
-      still block its fence update after ``fence_takeover_grace`` (scheduler/leadership/fence.py).
+      still block its fence update after ``fence_takeover_grace`` (scheduler/store/fenced.py).
     """
     out = {
         "idle_in_transaction_session_timeout": _ms(max(1.0, settings.lease_ttl)),

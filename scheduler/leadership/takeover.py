@@ -1,14 +1,13 @@
 """Raising the fence on a won term: the one step every leader takes before its duties.
 
-A replica (``replica.Replica``, one election key) and a shard leader
-(``sharded.ShardedReplica``, one key per shard) both win a term in etcd, then write its
-epoch to ``leader_fence`` (``FenceStore.advance``) before any duty may act. The update
+The replica (``replica.Replica``) wins a shard's term in etcd, then writes its epoch
+to that shard's ``leader_fence`` (``FenceStore.advance``) before any duty may act. The update
 may wait for an older leader's open transaction, so it is raced against whatever ends
-the term meanwhile (the lease, a stop request, a lost shard): the caller passes those
+the term meanwhile (a lost shard, a stop request): the caller passes those
 as ``abort``. The lock timeout outwaits a paused predecessor (PostgreSQL kills its
 transaction after about one TTL, ``policy.session_settings``), and ``takeover_grace``
 lets ``advance`` end a frozen zombie's session that still holds the fence row
-(``scheduler.leadership.fence``).
+(``scheduler.store.fenced``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Shards: several PostgreSQL databases, each led by one fenced replica.
-
-``config`` parses which shards exist, ``assignment`` decides (purely) which shards this
-node should lead, ``leadership`` holds the per-shard election keys in etcd and tells
-its owner when a shard is gained or lost.
+"""Shards seen from outside the leader: routing a producer's jobs to a shard
+(``router``) and reading every shard's state for ``duetime status`` and the dashboard
+(``status``). Which shards exist is configuration (``scheduler.config.shards``); who
+leads them is ``scheduler.leadership``.
 """

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 from scheduler import db
 from scheduler.broker_view import BrokerView, read_broker
 from scheduler.config import Settings
+from scheduler.config.shards import member_key, shard_key
 from scheduler.errors import ServiceUnavailable
 from scheduler.log import scrub
-from scheduler.shards.leadership import member_key, shard_key
 from scheduler.status import (
     DEFAULT_MAX_UNSTARTED_AGE,
     STALE_RENEWALS,

@@ -1,7 +1,7 @@
 """FenceStore: the statements on ``duetime.leader_fence`` (``sql/fence.sql``).
 
 What the fence guarantees, and how ``advance`` takes the row over from a frozen zombie,
-is ``scheduler.leadership.fence``'s docstring; ``lock_fence`` and ``fence_epoch`` are the two
+is ``scheduler.store.fenced``'s docstring; ``lock_fence`` and ``fence_epoch`` are the two
 statements its ``fenced_transaction`` runs on the caller's connection.
 """
 
@@ -19,7 +19,7 @@ from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.rows import FenceState, from_record
 
 Q = load("fence")
-log = get_logger("scheduler.leadership.fence")
+log = get_logger("scheduler.store.fenced")
 
 #: Shortest pause between two rounds of terminating blockers (a grace of 0 is allowed).
 MIN_TAKEOVER_INTERVAL = 0.05
@@ -50,7 +50,7 @@ class FenceStore(PooledStore):
 
         Waits at most ``lock_timeout`` for the row (``LockNotAvailableError`` then);
         with ``takeover_grace``, sessions still holding it after that long are
-        terminated (``scheduler.leadership.fence``'s docstring)."""
+        terminated (``scheduler.store.fenced``'s docstring)."""
         async with self._db.acquire() as conn, conn.transaction():
             # the session's statement_timeout (one TTL) must not cut this wait short
             await conn.execute(Q["advance_limits"], f"{int(lock_timeout * 1000)}ms",

@@ -14,7 +14,7 @@ the replica leading two shards is killed with SIGKILL. Measured (printed with
 
 Then a third replica starts: no replica leads more than ceil(3/2) = 2 shards, and every
 shard is led by all three views, within ``JOIN_BOUND`` of the newcomer's member key
-appearing in etcd (``ShardLeadership``: settle min(1 s, TTL/2) + one poll interval
+appearing in etcd (``Elector``: settle min(1 s, TTL/2) + one poll interval
 0.5 s + the handover and the fence advance). Finally the killed replica restarts:
 three replicas lead one shard each within the same bound.
 """

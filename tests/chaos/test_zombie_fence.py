@@ -37,7 +37,7 @@ import pytest
 from aio_pika.abc import AbstractChannel
 
 from scheduler.broker import queue_name
-from scheduler.leadership.replica import DUTY_STOP_TIMEOUT
+from scheduler.leadership.duty_set import DUTY_STOP_TIMEOUT
 from tests.chaos.cluster import Node, SchedulerCluster, parse_ts
 from tests.chaos.harness import TTL
 from tests.support.helpers import declare_queues

@@ -20,8 +20,8 @@ import aetcd
 import pytest
 import pytest_asyncio
 
-from scheduler.errors import ServiceUnavailable
-from scheduler.leadership.election import Election, LeadershipLost, Term
+from scheduler.errors import LeadershipLost, ServiceUnavailable
+from tests.support.election import SingleKey, Term
 from tests.support.etcd import PrivateEtcd, free_port
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
@@ -46,7 +46,7 @@ class Owned:
     """Elections and tasks created by one test, closed and cancelled at teardown."""
 
     def __init__(self) -> None:
-        self.elections: list[Election] = []
+        self.elections: list[SingleKey] = []
         self.tasks: list[asyncio.Task[Any]] = []
 
     def task(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -71,11 +71,11 @@ async def owned() -> AsyncIterator[Owned]:
 
 
 @pytest.fixture
-def make(etcd: PrivateEtcd, prefix: str, owned: Owned) -> Iterator[Callable[..., Election]]:
-    def factory(node_id: str, **kwargs: Any) -> Election:
+def make(etcd: PrivateEtcd, prefix: str, owned: Owned) -> Iterator[Callable[..., SingleKey]]:
+    def factory(node_id: str, **kwargs: Any) -> SingleKey:
         kwargs.setdefault("endpoints", etcd.endpoints)
         kwargs.setdefault("prefix", prefix)
-        election = Election(node_id=node_id, ttl=TTL, call_timeout=CALL_TIMEOUT, **kwargs)
+        election = SingleKey(node_id=node_id, ttl=TTL, call_timeout=CALL_TIMEOUT, **kwargs)
         owned.elections.append(election)
         return election
 
@@ -93,12 +93,12 @@ async def raw_get(endpoint: str, key: str) -> Any:
         return await client.get(key.encode())
 
 
-async def campaign(election: Election, timeout: float = 5.0) -> Term:
+async def campaign(election: SingleKey, timeout: float = 5.0) -> Term:
     return await asyncio.wait_for(election.campaign(), timeout)
 
 
 async def test_single_candidate_wins_with_epoch_equal_to_create_revision(
-    make: Callable[..., Election], etcd: PrivateEtcd
+    make: Callable[..., SingleKey], etcd: PrivateEtcd
 ) -> None:
     election = make("node-a")
     assert not election.is_leader()
@@ -122,7 +122,7 @@ async def test_single_candidate_wins_with_epoch_equal_to_create_revision(
     assert await election.current_leader() is None
 
 
-async def test_hold_renews_the_trust_window(make: Callable[..., Election], owned: Owned) -> None:
+async def test_hold_renews_the_trust_window(make: Callable[..., SingleKey], owned: Owned) -> None:
     election = make("node-a")
     term = await campaign(election)
     first = election.term_valid_until()
@@ -138,7 +138,7 @@ async def test_hold_renews_the_trust_window(make: Callable[..., Election], owned
 
 
 async def test_crash_without_resign_fails_over_within_ttl_plus_one(
-    make: Callable[..., Election],
+    make: Callable[..., SingleKey],
     owned: Owned,
     record_property: Callable[[str, object], None],
 ) -> None:
@@ -171,7 +171,7 @@ async def test_crash_without_resign_fails_over_within_ttl_plus_one(
 
 
 async def test_resign_hands_over_immediately(
-    make: Callable[..., Election],
+    make: Callable[..., SingleKey],
     owned: Owned,
     record_property: Callable[[str, object], None],
 ) -> None:
@@ -192,7 +192,7 @@ async def test_resign_hands_over_immediately(
     assert not a.is_leader()
 
 
-async def test_epochs_strictly_increase_across_terms(make: Callable[..., Election]) -> None:
+async def test_epochs_strictly_increase_across_terms(make: Callable[..., SingleKey]) -> None:
     nodes = [make(f"node-{i}") for i in range(4)]
     epochs = []
     for _round in range(2):
@@ -204,7 +204,7 @@ async def test_epochs_strictly_increase_across_terms(make: Callable[..., Electio
 
 
 async def test_restart_with_same_node_id_waits_for_the_old_lease(
-    make: Callable[..., Election],
+    make: Callable[..., SingleKey],
     etcd: PrivateEtcd,
     record_property: Callable[[str, object], None],
 ) -> None:
@@ -227,7 +227,7 @@ async def test_restart_with_same_node_id_waits_for_the_old_lease(
 
 
 async def test_hold_notices_the_key_deleted_by_an_operator(
-    make: Callable[..., Election], owned: Owned, etcd: PrivateEtcd
+    make: Callable[..., SingleKey], owned: Owned, etcd: PrivateEtcd
 ) -> None:
     election = make("node-a")
     term = await campaign(election)
@@ -242,7 +242,7 @@ async def test_hold_notices_the_key_deleted_by_an_operator(
 
 
 async def test_connection_cut_is_survived_within_the_window(
-    make: Callable[..., Election], owned: Owned, etcd: PrivateEtcd
+    make: Callable[..., SingleKey], owned: Owned, etcd: PrivateEtcd
 ) -> None:
     async with FaultProxy.for_endpoint(etcd.endpoint) as proxy:
         election = make("node-a", endpoints=[proxy.endpoint])
@@ -262,7 +262,7 @@ async def test_connection_cut_is_survived_within_the_window(
 
 
 async def test_different_prefixes_do_not_interfere(
-    make: Callable[..., Election], owned: Owned
+    make: Callable[..., SingleKey], owned: Owned
 ) -> None:
     base = f"duetime-test/{uuid.uuid4().hex[:10]}"
     a = make("node-a", prefix=f"{base}/one")
@@ -277,7 +277,7 @@ async def test_different_prefixes_do_not_interfere(
     assert not hold_b.done() and b.is_leader()
 
 
-async def test_dead_endpoint_is_skipped(make: Callable[..., Election], etcd: PrivateEtcd) -> None:
+async def test_dead_endpoint_is_skipped(make: Callable[..., SingleKey], etcd: PrivateEtcd) -> None:
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     election = make("node-a", endpoints=[dead, etcd.endpoint])
     term = await campaign(election, timeout=5)
@@ -285,7 +285,7 @@ async def test_dead_endpoint_is_skipped(make: Callable[..., Election], etcd: Pri
 
 
 async def test_current_leader_raises_service_unavailable_when_etcd_is_down(
-    make: Callable[..., Election],
+    make: Callable[..., SingleKey],
 ) -> None:
     election = make("node-a", endpoints=[f"127.0.0.1:{free_port()}"])
     started = time.monotonic()
@@ -295,7 +295,7 @@ async def test_current_leader_raises_service_unavailable_when_etcd_is_down(
 
 
 async def test_blackholed_leader_steps_down_before_the_standby_wins(
-    make: Callable[..., Election],
+    make: Callable[..., SingleKey],
     owned: Owned,
     etcd: PrivateEtcd,
     record_property: Callable[[str, object], None],
@@ -333,7 +333,7 @@ async def test_leader_steps_down_when_etcd_stops_and_wins_again_after(
     owned: Owned, record_property: Callable[[str, object], None]
 ) -> None:
     async with PrivateEtcd() as server:
-        election = Election(
+        election = SingleKey(
             server.endpoints, "duetime-test/outage", "node-a", ttl=TTL, call_timeout=CALL_TIMEOUT
         )
         owned.elections.append(election)
@@ -366,7 +366,7 @@ async def test_frozen_etcd_leader_steps_down_and_standby_wins_after_thaw(
 ) -> None:
     async with PrivateEtcd() as server:
         a, b = (
-            Election(server.endpoints, prefix, node, ttl=TTL, call_timeout=CALL_TIMEOUT)
+            SingleKey(server.endpoints, prefix, node, ttl=TTL, call_timeout=CALL_TIMEOUT)
             for node in ("node-a", "node-b")
         )
         owned.elections += [a, b]

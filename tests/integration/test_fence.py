@@ -15,9 +15,9 @@ import pytest
 
 from scheduler import db
 from scheduler.errors import DuetimeError, Fenced
-from scheduler.leadership.fence import fenced_transaction
 from scheduler.store.dispatch import DispatchStore
 from scheduler.store.fence import FenceStore
+from scheduler.store.fenced import fenced_transaction
 from tests.conftest import own_database
 from tests.support.wait import wait_for
 

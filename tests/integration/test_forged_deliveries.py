@@ -21,7 +21,7 @@ from aio_pika.abc import AbstractChannel
 from prometheus_client import REGISTRY
 
 from scheduler.config import Settings
-from scheduler.shards.config import DEFAULT_SHARD
+from scheduler.config.shards import DEFAULT_SHARD
 from tests.fixtures_tasks.jobs import dispatched_job, job_row, publish, queue_depth
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker

@@ -26,9 +26,9 @@ from scheduler.duties.context import DutyContext
 from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.errors import Fenced, LeadershipLost
-from scheduler.leadership.fence import fenced_transaction
 from scheduler.store.dispatch import DispatchStore
 from scheduler.store.fence import FenceStore
+from scheduler.store.fenced import fenced_transaction
 from tests.support.wait import wait_for
 
 EPOCH = 3

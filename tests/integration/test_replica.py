@@ -19,16 +19,17 @@ import pytest
 
 from scheduler import db
 from scheduler.config import Settings
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.duties import FenceHeartbeat, default_duties
 from scheduler.duties.base import Duty, DutyLoop, LeaderTerm
 from scheduler.duties.context import DutyContext
 from scheduler.duties.fence_heartbeat import FenceHeartbeatConfig
 from scheduler.errors import Fenced
-from scheduler.leadership.fence import fenced_transaction
 from scheduler.leadership.policy import session_settings
 from scheduler.leadership.replica import Replica
 from scheduler.metrics import DUTY_FAILURES, LEADER_TRANSITIONS
 from scheduler.store.fence import FenceStore
+from scheduler.store.fenced import fenced_transaction
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -108,7 +109,7 @@ async def test_two_replicas_one_leader_and_handover_on_stop(
     a = running.start(base_settings, f"a-{unique}")
     await wait_for(lambda: a.is_leader, timeout=10, message="a leads")
     b = running.start(base_settings, f"b-{unique}")
-    await wait_for(lambda: b.election is not None, timeout=5, message="b started")
+    await wait_for(lambda: b.elector is not None, timeout=5, message="b started")
 
     # b stays a standby while a holds the lease (sampled over more than one TTL)
     loop = asyncio.get_running_loop()
@@ -247,9 +248,10 @@ async def test_replica_sessions_end_idle_transactions_after_about_one_ttl(
     """A paused leader's open fenced transaction cannot block the next fence update."""
     replica = running.start(base_settings, f"idle-{unique}")
     await wait_for(lambda: replica.is_leader, timeout=10, message="leads")
-    assert replica.term is not None and replica._pool is not None
+    pool = replica.pools.get(DEFAULT_SHARD)
+    assert replica.term is not None and pool is not None
     epoch = replica.term.epoch
-    async with replica._pool.acquire() as conn:
+    async with pool.acquire() as conn:
         assert await conn.fetchval("SHOW idle_in_transaction_session_timeout") == "2s"
 
     # the "zombie": a session configured like the replica's, holding the fence row

@@ -32,12 +32,12 @@ from scheduler.duties.knobs import config_from_settings
 from scheduler.duties.maintainer import Maintainer, MaintainerConfig
 from scheduler.duties.planner import Planner, PlannerConfig
 from scheduler.jobspec import JobSpec
-from scheduler.leadership.fence import fenced_transaction
 from scheduler.messages import JobMessage
 from scheduler.planning import ScheduleSpec
 from scheduler.roles import RoleNames, apply_roles, drop_roles_connection
 from scheduler.store import DispatchStore, ExecutionStore, JobStore, ScheduleStore
 from scheduler.store.fence import FenceStore
+from scheduler.store.fenced import fenced_transaction
 from scheduler.store.rows import JobRef
 from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.helpers import declare_queues

@@ -1,5 +1,5 @@
 """Shard assignment against the real etcd: replica processes running only
-``scheduler.shards.leadership`` (bench/shard_sim.py at a small size).
+``scheduler.leadership.elector`` (bench/shard_sim.py at a small size).
 
 8 shards, 3 replica processes, lease TTL 2 s: the cluster converges balanced
 (nobody above ⌈K/R⌉), a fourth process joining gets its share within the stated bound

@@ -1,4 +1,4 @@
-"""``ShardLeadership`` in one process against the real etcd (TTL 2 s, own prefix).
+"""``Elector`` in one process against the real etcd (TTL 2 s, own prefix).
 
 What the owner relies on: the keys and values (contract), epochs as create revisions,
 a resignation telling the owner before the key goes, ``stop()`` freeing every key at
@@ -16,7 +16,8 @@ import aetcd
 import pytest
 import pytest_asyncio
 
-from scheduler.shards.leadership import ShardEvent, ShardLeadership, member_key, shard_key
+from scheduler.config.shards import member_key, shard_key
+from scheduler.leadership.elector import Elector, ShardEvent
 from tests.support.etcd import PrivateEtcd
 from tests.support.wait import wait_for
 
@@ -42,14 +43,14 @@ async def etcd(etcd_endpoints: str, prefix: str) -> AsyncIterator[aetcd.Client]:
 
 
 class Node:
-    """One ``ShardLeadership`` whose handler records events in order."""
+    """One ``Elector`` whose handler records events in order."""
 
     def __init__(self, endpoints: str, prefix: str, node_id: str, etcd: aetcd.Client) -> None:
         self.events: list[tuple[str, str, str]] = []
         self.key_at_loss: dict[str, bool] = {}
         self._etcd = etcd
         self.prefix = prefix
-        self.leadership = ShardLeadership(
+        self.leadership = Elector(
             endpoints.split(","), prefix, node_id, SHARDS, ttl=TTL, call_timeout=1.0,
             poll_interval=0.3, handler=self._record,
         )  # fmt: skip
@@ -173,9 +174,7 @@ async def test_a_key_of_an_old_process_with_our_node_id_is_not_adopted(
 async def test_events_iterator_ends_on_stop(
     etcd_endpoints: str, prefix: str, etcd: aetcd.Client
 ) -> None:
-    leadership = ShardLeadership(
-        etcd_endpoints.split(","), prefix, "n1", ("a",), ttl=TTL, call_timeout=1.0
-    )
+    leadership = Elector(etcd_endpoints.split(","), prefix, "n1", ("a",), ttl=TTL, call_timeout=1.0)
     seen: list[tuple[str, str]] = []
 
     async def consume() -> None:

@@ -1,4 +1,4 @@
-"""``ShardedReplica`` in-process against real PostgreSQL and etcd: what happens to one
+"""``Replica`` in-process against real PostgreSQL and etcd: what happens to one
 shard when leading it fails, while the other shard carries on.
 
 Two shard databases of this module's own, a unique etcd prefix per test, TTL 2 s. The
@@ -19,7 +19,7 @@ from scheduler.config import Settings, load_settings
 from scheduler.duties.base import Duty, DutyLoop
 from scheduler.duties.context import DutyContext
 from scheduler.duties.fence_heartbeat import FenceHeartbeat
-from scheduler.leadership.sharded import ShardedReplica
+from scheduler.leadership.replica import Replica
 from tests.conftest import own_database
 from tests.support.wait import wait_for
 
@@ -78,7 +78,7 @@ def heartbeat_only(ctx: DutyContext) -> Sequence[Duty]:
 
 
 @contextlib.asynccontextmanager
-async def running(replica: ShardedReplica) -> AsyncIterator[asyncio.Event]:
+async def running(replica: Replica) -> AsyncIterator[asyncio.Event]:
     stop = asyncio.Event()
     task = asyncio.create_task(replica.run_until_stopped(stop))
     try:
@@ -88,16 +88,12 @@ async def running(replica: ShardedReplica) -> AsyncIterator[asyncio.Event]:
         await asyncio.wait_for(task, 20)
 
 
-def events(replica: ShardedReplica, shard: str) -> list[tuple[str, str | None, float]]:
-    return [
-        (t.transition.event, t.transition.reason, t.transition.at)
-        for t in replica.transitions
-        if t.shard == shard
-    ]
+def events(replica: Replica, shard: str) -> list[tuple[str, str | None, float]]:
+    return [(t.event, t.reason, t.at) for t in replica.transitions if t.shard == shard]
 
 
 async def test_leads_both_shards_and_stops_cleanly(shard_settings: Settings) -> None:
-    replica = ShardedReplica(shard_settings, heartbeat_only)
+    replica = Replica(shard_settings, heartbeat_only)
     async with running(replica):
         await wait_for(lambda: set(replica.leading()) == set(SHARDS), timeout=10)
         assert replica.is_leader
@@ -123,7 +119,7 @@ async def test_fence_ahead_hands_the_shard_over_and_holds_off(
     conn = await asyncpg.connect(shard_urls["b"], timeout=5)
     try:
         await conn.execute("UPDATE duetime.leader_fence SET epoch = 1000000000000 WHERE shard = 0")
-        replica = ShardedReplica(shard_settings, heartbeat_only)
+        replica = Replica(shard_settings, heartbeat_only)
         async with running(replica):
             await wait_for(lambda: "a" in replica.leading(), timeout=10)
 
@@ -152,7 +148,7 @@ async def test_a_duty_that_ends_hands_only_its_shard_over(shard_settings: Settin
             duties.append(Crash())
         return duties
 
-    replica = ShardedReplica(shard_settings, factory)
+    replica = Replica(shard_settings, factory)
     async with running(replica):
         await wait_for(lambda: "a" in replica.leading(), timeout=10)
         await wait_for(

@@ -2,7 +2,7 @@
 
 Two shard databases of this module's own (``own_database``) so the counts are exact,
 and an etcd prefix per test. The keys are written the way sharded replicas write them
-(``scheduler.shards.leadership``): ``<prefix>/members/<node>`` and
+(``scheduler.leadership.elector``): ``<prefix>/members/<node>`` and
 ``<prefix>/shards/<name>/leader`` on the node's lease (value = node id, epoch = the
 key's create_revision), and each shard's fence row as its leader fences it.
 """
@@ -19,7 +19,7 @@ import asyncpg
 import pytest
 
 from scheduler import db
-from scheduler.shards.leadership import member_key, shard_key
+from scheduler.config.shards import member_key, shard_key
 from tests.conftest import own_database
 from tests.support.cli import Run, run_duetime
 

@@ -8,10 +8,10 @@
   ``sslkey``); a wrong CA, a missing client certificate or no TLS at all fail with one
   ``ServiceUnavailable`` line that never shows the password.
 - etcd TLS: a private etcd with ``--cert-file/--key-file/--trusted-ca-file
-  --client-cert-auth``; ``Election`` campaigns, holds (renews) and resigns over TLS with
-  ``etcd_ca_file``/``etcd_cert_file``/``etcd_key_file``, ``duetime status``'s reader sees
-  the leader; a wrong CA, no client certificate or plain gRPC fail at once with an error
-  saying which. TLS and user/password auth together work.
+  --client-cert-auth``; the elector (through ``tests.support.election``) campaigns,
+  holds and resigns over TLS with ``etcd_ca_file``/``etcd_cert_file``/``etcd_key_file``,
+  ``duetime status``'s reader sees the leader; a wrong CA, no client certificate or
+  plain gRPC fail at once with an error saying which. TLS and user/password auth together work.
 - etcd user/password auth: a private etcd with a root user and ``auth enable``; the
   election wins with credentials, fails with a clear, password-free error without.
 - RabbitMQ TLS: documented only (amqps:// URL parameters), no private broker here.
@@ -33,9 +33,9 @@ import pytest
 from scheduler import db
 from scheduler.config import load_settings
 from scheduler.errors import ConfigError, LeadershipLost, ServiceUnavailable
-from scheduler.leadership.election import Election
 from scheduler.leadership.etcd_client import EtcdTLS, etcd_tls
 from scheduler.status import read_election_key
+from tests.support.election import SingleKey
 from tests.support.etcd import PrivateEtcd
 from tests.support.pg import PG_BIN, PrivatePostgres
 from tests.support.procs import duetime_argv
@@ -226,8 +226,8 @@ def tls_env(etcd: PrivateEtcd, ca: Path, pki: Pki, *, client_cert: bool = True) 
     return env
 
 
-def tls_election(etcd: PrivateEtcd, unique: str, tls: EtcdTLS | None, **kw: str) -> Election:
-    return Election(
+def tls_election(etcd: PrivateEtcd, unique: str, tls: EtcdTLS | None, **kw: str) -> SingleKey:
+    return SingleKey(
         etcd.endpoints, f"tls-{unique}", f"node-{unique}", ttl=3.0, call_timeout=2.0,
         tls=tls, **kw,
     )  # fmt: skip
@@ -351,8 +351,8 @@ async def auth_etcd() -> AsyncIterator[PrivateEtcd]:
         yield etcd
 
 
-def election(etcd: PrivateEtcd, unique: str, **auth: str | None) -> Election:
-    return Election(
+def election(etcd: PrivateEtcd, unique: str, **auth: str | None) -> SingleKey:
+    return SingleKey(
         etcd.endpoints, f"auth-{unique}", f"node-{unique}", ttl=3.0, call_timeout=2.0, **auth
     )
 

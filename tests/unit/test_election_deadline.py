@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from scheduler.errors import ConfigError
-from scheduler.leadership.election import Election
 from scheduler.leadership.etcd_client import parse_endpoint
 from scheduler.leadership.lease import LeaseDeadline, default_safety_margin
+from tests.support.election import SingleKey
 
 
 def test_never_renewed_is_expired() -> None:
@@ -115,13 +115,13 @@ def test_parse_endpoint_refuses_garbage(text: str) -> None:
 
 @pytest.mark.parametrize(("ttl", "etcd_ttl"), [(0.5, 1), (1, 1), (2, 2), (2.5, 3), (10, 10)])
 def test_etcd_ttl_is_rounded_up_to_whole_seconds(ttl: float, etcd_ttl: int) -> None:
-    election = Election(["127.0.0.1:2379"], "p", "n", ttl=ttl, safety_margin=0.1)
+    election = SingleKey(["127.0.0.1:2379"], "p", "n", ttl=ttl, safety_margin=0.1)
     assert election.etcd_ttl == etcd_ttl
     assert election.ttl == ttl  # the local window keeps the configured float
 
 
 def test_election_defaults_and_key() -> None:
-    election = Election(["127.0.0.1:2379"], "duetime/", "node-1", ttl=10)
+    election = SingleKey(["127.0.0.1:2379"], "duetime/", "node-1", ttl=10)
     assert election.key == "duetime/leader"
     assert election.safety_margin == 2.0
     assert election.renew_interval == pytest.approx(10 / 3)
@@ -131,7 +131,7 @@ def test_election_defaults_and_key() -> None:
 
 
 def test_renew_interval_leaves_two_attempts_in_a_narrow_window() -> None:
-    election = Election(["127.0.0.1:2379"], "p", "n", ttl=10, safety_margin=8)
+    election = SingleKey(["127.0.0.1:2379"], "p", "n", ttl=10, safety_margin=8)
     assert election.renew_interval == pytest.approx(1.0)
 
 
@@ -156,4 +156,4 @@ def test_election_refuses_bad_configuration(kwargs: dict[str, object]) -> None:
         **kwargs,
     }
     with pytest.raises(ConfigError):
-        Election(**args)  # type: ignore[arg-type]
+        SingleKey(**args)  # type: ignore[arg-type]

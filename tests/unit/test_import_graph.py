@@ -1,4 +1,5 @@
-"""No import cycles between the modules of ``scheduler/`` and ``workers/``.
+"""No import cycles between the modules of ``scheduler/`` and ``workers/``, and no
+import that runs up the floors of ``FLOORS``.
 
 The graph is read from the source with ``ast``, not by importing it: every ``import``
 and ``from ... import`` counts wherever it stands — at the top, under
@@ -6,6 +7,13 @@ and ``from ... import`` counts wherever it stands — at the top, under
 remove it). ``from package import name`` is an edge to ``package.name`` when that is a
 module, else to the package. A package's ``__init__`` is the module named after the
 package. Any cycle is reported with its path, e.g. ``a -> b -> a``.
+
+Every module stands on one floor (the longest prefix in ``FLOORS`` that names it) and
+may import only from its own floor or below; a module on no floor fails too, so a new
+one has to be placed. The floors, from the ground up: leaves that know nothing of
+duetime's services; configuration, messages and the database (the store and its SQL);
+the broker and the publisher; the leader's duties; leadership (the elector and the
+replica that runs the duties); and the applications that assemble them.
 """
 
 from __future__ import annotations
@@ -135,6 +143,72 @@ def _path_through(component: set[str], graph: dict[str, set[str]]) -> list[str]:
                     following.append(child)
         frontier = following
     raise AssertionError(f"no cycle through {start}")
+
+
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("leaves", (
+        "scheduler.backoff", "scheduler.clock", "scheduler.cron", "scheduler.errors",
+        "scheduler.jobspec", "scheduler.log", "scheduler.loopmon", "scheduler.metrics",
+        "scheduler.planning", "scheduler.secrets",
+    )),
+    ("config, messages, db, sql, store", (
+        "scheduler.config", "scheduler.db", "scheduler.messages", "scheduler.migrate",
+        "scheduler.sql", "scheduler.startup", "scheduler.store",
+    )),
+    ("broker, publisher", (
+        "scheduler.broker", "scheduler.broker_gate", "scheduler.broker_view",
+        "scheduler.publisher", "scheduler.shards.router",
+    )),
+    ("duties", ("scheduler.duties",)),
+    ("leadership", ("scheduler.leadership",)),
+    ("apps", (
+        "scheduler", "scheduler.cli", "scheduler.dashboard", "demo",
+        "scheduler.health", "scheduler.observability", "scheduler.roles", "scheduler.service",
+        "scheduler.shards", "scheduler.status", "workers",
+    )),
+)  # fmt: skip
+
+
+def floor_of(module: str, floors: tuple[tuple[str, tuple[str, ...]], ...] = FLOORS) -> int | None:
+    """The index of the floor whose longest matching prefix names ``module``."""
+    best: tuple[int, int] | None = None
+    for index, (_, prefixes) in enumerate(floors):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def upward(
+    graph: dict[str, set[str]], floors: tuple[tuple[str, tuple[str, ...]], ...] = FLOORS
+) -> list[str]:
+    """Every import of a module from a higher floor, as ``a [floor] -> b [floor]``."""
+    found = []
+    for name in sorted(graph):
+        here = floor_of(name, floors)
+        for target in sorted(graph[name]):
+            there = floor_of(target, floors)
+            if here is not None and there is not None and there > here:
+                found.append(f"{name} [{floors[here][0]}] -> {target} [{floors[there][0]}]")
+    return found
+
+
+def test_the_checker_finds_an_upward_import() -> None:
+    floors = (("low", ("p.low",)), ("high", ("p.high", "p")))
+    graph = {"p": {"p.low"}, "p.low": {"p.high.x"}, "p.high.x": {"p.low"}}
+    assert [floor_of(m, floors) for m in ("p", "p.low", "p.high.x", "q")] == [1, 0, 1, None]
+    assert upward(graph, floors) == ["p.low [low] -> p.high.x [high]"]
+
+
+def test_every_module_is_on_a_floor() -> None:
+    lost = sorted(name for name in import_graph() if floor_of(name) is None)
+    assert not lost, f"modules on no floor of FLOORS: {lost}"
+
+
+def test_no_import_runs_up_the_floors() -> None:
+    found = upward(import_graph())
+    assert not found, "upward imports:\n" + "\n".join(found)
 
 
 def test_the_checker_finds_a_cycle_and_its_path() -> None:

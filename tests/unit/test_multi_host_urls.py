@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from scheduler.config import load_settings
+from scheduler.config.shards import host_list_problem, parse_shards_env
 from scheduler.errors import ConfigError
-from scheduler.shards.config import host_list_problem, parse_shards_env
 
 PAIR = (
     "postgresql://duetime:pw@10.0.1.11:5432,10.0.1.12:5432/shard_a?target_session_attrs=read-write"

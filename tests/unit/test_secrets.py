@@ -20,9 +20,9 @@ from scheduler import broker, db
 from scheduler.cli import main as cli_main
 from scheduler.config import load_settings
 from scheduler.errors import ConfigError, ServiceUnavailable
-from scheduler.leadership.election import Election
 from scheduler.log import configure_logging, get_logger, scrub
 from scheduler.secrets import read_credentials
+from tests.support.election import SingleKey
 
 PASSWORDS = ("s3cr3t-pg", "s3cr3t-mq", "s3cr3t-etcd", "pa/ss@word")
 
@@ -168,7 +168,7 @@ async def test_real_connection_errors_are_scrubbed(
     with pytest.raises(ServiceUnavailable) as mq:
         await broker.connect(f"amqp://duetime:s3cr3t-mq@127.0.0.1:{port}/", timeout=2)
     errors.append(mq.value)
-    election = Election(
+    election = SingleKey(
         [f"127.0.0.1:{port}"], "secrets-test", "n1", ttl=2.0, call_timeout=1.0,
         username="root", password="s3cr3t-etcd",
     )  # fmt: skip

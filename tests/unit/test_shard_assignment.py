@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.shards.assignment import Assigner, View, plan, rendezvous_order, score, target
+from scheduler.leadership.assignment import Assigner, View, plan, rendezvous_order, score, target
 
 STEP = 0.5  # seconds per round: the leadership module's poll interval
 
@@ -290,7 +290,7 @@ def test_every_shard_has_at_most_one_campaign_winner_and_stays_put(seed: int, k:
 
 class LaggingCluster(Cluster):
     """Each node decides on a view up to ``lag`` rounds old (its own read of etcd) but
-    knows its own terms exactly, as ``ShardLeadership`` does; resignations and
+    knows its own terms exactly, as ``Elector`` does; resignations and
     campaigns apply to the real state."""
 
     def __init__(self, k: int, seed: int, lag: int) -> None:

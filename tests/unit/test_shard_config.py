@@ -6,13 +6,13 @@ import tomllib
 
 import pytest
 
-from scheduler.errors import ConfigError
-from scheduler.shards.config import (
+from scheduler.config.shards import (
     Shard,
     parse_shards_env,
     parse_shards_table,
     shards_from,
 )
+from scheduler.errors import ConfigError
 
 URL = "postgresql://postgres@127.0.0.1:5432/duetime"
 
@@ -86,3 +86,11 @@ def test_bad_tables_are_refused() -> None:
 
 def test_repr_hides_the_password() -> None:
     assert "secret" not in repr(Shard("a", "postgresql://u:secret@h/db"))
+
+
+@pytest.mark.parametrize("prefix", ["duetime", "duetime/", "/duetime"])
+def test_status_reads_the_election_key_the_elector_writes(prefix: str) -> None:
+    from scheduler.config.shards import election_key  # what the replica gives the elector
+    from scheduler.status import election_key as status_key
+
+    assert status_key(prefix) == election_key(prefix) == f"{prefix.rstrip('/')}/leader"

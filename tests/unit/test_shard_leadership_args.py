@@ -1,12 +1,13 @@
-"""``ShardLeadership`` refuses bad arguments at construction (no etcd needed), and
+"""``Elector`` refuses bad arguments at construction (no etcd needed), and
 ``stop()`` before ``start()`` is safe."""
 
 from __future__ import annotations
 
 import pytest
 
+from scheduler.config.shards import member_key, shard_key
 from scheduler.errors import ConfigError
-from scheduler.shards.leadership import ShardLeadership, member_key, shard_key
+from scheduler.leadership.elector import Elector
 
 EP = ["127.0.0.1:2379"]
 
@@ -35,14 +36,14 @@ def test_keys_are_the_contract() -> None:
 def test_bad_arguments_are_refused(kwargs: dict, message: str) -> None:
     args: dict = dict(endpoints=EP, prefix="p", node_id="n1", shards=["a"]) | kwargs
     with pytest.raises(ConfigError, match=message):
-        ShardLeadership(
+        Elector(
             args.pop("endpoints"), args.pop("prefix"), args.pop("node_id"), args.pop("shards"),
             **args,
         )  # fmt: skip
 
 
 async def test_stop_before_start_is_safe() -> None:
-    leadership = ShardLeadership(EP, "p", "n1", ["a"], ttl=2)
+    leadership = Elector(EP, "p", "n1", ["a"], ttl=2)
     await leadership.stop()
     await leadership.stop()
     assert leadership.leading() == {} and not leadership.is_leader("a")

@@ -12,8 +12,10 @@ and its query string (``?options=...``), so pairs are split on a comma that is f
 by ``name=`` and a URL scheme, never on a comma inside a URL. Errors list
 every bad pair at once (passwords redacted), like ``load_settings`` does.
 
-It imports nothing from ``scheduler.config``, so ``scheduler.config`` can call
-``shards_from`` when it reads ``DUETIME_SHARDS`` and the ``[shards]`` table.
+It is the shard vocabulary every floor above configuration shares (messages, the
+publisher, the duties, the elector, the workers), which is why it sits here and imports
+nothing from the rest of ``scheduler.config``: ``loading`` calls ``shards_from`` when it
+reads ``DUETIME_SHARDS`` and the ``[shards]`` table.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from urllib.parse import urlsplit
 from scheduler.errors import ConfigError
 from scheduler.log import scrub
 
-__all__ = ["DEFAULT_SHARD", "SHARD_NAME", "Shard", "host_list_problem", "parse_shards",
-           "parse_shards_env", "parse_shards_table", "shards_from"]  # fmt: skip
+__all__ = ["DEFAULT_SHARD", "SHARD_NAME", "Shard", "election_key", "host_list_problem",
+           "member_key", "parse_shards", "parse_shards_env", "parse_shards_table",
+           "shard_key", "shards_from"]  # fmt: skip
 
 DEFAULT_SHARD = "main"
 SHARD_NAME = re.compile(r"[a-z0-9_-]{1,32}")
@@ -38,6 +41,27 @@ _PAIR_START = re.compile(r"(?:^|,)\s*([^=,\s]*)\s*=\s*(?=[a-z][a-z0-9+.-]*://)",
 # One host of a libpq host list: a name or address, or a bracketed IPv6 address, and an
 # optional port.
 _LISTED_HOST = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\s:/?#@\[\],]+)(?::(\d{1,5}))?")
+
+
+def member_key(prefix: str, node_id: str) -> str:
+    """The etcd key that says ``node_id`` is alive (on its lease)."""
+    return f"{prefix.rstrip('/')}/members/{node_id}"
+
+
+def shard_key(prefix: str, shard: str) -> str:
+    """The election key of ``shard`` in a sharded cluster."""
+    return f"{prefix.rstrip('/')}/shards/{shard}/leader"
+
+
+def election_key(prefix: str, shard: str = DEFAULT_SHARD, *, sharded: bool = False) -> str:
+    """The election key of ``shard``: ``<prefix>/leader`` for the one shard of an
+    unsharded cluster (a contract operators, tests and ``duetime status`` read: DESIGN
+    §4), ``shard_key`` when sharded."""
+    if sharded:
+        return shard_key(prefix, shard)
+    if shard != DEFAULT_SHARD:
+        raise ValueError(f"an unsharded cluster has only the shard {DEFAULT_SHARD!r}")
+    return f"{prefix.rstrip('/')}/leader"
 
 
 @dataclass(frozen=True, repr=False)

@@ -1,57 +1,77 @@
-"""Leading several shards from one node: per-shard election keys on one node lease.
+"""Leader election on etcd: which shards this node may lead, and for how long it may
+believe it. An unsharded cluster is the one shard ``main``; nothing below differs.
 
 **Keys.** The node grants one etcd lease and puts ``<prefix>/members/<node>`` on it
-(value: the node id). Each shard has its election key ``<prefix>/shards/<name>/leader``
-(value: the node id, a contract operators and tests read), created on that same lease
-with the transaction the single-leader election uses: *create it if its
-create_revision is 0, else read it*. The shard's **epoch** is the key's
-create_revision, its fencing token. One lease per node, not per shard: the etcd lease
-load grows with replicas, not shards, and a dead node's member key and every shard key
-it held vanish in one revision when its lease expires, so no observer ever sees a dead
-node's shards unled while the node still looks alive.
+(value: the node id). Each shard has its election key (value: the node id, a contract
+operators and tests read): ``<prefix>/leader`` for the one shard of an unsharded
+cluster, ``<prefix>/shards/<name>/leader`` when sharded
+(``scheduler.config.shards.election_key``). A key is created on the node's lease with
+one transaction: *if its create_revision is 0 (absent), put it, else read it*. etcd
+applies transactions one at a time, so at most one node creates each incarnation of a
+key. One lease per node, not per shard: the etcd lease load grows with replicas, not
+shards, and a dead node's member key and every shard key it held vanish in one
+revision when its lease expires, so no observer ever sees a dead node's shards unled
+while the node still looks alive.
 
-**Trust window.** The lease is renewed every TTL/3 and trusted until ``sent_at + TTL -
-safety_margin`` of the last successful refresh (``LeaseDeadline``, the same arithmetic
-and margin as the single-leader election). Every shard this node leads shares that
-window: ``is_leader(shard)`` is false once it closes, and all shards are reported lost
-at that moment, before etcd could let another node create any of the keys. A lease
-etcd says is gone (TTL <= 0) loses everything at once too; the node then grants a new
-lease, registers again and campaigns afresh (every new key incarnation has a new
-epoch). A shard key that is deleted or replaced behind this node's back is reported
-lost when the next read shows it.
+**Epochs.** A shard's *epoch* is the create_revision of the key this node created.
+Revisions come from etcd's single, strictly increasing counter, so every later
+incarnation has a larger epoch: it is the fencing token the leader writes to
+PostgreSQL. Giving a shard up deletes the key only if its create_revision is still the
+epoch, so a late delete can never remove a newer leader.
 
-**What to lead.** ``scheduler.shards.assignment`` decides from each read which shards
-to campaign for and which to hand over. The read is one range request (members and
+**Trust window.** The lease is renewed every TTL/3 (less if the margin is huge, so two
+refreshes can fail before the window closes) and trusted until ``sent_at + TTL -
+safety_margin`` of the last successful refresh (``lease.LeaseDeadline``). Every shard
+this node leads shares that window: ``is_leader(shard)`` is false once it closes, and
+all shards are reported lost at that moment, before etcd could let another node
+create any of the keys. A lease etcd says is gone (TTL <= 0) loses everything at once
+too; the node then grants a new lease, registers again and campaigns afresh (every new
+key incarnation has a new epoch). A key that is deleted or replaced behind this node's
+back is reported lost when the next read shows it. The window is the first line of
+defence, not the guarantee: CLOCK_MONOTONIC stops while a VM is suspended, and a
+process can stall between checking ``is_leader`` and committing. The database fence
+(``leader_fence``) is what makes a zombie harmless.
+
+**What to lead.** ``assignment`` decides from each read which shards to campaign for
+and which to hand over. The read is one range request over the prefix (members and
 shard keys at one revision), repeated every ``poll_interval`` and at once when a watch
 on the prefix reports any change, so a resignation or an expiry is acted on in
 milliseconds and a broken watch costs at most one poll interval. Handing over deletes
-the shard's key (only that incarnation: compare on create_revision == epoch), after
-the owner was told and had ``handler_timeout`` to stop that shard's duties; the
-standby the plan chose campaigns on the DELETE it sees.
+the shard's key incarnation after the owner was told and had ``handler_timeout`` to
+stop that shard's duties; the standby the plan chose campaigns on the DELETE it sees.
+With one shard there is nothing to balance, so no node waits to settle: every node
+that does not lead it campaigns the moment it is unled.
 
 **Bounds.** A dead node's shards are unled when etcd expires its lease (at most TTL
 after its last refresh, plus etcd's expiry sweep of up to 0.5 s); the watch wakes the
-nodes the plan names and one transaction each re-leads them: within TTL + 1 s. A node
-that joins gets its share once the others have seen the same membership for
-``settle`` (default ``min(1 s, TTL/2)``): one read, one delete per surplus shard and
-one transaction by the newcomer, so about ``settle`` + ``poll_interval`` in the worst
-case; a start of many nodes at once converges the same way, once arrivals stop.
+nodes the plan names and one transaction each re-leads them: within TTL + 1 s. A
+stopping node revokes its lease, so its shards are re-led within one watch event, one
+read and one transaction. A node that joins gets its share once the others have seen
+the same membership for ``settle`` (default ``min(1 s, TTL/2)``, 0 for one shard): one
+read, one delete per surplus shard and one transaction by the newcomer.
 
 **Keys we do not adopt.** A key holding our node id on another lease (a previous
-process with this node id) is left to expire, as in the single-leader election. A key
-on our *own* lease that we hold no term for (a transaction whose reply was lost) is
-deleted, never adopted, and campaigned for again.
+process with this node id: a fast restart) is left to expire. We cannot prove its
+holder is gone: a paused process with the same node id would wake up holding the same
+epoch, and a fence cannot tell two holders of one epoch apart. A graceful shutdown
+revokes the lease and avoids the wait. A key on our *own* lease that we hold no term
+for (a transaction whose reply was lost) is deleted, never adopted, and campaigned for
+again.
 
 **The owner.** ``handler(event)`` is awaited for every ``gained`` and ``lost`` event
 (bounded by ``handler_timeout``; an exception is logged), and ``events()`` yields the
 same events to one consumer. Every background task is owned and cancelled by
 ``stop()``, which reports each led shard lost and revokes the lease (every key at once,
-so standbys take over immediately). Every etcd call has a deadline. The loops also
-check a stop flag: grpc can turn the cancellation of a call into an RPC error, which a
-retry loop would otherwise take for an etcd failure and carry on.
+so standbys take over immediately). etcd errors are retried with jittered back-off on
+the next endpoint, except a refusal of our credentials: waiting cannot fix it, so the
+events end with ``fatal`` (``ServiceUnavailable(transient=False)``, naming the user,
+never the password). Every etcd call has a deadline (``etcd_client.EtcdConnection``:
+gRPC keepalive notices a frozen etcd under an idle watch in 5-7 s, a killed one at
+once). The loops also check a stop flag: grpc can turn the cancellation of a call into
+an RPC error, which a retry loop would otherwise take for an etcd failure and carry on.
 
-The module is over 400 lines because the keys, the trust window and the hand-over are
-one state machine over one lease: its loops share the terms and the window they guard.
+The keys, the trust window and the hand-over are one state machine over one lease: its
+loops share the terms and the window they guard, so they stay in one class.
 """
 
 from __future__ import annotations
@@ -60,15 +80,17 @@ import asyncio
 import contextlib
 import math
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import aetcd
 
 from scheduler.backoff import bounded_jitter
 from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.config.shards import SHARD_NAME, member_key, shard_key
 from scheduler.errors import ConfigError, ServiceUnavailable, describe
+from scheduler.leadership.assignment import DEFAULT_GRACE, Assigner, View
 from scheduler.leadership.etcd_client import (
     ETCD_ERRORS,
     EtcdConnection,
@@ -77,25 +99,20 @@ from scheduler.leadership.etcd_client import (
 )
 from scheduler.leadership.lease import LeaseDeadline, default_safety_margin
 from scheduler.log import get_logger
-from scheduler.shards.assignment import DEFAULT_GRACE, Assigner, View
-from scheduler.shards.config import SHARD_NAME
 
-__all__ = ["ShardEvent", "ShardLeadership", "ShardTerm", "member_key", "shard_key"]
+__all__ = ["Elector", "LeaderInfo", "ShardEvent", "ShardTerm"]
 
 log = get_logger(__name__)
-
-
-def member_key(prefix: str, node_id: str) -> str:
-    return f"{prefix.rstrip('/')}/members/{node_id}"
-
-
-def shard_key(prefix: str, shard: str) -> str:
-    return f"{prefix.rstrip('/')}/shards/{shard}/leader"
 
 
 def _range_end(key: bytes) -> bytes:
     """The end of the range of keys starting with ``key``."""
     return key[:-1] + bytes([key[-1] + 1])
+
+
+class LeaderInfo(NamedTuple):
+    node_id: str
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -123,22 +140,25 @@ class ShardEvent:
 Handler = Callable[[ShardEvent], Awaitable[None]]
 
 
-class ShardLeadership:
-    """Campaign for, hold and hand over this node's share of ``shards``."""
+class Elector:
+    """Campaign for, hold and hand over this node's share of ``shards``.
+
+    ``shards`` names the shards (each on ``<prefix>/shards/<name>/leader``) or maps
+    each to its election key."""
 
     def __init__(
         self,
         endpoints: Sequence[str],
         prefix: str,
         node_id: str,
-        shards: Sequence[str],
+        shards: Sequence[str] | Mapping[str, str],
         *,
         ttl: float = 10.0,
         safety_margin: float | None = None,
         call_timeout: float = 2.0,
         poll_interval: float = 0.5,
         settle: float | None = None,
-        grace: float = DEFAULT_GRACE,
+        grace: float | None = None,
         handler: Handler | None = None,
         handler_timeout: float | None = None,
         clock: Clock | None = None,
@@ -155,6 +175,11 @@ class ShardLeadership:
         bad = [s for s in names if SHARD_NAME.fullmatch(s) is None]
         if not names or bad or len(set(names)) != len(names):
             raise ConfigError(f"shards must be unique names [a-z0-9_-]{{1,32}} (got {names})")
+        keys = (
+            dict(shards)
+            if isinstance(shards, Mapping)
+            else {s: shard_key(prefix, s) for s in names}
+        )
         margin = default_safety_margin(ttl) if safety_margin is None else safety_margin
         if ttl <= 0 or not 0 <= margin < ttl:
             raise ConfigError(
@@ -177,10 +202,12 @@ class ShardLeadership:
         self.handler_timeout = call_timeout if handler_timeout is None else handler_timeout
         self._clock: Clock = clock or SYSTEM_CLOCK
         self._rng = rng or random.Random()
-        self._assigner = Assigner(
-            node_id, self._clock, settle=min(1.0, ttl / 2) if settle is None else settle,
-            grace=grace,
-        )  # fmt: skip
+        alone = len(names) == 1  # nothing to balance: nobody waits for an unled shard
+        if settle is None:
+            settle = 0.0 if alone else min(1.0, ttl / 2)
+        if grace is None:
+            grace = 0.0 if alone else DEFAULT_GRACE
+        self._assigner = Assigner(node_id, self._clock, settle=settle, grace=grace)
 
         def connection() -> EtcdConnection:  # one for requests, one for the watch
             return EtcdConnection(
@@ -190,7 +217,7 @@ class ShardLeadership:
 
         self._kv, self._watch_conn = connection(), connection()
         self._member_key = member_key(self.prefix, node_id).encode()
-        self._shard_keys = {s: shard_key(self.prefix, s).encode() for s in self.shards}
+        self._shard_keys = {s: k.encode() for s, k in keys.items()}
         self._by_key = {k: s for s, k in self._shard_keys.items()}
         self._handler = handler
         self._events: asyncio.Queue[ShardEvent | None] = asyncio.Queue()
@@ -233,6 +260,26 @@ class ShardLeadership:
         await self._resign(shard, reason)
         self._wake.set()
 
+    def valid_until(self) -> float | None:
+        """The monotonic instant the trust window closes; None while it is closed."""
+        deadline = self._deadline
+        return deadline.valid_until if deadline is not None and self._trusted() else None
+
+    async def current_leader(self, shard: str) -> LeaderInfo | None:
+        """Who holds ``shard``'s key as etcd sees it now, or None (one bounded get).
+
+        Raises ``ServiceUnavailable`` when etcd cannot answer in time."""
+        key = self._shard_keys[shard]
+        try:
+            kv = await self._kv.call(lambda c: c.get(key))
+        except ETCD_ERRORS as exc:
+            if refused_credentials(exc):
+                raise self._refused(exc) from None
+            raise ServiceUnavailable(f"etcd did not answer: {describe(exc)}") from exc
+        if kv is None:
+            return None
+        return LeaderInfo(bytes(kv.value).decode(errors="replace"), kv.create_revision)
+
     async def check(self) -> None:
         """One bounded read of this node's member key (readiness); raises when etcd
         does not answer."""
@@ -265,7 +312,7 @@ class ShardLeadership:
     async def start(self) -> None:
         """Start the background tasks (returns at once; campaigning happens in them)."""
         if self._tasks:
-            raise RuntimeError("ShardLeadership already started")
+            raise RuntimeError("Elector already started")
         self._tasks = [
             asyncio.create_task(self._run(), name=f"shards-run-{self.node_id}"),
             asyncio.create_task(self._keepalive(), name=f"shards-keepalive-{self.node_id}"),
@@ -292,7 +339,7 @@ class ShardLeadership:
         await self._watch_conn.close()
         self._events.put_nowait(None)
 
-    async def __aenter__(self) -> ShardLeadership:
+    async def __aenter__(self) -> Elector:
         await self.start()
         return self
 
@@ -310,20 +357,27 @@ class ShardLeadership:
                 delay = self.poll_interval
             except ETCD_ERRORS as exc:
                 if refused_credentials(exc):
-                    self.fatal = ServiceUnavailable(
-                        f"etcd at {self._kv.endpoint} refused this node's credentials on "
-                        f"{self.prefix}/: {exc}", transient=False,
-                    )  # fmt: skip
-                    self._log.error("shards_etcd_refused", error=describe(exc))
+                    self.fatal = self._refused(exc)
+                    self._log.error("election_etcd_refused", error=describe(exc))
                     self._events.put_nowait(None)
                     return
                 failures += 1
                 delay = bounded_jitter(failures, base=0.1, cap=self.poll_interval, rng=self._rng)
-                self._log.warning("shards_etcd_error", attempt=failures, error=describe(exc))
+                self._log.warning("election_etcd_error", attempt=failures, error=describe(exc))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._wake.wait()
             self._wake.clear()
+
+    def _refused(self, exc: BaseException) -> ServiceUnavailable:
+        """The one line for credentials etcd refused (the password is never in it)."""
+        username = self._kv.username
+        who = f"user {username!r}" if username else "no user name (etcd_username unset)"
+        return ServiceUnavailable(
+            f"etcd at {self._kv.endpoint} refused {who} on {self.prefix}/: {exc}; check "
+            "etcd_username/etcd_password and the user's role",
+            transient=False,
+        )
 
     async def _round(self) -> None:
         if self._lease_id is None or not self._trusted():
@@ -334,7 +388,7 @@ class ShardLeadership:
             await self._kv.call(
                 lambda c: c.put(self._member_key, self.node_id.encode(), lease=lease_id)
             )
-            self._log.warning("shards_member_key_restored", lease_id=lease_id)
+            self._log.warning("member_key_restored", lease_id=lease_id)
         self.view = view
         await self._check_terms(view, revision)
         decision = self._assigner.decide(view, leading=set(self._terms))
@@ -368,16 +422,15 @@ class ShardLeadership:
         deadline = LeaseDeadline(self.ttl, self.safety_margin)
         deadline.renewed(sent_at, lease.ttl)
         self._lease_id, self._deadline = lease.id, deadline
-        self._log.info("shards_member_registered", lease_id=lease.id, granted_ttl=lease.ttl)
+        self._log.info("member_registered", lease_id=lease.id, granted_ttl=lease.ttl)
 
     async def _read(self) -> tuple[View, int]:
-        start = f"{self.prefix}/members/".encode()
-        end = _range_end(f"{self.prefix}/shards/".encode())
-        result = await self._kv.call(lambda c: c.get_range(start, end))
+        start = f"{self.prefix}/".encode()
+        result = await self._kv.call(lambda c: c.get_range(start, _range_end(start)))
         members: set[str] = set()
         leaders: dict[str, str | None] = {}
         self._seen = {}
-        member_prefix = start
+        member_prefix = member_key(self.prefix, "").encode()
         for kv in result:
             key = bytes(kv.key)
             if key.startswith(member_prefix):
@@ -403,7 +456,7 @@ class ShardLeadership:
                 await self._lose(shard, "key_replaced")
         for shard, kv in self._seen.items():
             if kv.lease == self._lease_id and shard not in self._terms:
-                self._log.warning("shard_key_orphan_deleted", shard=shard,
+                self._log.warning("election_key_orphan_deleted", shard=shard,
                                   epoch=kv.create_revision)  # fmt: skip
                 await self._delete_incarnation(shard, kv.create_revision)
                 self._wake.set()
@@ -432,7 +485,7 @@ class ShardLeadership:
         term = ShardTerm(shard, kv.create_revision, lease_id, self.node_id,
                          self._clock.monotonic())  # fmt: skip
         self._terms[shard] = term
-        self._log.info("shard_leadership_acquired", shard=shard, epoch=term.epoch)
+        self._log.info("leadership_acquired", shard=shard, epoch=term.epoch)
         await self._emit(ShardEvent("gained", term, "campaign"))
         return True
 
@@ -442,7 +495,7 @@ class ShardLeadership:
             return
         await self._lose(shard, reason)  # the owner stops the shard's duties first
         await self._delete_incarnation(shard, term.epoch)
-        self._log.info("shard_leadership_resigned", shard=shard, epoch=term.epoch)
+        self._log.info("leadership_resigned", shard=shard, epoch=term.epoch)
 
     async def _delete_incarnation(self, shard: str, epoch: int) -> None:
         key = self._shard_keys[shard]
@@ -455,13 +508,13 @@ class ShardLeadership:
                 )
             )
         except ETCD_ERRORS as exc:  # the key then goes with the lease
-            self._log.warning("shard_key_delete_failed", shard=shard, error=describe(exc))
+            self._log.warning("election_key_delete_failed", shard=shard, error=describe(exc))
 
     async def _lose(self, shard: str, reason: str) -> None:
         term = self._terms.pop(shard, None)
         if term is None:
             return
-        self._log.warning("shard_leadership_lost", shard=shard, epoch=term.epoch, reason=reason)
+        self._log.warning("leadership_lost", shard=shard, epoch=term.epoch, reason=reason)
         await self._emit(ShardEvent("lost", term, reason))
 
     async def _lose_all(self, reason: str) -> None:
@@ -469,7 +522,7 @@ class ShardLeadership:
         slow handler does not delay stopping the other shards' duties."""
         terms, self._terms = self._terms, {}
         for shard, term in sorted(terms.items()):
-            self._log.warning("shard_leadership_lost", shard=shard, epoch=term.epoch,
+            self._log.warning("leadership_lost", shard=shard, epoch=term.epoch,
                               reason=reason)  # fmt: skip
         await asyncio.gather(
             *(self._emit(ShardEvent("lost", term, reason)) for _, term in sorted(terms.items()))
@@ -482,7 +535,7 @@ class ShardLeadership:
         try:
             await asyncio.wait_for(self._handler(event), self.handler_timeout)
         except Exception as exc:
-            self._log.error("shard_handler_failed", shard=event.shard, kind=event.kind,
+            self._log.error("election_handler_failed", shard=event.shard, kind=event.kind,
                             error=describe(exc))  # fmt: skip
 
     # -- the lease ----------------------------------------------------------------------
@@ -498,22 +551,21 @@ class ShardLeadership:
                 continue
             if deadline.expired(now):
                 if self._terms:
-                    self._log.warning("shards_lease_unconfirmed", failed_renewals=failures)
+                    self._log.warning("lease_unconfirmed", failed_renewals=failures)
                 await self._lose_all("lease_unconfirmed")
                 self._wake.set()
                 await self._clock.sleep(min(self.poll_interval, self.renew_interval))
                 continue
             sent_at = now
             try:
-                budget = min(self.call_timeout, deadline.remaining(now))
-                reply = await self._refresh(lease_id, budget)
+                reply = await self._refresh(lease_id, deadline, now, failures)
                 if reply is None:
                     raise aetcd.ClientError("lease keepalive stream closed without a reply")
             except ETCD_ERRORS as exc:
                 failures += 1
                 remaining = deadline.remaining(self._clock.monotonic())
                 self._log.warning(
-                    "shards_lease_renew_failed", attempt=failures, error=describe(exc),
+                    "lease_renew_failed", attempt=failures, error=describe(exc),
                     trust_remaining=round(remaining, 3),
                 )  # fmt: skip
                 await self._clock.sleep(min(
@@ -524,7 +576,7 @@ class ShardLeadership:
             if lease_id != self._lease_id:
                 continue
             if reply.TTL <= 0:
-                self._log.warning("shards_lease_expired", lease_id=lease_id)
+                self._log.warning("lease_expired", lease_id=lease_id)
                 self._lease_id, self._deadline = None, None
                 await self._lose_all("lease_expired")
                 self._wake.set()
@@ -535,16 +587,34 @@ class ShardLeadership:
             next_renew = sent_at + self.renew_interval
             await self._clock.sleep(max(0.0, min(next_renew, deadline.valid_until or now) - now))
 
-    async def _refresh(self, lease_id: int, budget: float) -> Any:
-        """One refresh, given no longer than the trust window has left: the window's
-        end must be noticed when it comes, not a call timeout later."""
-        return await self._kv.call(lambda c: c.refresh_lease(lease_id), budget)
+    async def _refresh(
+        self, lease_id: int, deadline: LeaseDeadline, now: float, failures: int
+    ) -> Any:
+        """One refresh, given no longer than the trust window has left. The window's end
+        must be noticed when it comes, not a call timeout (or the close of a connection
+        that a partition left hanging, up to another second) later: if it closes first,
+        every term is lost at that instant and the call is left to finish."""
+        budget = min(self.call_timeout, deadline.remaining(now))
+        refresh = asyncio.create_task(
+            self._kv.call(lambda c: c.refresh_lease(lease_id), budget), name="elector:refresh"
+        )
+        try:
+            await asyncio.wait({refresh}, timeout=deadline.remaining(now))
+            if not refresh.done():  # the wait ended with the window (to timer precision)
+                if self._terms:
+                    self._log.warning("lease_unconfirmed", failed_renewals=failures + 1)
+                await self._lose_all("lease_unconfirmed")
+                self._wake.set()
+            return await refresh
+        finally:
+            if not refresh.done():
+                refresh.cancel()
 
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:
             await self._kv.call(lambda c: c.revoke_lease(lease_id))
         except ETCD_ERRORS as exc:  # "not found" included: gone either way
-            self._log.info("shards_lease_revoke_failed", lease_id=lease_id, error=describe(exc))
+            self._log.info("lease_revoke_failed", lease_id=lease_id, error=describe(exc))
 
     # -- the watch: wake the loop on any change -----------------------------------------
 

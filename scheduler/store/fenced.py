@@ -1,5 +1,8 @@
 """Database fencing: the guarantee that a stale leader cannot act (DESIGN §1.3, §4).
 
+It sits in the store layer because the duties below leadership open every fenced
+write through it; the leadership layer only raises the fence (``FenceStore.advance``).
+
 A leader's lease in etcd tells *it* whether it may act; the fence makes PostgreSQL
 enforce it. ``advance(epoch)`` (``scheduler.store.fence.FenceStore``, where every fence
 statement runs) raises ``leader_fence.epoch`` when a replica wins, and
