@@ -2,8 +2,9 @@
 -- The dispatcher's and the worker's transitions live in dispatch.sql / execution.sql.
 
 -- name: insert
-INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key)
-VALUES ($1, $2, coalesce($3, now()), $4, $5, $6)
+INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key,
+                          priority)
+VALUES ($1, $2, coalesce($3, now()), $4, $5, $6, $7)
 RETURNING *;
 
 -- name: get

@@ -53,7 +53,7 @@ ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
 -- dispatched, finished, or someone else's. SELECT is needed by INSERT ... RETURNING
 -- and to read status; row-level security limits it to the producer's own rows.
 -- No UPDATE/DELETE: no cancel, no retry, no claim (FOR UPDATE needs UPDATE).
-GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key)
+GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, priority)
     ON duetime.jobs TO "{producer}";
 GRANT SELECT ON duetime.jobs TO "{producer}";
 GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{producer}";

@@ -91,9 +91,12 @@ class JobStore(PooledStore):
         queue: str = DEFAULT_QUEUE,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         idempotency_key: str | None = None,
+        priority: int = 0,
         conn: Conn | None = None,
     ) -> Job:
-        """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now."""
+        """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now.
+        ``priority`` (-100..100, higher first among due jobs of the queue; the database
+        refuses others by ``jobs_priority_range``)."""
         when = resolve_due(due_at=due_at, delay=delay, now=self._clock.now())
         spec = JobSpec(
             task=task,
@@ -112,6 +115,7 @@ class JobStore(PooledStore):
                 spec.queue,
                 spec.max_attempts,
                 spec.idempotency_key,
+                priority,
             )
             job = Job.from_record(record)
             if job.due_at <= self._clock.now() + NOTIFY_HORIZON:
