@@ -26,12 +26,13 @@ refill the broker without bound. A queue whose sample fails is *blind*: it gets
 broker that cannot answer a declare still gets work, at a bounded rate.
 
 A claim that skips a held queue steps over that queue's due rows in index order, one
-heap fetch each (about 1-3 us a row): cheap for a buffer's worth, not for a backlog of
-100,000 rows read every ``refresh``. So after such a claim found nothing, the next one
-waits, the pause doubling from ``refresh`` up to ``HELD_CLAIM_PAUSE_MAX``; a queue that
-regains credit, or a wake-up (a NOTIFY: a producer wrote a job due now), ends the pause.
-The price: a job of another queue inserted by plain SQL (no NOTIFY) while some queue
-is held may wait up to that second.
+heap fetch each: 60-100 ms for a held backlog of 200,000 rows, where a claim otherwise
+takes about 1 ms. So after such a claim found nothing, the next one waits, the pause
+doubling from ``refresh`` up to ``HELD_CLAIM_PAUSE_MAX``; a queue that regains credit,
+or a claim that found work, ends the pause. A wake-up (a NOTIFY) does not: producers
+writing into the held queue itself would otherwise buy one such claim per pass. The
+price: while some queue is held, a job of another, idle queue may wait up to that
+second.
 
 Every method is synchronous and reads time only from the clock (tests drive it with a
 ``ManualClock``).
@@ -198,5 +199,5 @@ class DispatchCredit:
         self._quiet_until = self._clock.monotonic() + self._pause
 
     def wake(self) -> None:
-        """End the pause (a wake-up: a job may be due in a queue that is not held)."""
+        """End the pause (a queue regained credit, a claim found work, a new term)."""
         self._pause, self._quiet_until = 0.0, float("-inf")

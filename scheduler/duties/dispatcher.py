@@ -50,6 +50,13 @@ this is the backstop for what a CHECK cannot see.
 Pipelining (claiming the next batch while the previous commits) was measured as not
 worth it: the commit is ~1-2 % of a batch's time (bench/dispatch_rate.py).
 
+The order of starting is decided here, not in RabbitMQ (docs/architecture.md, "Who
+decides the order"): the claim takes jobs due longer than ``max_wait`` first, then by
+priority, and a queue is published to only while its broker buffer has room
+(``scheduler.duties.credit``: ready count by passive declare, before the claims that
+rely on it). A queue without room is skipped by the claim and its jobs stay pending; the
+loop then reads its ready count again every ``credit_interval``.
+
 Only declared queues (``duetime.queues``, migration 0008) are claimed, probed and so
 published: a producer's new ``queue`` value cannot make the broker create a queue. Jobs
 of other names stay pending, *held*: sampled with the backlog into ``JOBS_HELD`` and
@@ -190,7 +197,7 @@ class Dispatcher:
         self._wakeups = duty_listener(
             ctx,
             JOBS_CHANNEL,
-            self._woken,
+            self.loop.wake,
             role="listen",
             check_interval=config.listen_check_interval,
             log=lambda: self.loop.log,
@@ -248,10 +255,6 @@ class Dispatcher:
         if delay is not None:
             return delay
         return self.pacing.idle(await self.store.next_run_in())
-
-    def _woken(self) -> None:
-        self.credit.wake()
-        self.loop.wake()
 
     async def _sample_credit(self) -> None:
         """Read the ready count and consumers of each queue whose credit rests on an old
