@@ -3,7 +3,8 @@
 Publish before commit: one fenced transaction per batch —
 
 1. lock the fence row and check the epoch (``fenced_transaction``), then claim up to
-   ``batch_size`` due pending jobs ``FOR UPDATE SKIP LOCKED``, earliest run time first;
+   ``batch_size`` due pending jobs ``FOR UPDATE SKIP LOCKED`` (fewer when the broker's
+   buffer is nearly full), in the order described below;
 2. publish them all with their confirms in flight at once (``Publisher``);
 3. mark only the confirmed ones ``dispatched`` (``dispatch_epoch`` = this term);
    the others simply stay ``pending`` and are counted in ``PUBLISH_FAILURES``;
