@@ -106,8 +106,9 @@ async def bench_dispatch(
     settings: Any, pool: asyncpg.Pool, queue: str, n: int, batch: int
 ) -> dict[str, Any]:
     await reset_jobs(pool, queue, n)
+    # a raw limit: the broker's buffer is not bounded here (buffer = every job)
     config = config_from_settings(
-        DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0
+        DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0, buffer=max(1, n)
     )
     dispatcher = Dispatcher(DutyContext.standalone(settings, pool), config=config)
     await dispatcher.setup()

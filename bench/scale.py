@@ -205,7 +205,8 @@ async def _claim_latency(
 
 
 async def _dispatch(sb: Sandbox, probe: int) -> dict[str, Any]:
-    child = await sb.start_scheduler()
+    # a raw rate with nobody consuming: the broker's buffer must hold every job
+    child = await sb.start_scheduler(DUETIME_DISPATCH_BUFFER=str(max(1, probe)))
     rss_idle = rss_mb(child.pid)
     await sb.db.execute(PROBE, probe, sb.queue)
     peak = rss_idle or 0.0

@@ -196,6 +196,8 @@ class ShardBench:
             DUETIME_LEASE_TTL=str(ttl),
             DUETIME_LOG_FORMAT="json",
             DUETIME_LOG_LEVEL="warning",
+            # nobody consumes and the rate is a raw limit: no bound on the broker's buffer
+            DUETIME_DISPATCH_BUFFER=str(10**9),
         )
         if sharded:
             env["DUETIME_SHARDS"] = ",".join(f"{n}={self.urls[n]}" for n in names)

@@ -117,6 +117,12 @@ JOBS_HELD = Gauge(
     "due pending jobs the dispatcher holds back (reason queue_undeclared: no duetime queues add)",
     ["shard", "reason"],
 )
+DISPATCH_CREDIT = Gauge(
+    "duetime_dispatch_credit",
+    "messages the dispatcher may still publish to a queue before its broker buffer is full "
+    "(0: its due jobs are held in PostgreSQL until workers take some)",
+    ["shard", "queue"],
+)
 SCHEDULE_FIRES = Counter(
     "duetime_schedule_fires_total", "fire times materialized as jobs", ["shard"]
 )

@@ -68,6 +68,14 @@ class PublishFailure:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class QueueState:
+    """What a passive declare says of a job queue."""
+
+    ready: int  # messages no consumer holds yet
+    consumers: int
+
+
 @dataclass(slots=True)
 class PublishResult:
     confirmed: list[ClaimedJob] = field(default_factory=list)
@@ -276,6 +284,28 @@ class Publisher:
             return None
         count = getattr(ok, "message_count", None)
         return int(count) if count is not None else None
+
+    async def queue_state(self, queue: str, timeout: float) -> QueueState | None:
+        """Ready messages and consumers of ``duetime.<queue>`` from a passive declare
+        (creates nothing; one round trip on this channel); None when it failed or took
+        longer than ``timeout``. A queue that no longer exists closes the channel
+        (404): it is forgotten, so the next publish declares it again, and the robust
+        channel reopens (waited for here, within ``timeout``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                underlay = await self.channel.get_underlay_channel()
+                ok = await underlay.queue_declare(broker.queue_name(queue), passive=True)
+        except (aiormq.exceptions.AMQPError, TimeoutError, ConnectionError, RuntimeError) as exc:
+            log.warning("queue_state_unknown", queue=queue, error=repr(exc))
+            self.forget_queue(queue)
+            await self.wait_ready(max(0.0, deadline - loop.time()))
+            return None
+        ready, consumers = getattr(ok, "message_count", None), getattr(ok, "consumer_count", None)
+        if ready is None or consumers is None:
+            return None
+        return QueueState(int(ready), int(consumers))
 
     # -- publishing ------------------------------------------------------------------
 

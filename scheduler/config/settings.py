@@ -69,6 +69,9 @@ class Settings:
     claim_batch_size: int = 500
     poll_interval: float = 1.0
     probe_interval: float = 0.05
+    dispatch_buffer: int = 500
+    dispatch_buffer_per_consumer: int = 64
+    priority_max_wait: float = 300.0
     visibility_timeout: float = 60.0
     reconcile_interval: float = 5.0
     max_republishes: int = 10
@@ -205,6 +208,24 @@ FIELDS: dict[str, Field] = {
             "probe_interval",
             p.number(float, minimum=0.0, exclusive=True),
             "how often the dispatcher re-reads the earliest pending run time",
+        ),
+        # Who decides the order (docs/architecture.md): the broker holds a short buffer.
+        Field(
+            "dispatch_buffer",
+            p.number(int, minimum=1),
+            "ready messages a job queue may hold at least (its target is the larger of this "
+            "and consumers x dispatch_buffer_per_consumer); the rest waits in PostgreSQL",
+        ),
+        Field(
+            "dispatch_buffer_per_consumer",
+            p.number(int, minimum=0),
+            "ready messages per consumer of a job queue the dispatcher keeps it topped up to",
+        ),
+        Field(
+            "priority_max_wait",
+            p.number(float, minimum=0.0),
+            "seconds a due job waits behind higher priorities at most; after that it starts "
+            "before fresher jobs, oldest first",
         ),
         Field(
             "visibility_timeout",

@@ -3,7 +3,8 @@
 Publish before commit: one fenced transaction per batch —
 
 1. lock the fence row and check the epoch (``fenced_transaction``), then claim up to
-   ``batch_size`` due pending jobs ``FOR UPDATE SKIP LOCKED``, earliest run time first;
+   ``batch_size`` due pending jobs ``FOR UPDATE SKIP LOCKED`` (fewer when the broker's
+   buffer is nearly full), in the order described below;
 2. publish them all with their confirms in flight at once (``Publisher``);
 3. mark only the confirmed ones ``dispatched`` (``dispatch_epoch`` = this term);
    the others simply stay ``pending`` and are counted in ``PUBLISH_FAILURES``;
@@ -50,6 +51,13 @@ this is the backstop for what a CHECK cannot see.
 Pipelining (claiming the next batch while the previous commits) was measured as not
 worth it: the commit is ~1-2 % of a batch's time (bench/dispatch_rate.py).
 
+The order of starting is decided here, not in RabbitMQ (docs/architecture.md, "Who
+decides the order"): the claim takes jobs due longer than ``max_wait`` first, then by
+priority, and a queue is published to only while its broker buffer has room
+(``scheduler.duties.credit``: ready count by passive declare, before the claims that
+rely on it). A queue without room is skipped by the claim and its jobs stay pending; the
+loop then reads its ready count again every ``credit_interval``.
+
 Only declared queues (``duetime.queues``, migration 0008) are claimed, probed and so
 published: a producer's new ``queue`` value cannot make the broker create a queue. Jobs
 of other names stay pending, *held*: sampled with the backlog into ``JOBS_HELD`` and
@@ -68,6 +76,7 @@ import asyncpg
 from scheduler.broker_gate import GateConfig, PublisherAndGate
 from scheduler.duties.base import DutyLoop
 from scheduler.duties.context import DutyContext, FencedWrites, duty_listener
+from scheduler.duties.credit import DispatchCredit
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.duties.pacing import BatchReport, DispatchPacing
 from scheduler.duties.report import MAX_IDS_LOGGED, report_parked, some_ids
@@ -75,6 +84,7 @@ from scheduler.duties.unsettled import Unsettled
 from scheduler.metrics import (
     BACKLOG,
     DISPATCH_AFTER_COMMIT,
+    DISPATCH_CREDIT,
     DISPATCH_LAG,
     DISPATCH_UNCOMMITTED,
     JOBS_CLAIMED,
@@ -123,6 +133,17 @@ class DispatcherConfig:
     """How often the BACKLOG gauge is sampled (a count over the pending index)."""
     listen_check_interval: float = knob(10.0, gt=0)
     """How often the LISTEN connection is pinged (a half-open socket is silent)."""
+    buffer: int = knob(500, setting="dispatch_buffer", ge=1)
+    """Ready messages a queue may hold at least (``scheduler.duties.credit``)."""
+    buffer_per_consumer: int = knob(64, setting="dispatch_buffer_per_consumer", ge=0)
+    """A queue's buffer target per consumer RabbitMQ reports on it."""
+    max_wait: float = knob(300.0, setting="priority_max_wait", ge=0)
+    """Seconds a due job waits behind higher priorities at most."""
+    credit_interval: float = knob(0.02, gt=0)
+    """How often a queue's ready count is read again while the dispatcher relies on it
+    (the pause, too, while every queue with due jobs has a full buffer)."""
+    sample_timeout: float = knob(1.0, gt=0)
+    """Deadline for one passive declare (a failed one makes the queue blind)."""
 
     def __post_init__(self) -> None:
         check_knobs(self)
@@ -168,6 +189,12 @@ class Dispatcher:
             clock=clock,
         )
         self.unsettled = Unsettled(clock=clock)
+        self.credit = DispatchCredit(
+            buffer=config.buffer,
+            per_consumer=config.buffer_per_consumer,
+            refresh=config.credit_interval,
+            clock=clock,
+        )
         self._wakeups = duty_listener(
             ctx,
             JOBS_CHANNEL,
@@ -187,6 +214,7 @@ class Dispatcher:
         await self._wakeups.close()
         await self.out.close()
         self.pacing.reset()  # ``unsettled`` is kept: a failed pass tears down too
+        self.credit.reset()  # the next term reads the broker's buffers again
 
     @property
     def listening(self) -> bool:
@@ -209,15 +237,36 @@ class Dispatcher:
             delay = self.pacing.after_probe(await self.store.next_run_in())
             if delay is not None:
                 return delay
+        await self._sample_credit()
+        if self.credit.skip_claim(self.credit.held()):
+            return self.config.credit_interval
         try:
             report = await self.dispatch_batch()
         except RETRYABLE as exc:
             self.loop.log.warning("claim_retry", error=f"{type(exc).__name__}: {exc}")
             return self.pacing.after_conflict()
         delay = self.pacing.after_batch(report, probed=probed)
+        if report.held and not report.failed and report.claimed < report.limit:
+            # queues with due jobs may be waiting for room in their broker buffer: read
+            # their ready counts again soon, not at the next probe's due time
+            wait = await self.store.next_run_in()
+            if wait is not None and wait <= 0:
+                return self.config.credit_interval
+            return self.pacing.idle(wait)
         if delay is not None:
             return delay
         return self.pacing.idle(await self.store.next_run_in())
+
+    async def _sample_credit(self) -> None:
+        """Read the ready count and consumers of each queue whose credit rests on an old
+        sample (``DispatchCredit.to_sample``): one passive declare each, bounded."""
+        for queue in self.credit.to_sample():
+            state = await self.publisher.queue_state(queue, self.config.sample_timeout)
+            if state is None:
+                self.credit.observe_failed(queue)
+            else:
+                self.credit.observe(queue, state.ready, state.consumers)
+            DISPATCH_CREDIT.labels(self.shard, queue).set(self.credit.credit(queue))
 
     async def dispatch_batch(self) -> BatchReport:
         """One claim transaction: claim, publish with confirms, mark confirmed, commit;
@@ -228,12 +277,17 @@ class Dispatcher:
         later: list[ClaimedJob] = []
         result: PublishResult | None = None
         lags: dict[int, float] = {}
+        held = self.credit.held()
+        limit = self.credit.limit(self.config.batch_size)
         try:
             async with self.writes.transaction(epoch) as conn:
-                jobs = await self._claim(conn)
+                jobs = await self._claim(conn, limit, held)
+                self.credit.claimed(len(jobs), held)
                 if not jobs:
-                    return BatchReport()
+                    return BatchReport(limit=limit, held=len(held))
                 claimed_at = self.clock.monotonic()
+                # rows over a queue's credit stay pending (their locks end at commit)
+                jobs, _over = self.credit.trim(jobs)
                 fresh, later = self.unsettled.split(jobs)
                 result = await self.publisher.publish(fresh, epoch)
                 published_at = self.clock.monotonic()
@@ -262,6 +316,7 @@ class Dispatcher:
         later = [job for job in later if job.id in lags]  # marked by this commit
         if later:
             result = await self._publish_after_commit(later, result, epoch)
+        self.credit.spend(job.queue for job in result.confirmed)
         self._account(jobs, result, lags)
         self.loop.log.debug(
             "dispatch_batch",
@@ -273,7 +328,9 @@ class Dispatcher:
             publish_ms=round((published_at - claimed_at) * 1000, 2),
             commit_ms=round((committed_at - published_at) * 1000, 2),
         )
-        return BatchReport(len(jobs), len(result.confirmed), len(result.failed))
+        return BatchReport(
+            len(jobs), len(result.confirmed), len(result.failed), limit=limit, held=len(held)
+        )
 
     async def _publish_after_commit(
         self, jobs: list[ClaimedJob], result: PublishResult, epoch: int
@@ -306,17 +363,20 @@ class Dispatcher:
             seconds=result.seconds + after.seconds,
         )
 
-    async def _claim(self, conn: Conn) -> list[ClaimedJob]:
+    async def _claim(self, conn: Conn, limit: int, held: list[str]) -> list[ClaimedJob]:
         """The batch's claim; row by row, parking what cannot be read, if it must be."""
+        max_wait = self.config.max_wait
         try:
-            return await self.store.claim(conn, self.config.batch_size)
+            return await self.store.claim(conn, limit, max_wait=max_wait, held=held)
         except UNREADABLE as exc:
             self.loop.log.warning(
                 "claim_unreadable",
                 error=f"{type(exc).__name__}: {exc}",
                 next_step="read the batch row by row and park the unreadable rows",
             )
-        jobs, unreadable = await self.store.claim_isolated(conn, self.config.batch_size)
+        jobs, unreadable = await self.store.claim_isolated(
+            conn, limit, max_wait=max_wait, held=held
+        )
         parked = await self.store.park_unreadable(conn, unreadable, reader=self.name)
         report_parked(parked, shard=self.shard, log=self.loop.log)
         return jobs

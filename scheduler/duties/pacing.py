@@ -36,6 +36,10 @@ class BatchReport:
     claimed: int = 0
     published: int = 0
     failed: int = 0
+    #: The claim's LIMIT (0: the batch size); a claim that filled it means a backlog.
+    limit: int = 0
+    #: Queues the claim skipped because their broker buffer was full.
+    held: int = 0
 
 
 class DispatchPacing:
@@ -83,7 +87,7 @@ class DispatchPacing:
 
     def after_batch(self, report: BatchReport, *, probed: bool) -> float | None:
         """The sleep after a claim transaction, or None: probe again, then ``idle``."""
-        full = report.claimed >= self.batch_size
+        full = report.claimed >= (report.limit or self.batch_size)
         if report.failed:
             self.failed_passes += 1
             self.in_backlog = full and report.published > 0

@@ -14,28 +14,62 @@ id, task, queue, due_at, run_at, attempt
 -- name: claim
 -- Runs inside the dispatcher's fenced transaction. SKIP LOCKED: rows held by a concurrent
 -- claimer, a canceller or a worker (FOR KEY SHARE) are left for a later pass. The limit
--- placeholder is the batch size, spliced in as an integer literal by DispatchStore (never text from
--- outside), so the statement is planned once per connection (with `LIMIT $1` PostgreSQL
--- re-planned it on every execution; measured in docs/benchmarks.md, "Notes moved from the
--- SQL"); now() still prunes the partitions at executor start. The columns placeholder is
--- `claimed_columns`, or only `id` when a row of the claim cannot be read by the client (a
--- value outside what Python holds, JSON nested deeper than its parser goes): the same
--- rows, locked the same way, each then read alone (claimed_row) and the unreadable ones
--- parked. The id-only form runs only after the full one failed, never on the hot path.
+-- placeholder is the pass's limit (the batch size, or less when the broker's buffer has
+-- less room: scheduler.duties.credit), spliced in as an integer literal by DispatchStore
+-- (never text from outside), so the statement is planned once per connection and limit
+-- (with `LIMIT $1` PostgreSQL re-planned it on every execution; measured in
+-- docs/benchmarks.md, "Notes moved from the SQL"); now() still prunes the partitions at
+-- executor start. The columns placeholder is `claimed_columns`, or only `id` when a row
+-- of the claim cannot be read by the client (a value outside what Python holds, JSON
+-- nested deeper than its parser goes): the same rows, locked the same way, each then
+-- read alone (claimed_row) and the unreadable ones parked. The id-only form runs only
+-- after the full one failed, never on the hot path.
 -- Only jobs of a declared queue (duetime.queues, migration 0008): a producer's queue name
 -- never reaches the broker until an operator declared it; the others are held (counted
--- by `held`). EXISTS plans as a Nested Loop (Memoize over queues_pkey) above the same
--- Merge Append of index scans, so the claim stays ordered by the index; held rows due
+-- by `held`). EXISTS plans as a Nested Loop (Memoize over queues_pkey) above the Merge
+-- Append of index scans, so the claim stays ordered by the index; held rows due
 -- earlier are stepped over, one memoized lookup each (docs/operations.md, "Queues").
-SELECT {columns}
-  FROM duetime.jobs AS j
- WHERE status = 'pending'
-   AND coalesce(run_at, due_at) <= now()
-   AND due_at <= now()
-   AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
- ORDER BY coalesce(run_at, due_at)
- LIMIT {limit}
-   FOR UPDATE SKIP LOCKED;
+-- {held}: queues whose broker buffer is full (held for credit: skipped); {max_wait}:
+-- priority_max_wait in seconds. Both are literals too (validated queue names, a float):
+-- with parameters PostgreSQL kept re-planning (custom plans, ~15-20 ms with 17
+-- partitions, per claim); the held set is almost always empty or one queue.
+-- Order (docs/architecture.md, "Who decides the order"): first the jobs due for longer
+-- than max_wait, oldest first, from jobs_pending_run_idx (`aged`); then the other due
+-- jobs by priority, highest first, then run time, from jobs_pending_priority_idx
+-- (migration 0015; `fresh`). Each is an ordered index scan under its own LIMIT and lock;
+-- the Append reads `fresh` only when `aged` returned fewer rows than the limit. `fresh`
+-- has no lower bound on the run time, only a filter on the ids `aged` locked (one array,
+-- computed once): with a range `> now() - max_wait` the planner underestimated the rows
+-- in it and sorted every due row instead (300 ms on 200k rows), and with NOT EXISTS it
+-- chose a hash anti-join and a sort on small tables. One ORDER BY over an "aged"
+-- expression could not be read from any index at all. EXPLAINs: docs/benchmarks.md,
+-- "Priorities".
+WITH aged AS MATERIALIZED (
+ SELECT {columns}
+   FROM duetime.jobs AS j
+  WHERE status = 'pending'
+    AND coalesce(run_at, due_at) <= now() - make_interval(secs => {max_wait})
+    AND due_at <= now()
+    AND queue <> ALL({held})
+    AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
+  ORDER BY coalesce(run_at, due_at)
+  LIMIT {limit}
+    FOR UPDATE SKIP LOCKED)
+SELECT * FROM aged
+UNION ALL
+SELECT * FROM (
+ SELECT {columns}
+   FROM duetime.jobs AS j
+  WHERE status = 'pending'
+    AND coalesce(run_at, due_at) <= now()
+    AND due_at <= now()
+    AND queue <> ALL({held})
+    AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
+    AND j.id <> ALL (ARRAY(SELECT aged.id FROM aged))
+  ORDER BY priority DESC, coalesce(run_at, due_at)
+  LIMIT {limit}
+    FOR UPDATE SKIP LOCKED) AS fresh
+ LIMIT {limit};
 
 -- name: claimed_row
 -- One row the id-only claim locked (by id alone: jobs_id_idx, one probe per bucket).

@@ -55,7 +55,8 @@ ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
 -- No UPDATE/DELETE: no cancel, no retry, no claim (FOR UPDATE needs UPDATE).
 -- unique_key (migration 0014): the key is claimed by a SECURITY DEFINER trigger, so the
 -- producer holds no privilege on duetime.unique_keys and cannot read other scopes' keys.
-GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, unique_key)
+GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, unique_key,
+                  priority)
     ON duetime.jobs TO "{producer}";
 GRANT SELECT ON duetime.jobs TO "{producer}";
 GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{producer}";

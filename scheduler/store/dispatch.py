@@ -16,12 +16,14 @@ rest.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TypeVar
 
 import asyncpg
 
+from scheduler.jobspec import validate_queue
 from scheduler.log import get_logger
 from scheduler.sql import compose, fragment, load
 from scheduler.store.conn import Conn, PooledStore
@@ -46,14 +48,35 @@ LOCK_STALLED_IDS = compose("dispatch", "lock_stalled", columns="id")
 STALLED_ROW = compose("dispatch", "stalled_row", columns=STALLED)
 
 
+#: Default ``priority_max_wait`` (seconds), as in ``Settings``.
+DEFAULT_MAX_WAIT = 300.0
+
+
 @functools.cache
-def claim_sql(limit: int, columns: str = CLAIMED) -> str:
-    """The claim with ``limit`` as a literal (why: the comment on ``claim`` in
-    dispatch.sql); one text per batch size, so asyncpg prepares it once per connection.
-    ``columns="id"``: the id-only form, for ``claim_isolated``."""
+def claim_sql(
+    limit: int,
+    columns: str = CLAIMED,
+    *,
+    max_wait: float = DEFAULT_MAX_WAIT,
+    held: tuple[str, ...] = (),
+) -> str:
+    """The claim with ``limit``, ``max_wait`` and the ``held`` queues as literals (why:
+    the comment on ``claim`` in dispatch.sql); one text per distinct value, so asyncpg
+    prepares each once per connection. ``columns="id"``: the id-only form, for
+    ``claim_isolated``."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"claim limit must be a positive integer (got {limit!r})")
-    return compose("dispatch", "claim", columns=columns, limit=str(limit))
+    if not math.isfinite(max_wait) or max_wait < 0:
+        raise ValueError(f"max_wait must be a finite number >= 0 (got {max_wait!r})")
+    names = ",".join(f"'{validate_queue(name)}'" for name in held)  # [A-Za-z0-9_.-] only
+    return compose(
+        "dispatch",
+        "claim",
+        columns=columns,
+        limit=str(limit),
+        max_wait=repr(float(max_wait)),
+        held=f"ARRAY[{names}]::text[]",
+    )
 
 
 log = get_logger(__name__)
@@ -94,17 +117,33 @@ def _key_arrays(jobs: Sequence[ClaimedJob]) -> tuple[list[int], datetime, dateti
 class DispatchStore(PooledStore):
     # -- dispatcher (inside its fenced transaction) ----------------------------------
 
-    async def claim(self, conn: Conn, limit: int) -> list[ClaimedJob]:
-        """Lock up to ``limit`` due pending jobs, earliest run time first."""
-        records = await conn.fetch(claim_sql(limit))
+    async def claim(
+        self,
+        conn: Conn,
+        limit: int,
+        *,
+        max_wait: float = DEFAULT_MAX_WAIT,
+        held: Sequence[str] = (),
+    ) -> list[ClaimedJob]:
+        """Lock up to ``limit`` due pending jobs of declared queues not in ``held``: those
+        due for more than ``max_wait`` seconds oldest first, then by priority (highest
+        first) and run time."""
+        sql = claim_sql(limit, max_wait=max_wait, held=tuple(sorted(held)))
+        records = await conn.fetch(sql)
         return [ClaimedJob.from_record(r) for r in records]
 
     async def claim_isolated(
-        self, conn: Conn, limit: int
+        self,
+        conn: Conn,
+        limit: int,
+        *,
+        max_wait: float = DEFAULT_MAX_WAIT,
+        held: Sequence[str] = (),
     ) -> tuple[list[ClaimedJob], list[UnreadableRow]]:
         """``claim`` one row at a time, for when ``claim`` raised ``UNREADABLE``: the jobs
         that could be read, and the rows that could not (still locked, for ``park``)."""
-        ids = await conn.fetch(claim_sql(limit, "id"))
+        sql = claim_sql(limit, "id", max_wait=max_wait, held=tuple(sorted(held)))
+        ids = await conn.fetch(sql)
         return await _one_by_one(conn, ids, CLAIMED_ROW, ClaimedJob.from_record)
 
     async def park(self, conn: Conn, job_id: int, reason: str) -> bool:

@@ -106,6 +106,7 @@ class JobStore(PooledStore):
         unique_key: str | None = None,
         on_conflict: OnConflict = "skip",
         unique_for: timedelta | None = None,
+        priority: int = 0,
         conn: Conn | None = None,
     ) -> Job:
         """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now.
@@ -117,7 +118,10 @@ class JobStore(PooledStore):
         run time and returns it (a dispatched holder has started and is returned
         unchanged; a holder due later than this job is cancelled and this job inserted);
         ``"error"`` raises ``UniqueKeyTaken`` naming the holder. In every case the job
-        returned is the one holding the key afterwards (docs/api.md "Unique jobs")."""
+        returned is the one holding the key afterwards (docs/api.md "Unique jobs").
+
+        ``priority`` (-100..100, higher first among due jobs of the queue; the database
+        refuses others by ``jobs_priority_range``); a replaced holder takes it too."""
         when = resolve_due(due_at=due_at, delay=delay, now=self._clock.now())
         spec = JobSpec(
             task=task,
@@ -134,6 +138,7 @@ class JobStore(PooledStore):
             spec.queue,
             spec.max_attempts,
             spec.idempotency_key,
+            priority,
         )
         async with self._db.conn(conn) as c:
             if unique_key is None:

@@ -278,7 +278,8 @@ async def test_lost_listen_connection_is_detected_and_restored(env: Env) -> None
 
 
 async def test_backlog_is_claimed_in_back_to_back_batches(env: Env) -> None:
-    settings = dataclasses.replace(env.settings, claim_batch_size=100)
+    # nobody consumes: a buffer larger than the backlog lets it all through
+    settings = dataclasses.replace(env.settings, claim_batch_size=100, dispatch_buffer=2000)
     await insert_jobs(env.pool, env.queue, 1000)
     dispatcher = Dispatcher(DutyContext.standalone(settings, env.pool))
     await dispatcher.setup()
@@ -391,7 +392,7 @@ class CuttingPublisher(Publisher):
 async def test_broker_cut_mid_batch_loses_nothing(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = dataclasses.replace(env.settings, claim_batch_size=3000)
+    settings = dataclasses.replace(env.settings, claim_batch_size=3000, dispatch_buffer=3000)
     await insert_jobs(env.pool, env.queue, 3000)
     target = urlsplit(settings.amqp_url)
     async with (

@@ -451,3 +451,20 @@ async def test_a_holder_moved_out_of_default_into_a_new_bucket_keeps_its_key(
     fresh = await store.enqueue("t.move", unique_key="move:1", due_at=due)
     assert fresh.id != first.id
     assert await pool.fetchval(LIVE, "move:1") == 1
+
+
+async def test_a_unique_job_keeps_its_priority_and_a_replace_passes_it_on(
+    store: JobStore, pool: asyncpg.Pool
+) -> None:
+    """Migration 0016: enqueue_unique inserts the caller's priority, and a debounce gives
+    the pending holder the replacing job's priority with its payload and run time."""
+    first = await store.enqueue("t.prio", unique_key="prio:1", priority=7, delay=60)
+    assert await pool.fetchval("SELECT priority FROM duetime.jobs WHERE id = $1", first.id) == 7
+    held = await store.enqueue(
+        "t.prio", {"v": 2}, unique_key="prio:1", on_conflict="replace", priority=-3, delay=90
+    )
+    assert held.id == first.id
+    row = await pool.fetchrow("SELECT priority, payload FROM duetime.jobs WHERE id = $1", held.id)
+    assert (row["priority"], row["payload"]) == (-3, {"v": 2})
+    with pytest.raises(asyncpg.CheckViolationError, match="jobs_priority_range"):
+        await store.enqueue("t.prio", unique_key="prio:2", priority=101)
