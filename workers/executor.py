@@ -4,7 +4,9 @@ A delivery's way through the worker (DESIGN §6)::
 
     begin      one statement for every delivery that arrived together (autocommit):
                lock-read each row FOR KEY SHARE — waits for an in-flight claim — and
-               read the task, the payload and the ledger's verdict from the row
+               read the task, the payload and the ledger's verdict from the row; take
+               the guard lock of each attempt it may run
+      guard held by another worker process         → skipped (acked; requeued if redelivered)
     (before it) the same message already running in this process → skipped, no read
       missing / not 'dispatched' / other attempt   → skipped (stale or duplicate)
       message epoch is not the row's dispatch_epoch → skipped (a copy of another dispatch)
@@ -37,9 +39,10 @@ the running delivery holds its own message: it settles the row, or, if it cannot
 its message back (``DatabaseUnavailable``, shutdown), and the reconciler re-publishes a
 row left ``dispatched``. A copy that names another dispatch than the row's
 (``dispatch_epoch``) is stale and skipped by ``begin``'s answer. Both are counted in
-``duetime_deliveries_dropped_total``. Limit: two *worker processes* that receive exact
-copies of the current message at the same instant can each run it once (the ledger
-still applies its ``ctx.db`` effects once); see docs/security.md.
+``duetime_deliveries_dropped_total``. Across worker processes the begin read takes the
+attempt's guard lock (``scheduler.store.execution_guard``, migration 0012), released once
+the outcome committed: a copy whose attempt another process runs is not run
+(``_running_elsewhere``); see docs/security.md.
 
 **The row is authoritative.** The message only points at a job (id, due time, attempt);
 the handler that runs and its payload come from the row read by ``begin``. A message
@@ -92,7 +95,7 @@ from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import UNREADABLE, Completion, JobRef, LockedJob
 from workers.batching import Coalescer
 from workers.context import JobContext
-from workers.errors import CONNECTION_ERRORS, DatabaseUnavailable
+from workers.errors import CONNECTION_ERRORS, AttemptRunningElsewhere, DatabaseUnavailable
 from workers.groups import Groups, Verdict
 from workers.heartbeat import Heartbeat
 from workers.lazydb import LazyTransaction
@@ -103,9 +106,13 @@ log = get_logger("duetime.worker")
 
 #: Deliveries read or completed per statement.
 BATCH_SIZE = 256
-#: Batched reads in flight at once: a delivery never waits long for one to start, even
-#: when a read waits for a claim still in flight (FOR KEY SHARE).
-BEGIN_FLUSHES = 4
+#: Batched reads in flight at once. One: they all run on the guard connection
+#: (``scheduler.store.execution_guard``), one at a time, so deliveries that arrive while
+#: a read is in flight make the next batch instead of queueing at the connection.
+BEGIN_FLUSHES = 1
+#: Seconds before a redelivered copy of an attempt running elsewhere goes back to the
+#: queue (``AttemptRunningElsewhere``).
+RUNNING_ELSEWHERE_REQUEUE = 1.0
 #: Tasks whose handlers typically run longer than this get transactions of their own.
 GROUP_MAX_HANDLER_SECONDS = 0.02
 #: Weight of the newest run in a task's moving average of handler run time.
@@ -203,7 +210,7 @@ class Executor:
         self._durations: dict[str, float] = {}  # task -> moving average of run time
         # the pointers of the deliveries being executed: a copy is skipped (execute)
         self._running: set[tuple[int, datetime, int, int]] = set()
-        self._begins: Coalescer[JobRef, LockedJob | Unreadable | None] = Coalescer(
+        self._begins: Coalescer[tuple[JobRef, int], LockedJob | Unreadable | None] = Coalescer(
             self._begin, name="begin", max_batch=BATCH_SIZE, max_flushes=BEGIN_FLUSHES
         )
         self._completions: Coalescer[Completion, bool] = Coalescer(
@@ -258,9 +265,12 @@ class Executor:
         await self._completions.close()
         if self._groups is not None:
             await self._groups.close()
+        await self._store.close()
 
-    async def execute(self, msg: JobMessage) -> Outcome:
-        """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be."""
+    async def execute(self, msg: JobMessage, *, redelivered: bool = False) -> Outcome:
+        """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be, and
+        ``AttemptRunningElsewhere`` for a ``redelivered`` copy of an attempt that another
+        worker process is running (the caller requeues it for later)."""
         pointer = (msg.job_id, msg.due_at, msg.attempt, msg.epoch)
         if pointer in self._running:
             DELIVERIES_DROPPED.labels(self.shard, "running").inc()
@@ -274,14 +284,14 @@ class Executor:
             return Outcome.SKIPPED
         self._running.add(pointer)
         try:
-            return await self._execute(msg)
+            return await self._execute(msg, redelivered)
         finally:
             self._running.discard(pointer)
 
-    async def _execute(self, msg: JobMessage) -> Outcome:
+    async def _execute(self, msg: JobMessage, redelivered: bool) -> Outcome:
         ref = JobRef(msg.job_id, msg.due_at, msg.attempt)
         try:
-            job = await self._begins.submit(ref)
+            job = await self._begins.submit((ref, msg.epoch))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -293,6 +303,41 @@ class Executor:
         if job.epoch != msg.epoch:
             DELIVERIES_DROPPED.labels(self.shard, "stale_epoch").inc()
             return _skipped(job, msg, reason="other dispatch", row_epoch=job.epoch)
+        if not job.started:
+            return self._running_elsewhere(msg, redelivered)
+        try:
+            return await self._started(ref, msg, job)
+        finally:
+            self._store.release(ref, msg.epoch)
+
+    def _running_elsewhere(self, msg: JobMessage, redelivered: bool) -> Outcome:
+        """Another worker process holds this attempt's guard: it is running there.
+
+        A copy that arrives fresh (a duplicate or forged publish) is acked without a run:
+        the runner holds its own message and settles the row, or requeues its message if
+        it cannot, and if the runner dies its message is redelivered (the broker) or the
+        row published again (the reconciler). A *redelivered* copy is requeued for later
+        instead: it may be the dead runner's own message, redelivered before PostgreSQL
+        ended the runner's session and released its guard, and acking it would leave the
+        job to the reconciler's visibility timeout. Requeued, it finds the guard free (and
+        runs) or the row settled (and is dropped). Only the broker sets ``redelivered``,
+        so forged copies cannot make themselves cycle."""
+        DELIVERIES_DROPPED.labels(self.shard, "running").inc()
+        log.warning(
+            "delivery_duplicate_running",
+            job_id=msg.job_id,
+            attempt=msg.attempt,
+            task=msg.task,
+            where="another worker",
+            action="requeued for later" if redelivered else "acked without running",
+        )
+        if redelivered:
+            raise AttemptRunningElsewhere(
+                f"job {msg.job_id} attempt {msg.attempt} is running in another worker"
+            )
+        return Outcome.SKIPPED
+
+    async def _started(self, ref: JobRef, msg: JobMessage, job: LockedJob) -> Outcome:
         if msg.task is not None and msg.task != job.task:
             MESSAGE_ROW_MISMATCH.labels(self.shard).inc()
             log.error(
@@ -308,7 +353,7 @@ class Executor:
         JOBS_FINISHED.labels(self.shard, label, outcome.value).inc()
         return outcome
 
-    async def _begin(self, refs: list[JobRef]) -> list[LockedJob | Unreadable | None]:
+    async def _begin(self, items: list[tuple[JobRef, int]]) -> list[LockedJob | Unreadable | None]:
         """``begin`` for a batch. A row the client cannot read (a payload nested deeper
         than the JSON parser goes, a value Python cannot hold) would fail every batch it
         is in, and requeue them all forever: such a batch is read again row by row, and
@@ -320,21 +365,21 @@ class Executor:
         whole batch is requeued (``DatabaseUnavailable``); nothing is re-read on the
         connection that failed."""
         try:
-            return list(await self._store.begin(refs))
+            return list(await self._store.begin([r for r, _ in items], [e for _, e in items]))
         except Exception as exc:
             if not _row_unreadable(exc):
                 raise
-            if len(refs) == 1:
+            if len(items) == 1:
                 return [Unreadable(f"{type(exc).__name__}: {str(exc)[:300]}")]
             log.warning(
                 "begin_batch_unreadable",
-                deliveries=len(refs),
+                deliveries=len(items),
                 error=f"{type(exc).__name__}: {str(exc)[:300]}",
                 next_step="read the batch row by row and park the unreadable rows",
             )
         found: list[LockedJob | Unreadable | None] = []
-        for ref in refs:
-            found.extend(await self._begin([ref]))
+        for item in items:
+            found.extend(await self._begin([item]))
         return found
 
     async def _park(self, ref: JobRef, msg: JobMessage, row: Unreadable) -> Outcome:

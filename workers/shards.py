@@ -214,11 +214,11 @@ class ShardExecutors:
     def __contains__(self, shard: object) -> bool:
         return shard in self._executors
 
-    async def execute(self, msg: JobMessage) -> Outcome:
+    async def execute(self, msg: JobMessage, *, redelivered: bool = False) -> Outcome:
         executor = self._executors.get(msg.shard)
         if executor is None:
             raise UnknownShard(msg.shard, self.names)
-        return await executor.execute(msg)
+        return await executor.execute(msg, redelivered=redelivered)
 
     def batching(self) -> dict[str, dict[str, float]]:
         """Each shard's ``Executor.batching()``."""
