@@ -23,11 +23,14 @@
 -- epoch (a copy from another dispatch is stale). `started` (migration 0012): this
 -- session took the attempt's guard lock and may run it (true), another session holds it
 -- (false: a copy of a running attempt), or the row is not the message's to run (NULL).
--- Runs on the executor's guard connection, which holds the locks it takes until
--- release_guards. `i` is the position in the input arrays; missing jobs return no row.
+-- Runs on the executor's guard connection, which holds the locks it takes until they are
+-- released: $5-$7 are attempts whose guards this session releases first (those settled
+-- since the last statement), else release_guards. `i` is the position in the input
+-- arrays; missing jobs return no row.
 SELECT i, status, attempt, max_attempts, queue, task, payload, key, run_time, done, epoch,
        started
-  FROM duetime.worker_begin($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[]);
+  FROM duetime.worker_begin($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[],
+                            $5::bigint[], $6::int[], $7::bigint[]);
 
 -- name: release_guards
 -- On the guard connection, after the attempts' outcomes committed (or when they ended

@@ -84,7 +84,8 @@ CREATE POLICY "{producer}_own_schedules" ON duetime.schedules FOR SELECT TO "{pr
 -- worker_release). Not DELETE, not the fence, not INSERT into jobs, not schedules.
 -- Handlers' own tables (ctx.db) are the application's to grant to the worker login user.
 GRANT EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[]),
-                          duetime.worker_begin(bigint[], timestamptz[], integer[], bigint[]),
+                          duetime.worker_begin(bigint[], timestamptz[], integer[], bigint[],
+                                               bigint[], integer[], bigint[]),
                           duetime.worker_release(bigint[], integer[], bigint[]),
                           duetime.attempt_guard(bigint, integer, bigint),
                           duetime.worker_complete(bigint[], timestamptz[], integer[], text),

@@ -192,7 +192,7 @@ async def prepare_store_connection(conn: asyncpg.Connection) -> None:
     """Prepare the worker's own statements on a new connection of its store pool, so the
     first deliveries after start-up pay for no parsing or planning (each runs once with
     job id 0, which matches nothing and changes nothing)."""
-    await conn.fetch(Q["begin_deliveries"], [0], [_epoch()], [0], [0])
+    await conn.fetch(Q["begin_deliveries"], [0], [_epoch()], [0], [0], [], [], [])
     await conn.fetchval(Q["complete_deliveries"], [0], [_epoch()], [0], "")
     await conn.fetchval(Q["schedule_retry"], 0, _epoch(), 0, 0.0, "", "{}")
     await conn.fetchval(Q["mark_dead"], 0, _epoch(), 0, "", "{}")

@@ -15,10 +15,12 @@ connection (they are read and settled in batches); a lock held by the attempt's 
 session would cost a connection per running handler and a round trip per delivery. The
 begin read was already one batched statement; it now takes the locks as it reads, so a
 delivery pays no extra round trip. ``release`` is batched too and not awaited by the
-delivery (it is sent after the outcome committed, which is all the ordering it needs).
+delivery (it is sent after the outcome committed, which is all the ordering it needs):
+the releases due ride along with the next begin read (the function releases them
+first), and only those no read took along go as a statement of their own.
 
-What it costs: begin reads share this one connection, one at a time (before: up to four
-in flight on the store pool); the release statement is one more batched statement.
+What it costs: begin reads share this one connection, one at a time (the store pool
+allowed four in flight); an idle or draining worker sends its releases on their own.
 
 A begin that fails half-way may have taken some locks of its batch (advisory locks
 outlive a failed statement): every pointer of that batch is released once. When the
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
@@ -74,13 +77,24 @@ class AttemptGuard:
             zip(job_ids, attempts, epochs, strict=True)
         )
 
+        releasing: list[Pointer] = []
+
         async def read(conn: Conn) -> list[Any]:
+            # the releases due so far ride along (the function releases them first)
+            releasing.extend(self._releasing)
+            self._releasing.clear()
+            done = _columns(releasing)
             return await conn.fetch(
-                self._begin_sql, list(job_ids), list(due_ats), list(attempts), list(epochs)
+                self._begin_sql,
+                list(job_ids),
+                list(due_ats),
+                list(attempts),
+                list(epochs),
+                *done,
             )
 
         async def undo(conn: Conn) -> None:
-            await self._unlock(conn, pointers)
+            await self._unlock(conn, [*pointers, *releasing])
 
         records = await self._run(read, undo)
         for record in records:
@@ -98,17 +112,20 @@ class AttemptGuard:
         self._held.discard(pointer)
         self._releasing.append(pointer)
         if self._flush is None and not self._closed:
-            self._flush = asyncio.create_task(self._release_soon(), name="guard:release")
+            self._flush = asyncio.create_task(
+                self._release_soon(), name="guard:release", context=contextvars.Context()
+            )
 
     async def _release_soon(self) -> None:
+        """Send the releases that no begin read took along (an idle or draining worker)."""
         try:
             await asyncio.sleep(0)  # the releases of this loop turn go together
-            while self._releasing:
+
+            async def unlock(conn: Conn) -> None:
                 batch, self._releasing = self._releasing, []
+                await self._unlock(conn, batch)
 
-                async def unlock(conn: Conn, batch: list[Pointer] = batch) -> None:
-                    await self._unlock(conn, batch)
-
+            while self._releasing:
                 with contextlib.suppress(Exception):  # the connection was dropped
                     await self._run(unlock, None)
         finally:
@@ -116,8 +133,7 @@ class AttemptGuard:
 
     async def _unlock(self, conn: Conn, pointers: Sequence[tuple[int, int, int | None]]) -> None:
         if pointers:
-            ids, attempts, epochs = (list(column) for column in zip(*pointers, strict=True))
-            await conn.fetchval(self._release_sql, ids, attempts, epochs)
+            await conn.fetchval(self._release_sql, *_columns(pointers))
 
     async def _run(
         self,
@@ -186,3 +202,12 @@ class AttemptGuard:
             self._conn = None
             self._held.clear()
             await self._db.pool.release(conn)  # type: ignore[arg-type]
+
+
+def _columns(pointers: Sequence[tuple[int, int, int | None]]) -> tuple[list[Any], ...]:
+    """Job ids, attempts and epochs of ``pointers``, as the functions unnest them."""
+    return (
+        [p[0] for p in pointers],
+        [p[1] for p in pointers],
+        [p[2] for p in pointers],
+    )

@@ -29,20 +29,42 @@ CREATE FUNCTION duetime.attempt_guard(job_id bigint, job_attempt integer, job_ep
                             || coalesce(job_epoch::text, ''), 20261203)
 $$;
 
+-- Release the guards of attempts this session started (after their outcome committed,
+-- or when they end without one: the message goes back to the queue and its next
+-- delivery may run). One unlock per attempt: a guard is held once per start. A pointer
+-- whose guard this session does not hold is ignored (the begin that failed half-way
+-- releases every pointer of its batch); the server's warning for it is not sent to the
+-- client. Returns how many were released.
+CREATE FUNCTION duetime.worker_release(job_ids bigint[], attempts integer[], epochs bigint[])
+    RETURNS integer
+    LANGUAGE sql SET search_path = pg_catalog, pg_temp SET client_min_messages = error AS $$
+    SELECT count(*) FILTER (WHERE pg_advisory_unlock((g >> 32)::integer,
+                                                     ((g & 4294967295) - 2147483648)::integer))::integer
+      FROM unnest(job_ids, attempts, epochs) AS w(id, attempt, epoch)
+     CROSS JOIN LATERAL duetime.attempt_guard(w.id, w.attempt, w.epoch) AS g
+$$;
+
 -- worker_begin (0009) plus the guard: `started` is true when this call took the
--- attempt's lock (the caller runs it, then releases it with worker_release), false when
+-- attempt's lock (the caller runs it, then releases it: with worker_release, or in the
+-- release arrays of its next worker_begin, which releases them first, so that a busy
+-- worker sends no statement of its own for releases), false when
 -- another session holds it (a copy of a running attempt: not run), NULL when the row is
 -- not this message's to run (missing, not dispatched, another attempt or dispatch) and
 -- no lock was tried. The lock is tried after the row was read FOR KEY SHARE, i.e. after
 -- any in-flight claim committed.
 CREATE FUNCTION duetime.worker_begin(job_ids bigint[], due_ats timestamptz[],
-                                     attempts integer[], epochs bigint[])
+                                     attempts integer[], epochs bigint[],
+                                     release_ids bigint[], release_attempts integer[],
+                                     release_epochs bigint[])
     RETURNS TABLE (i bigint, status text, attempt integer, max_attempts integer,
                    queue text, task text, payload jsonb, key text, run_time timestamptz,
                    done boolean, epoch bigint, started boolean)
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
 BEGIN
+    IF cardinality(release_ids) > 0 THEN
+        PERFORM duetime.worker_release(release_ids, release_attempts, release_epochs);
+    END IF;
     RETURN QUERY
     SELECT w.i, j.status, j.attempt, j.max_attempts, j.queue, j.task, j.payload,
            j.effective_key, j.run_time,
@@ -70,22 +92,8 @@ BEGIN
            ) j;
 END $$;
 
--- Release the guards of attempts this session started (after their outcome committed,
--- or when they end without one: the message goes back to the queue and its next
--- delivery may run). One unlock per attempt: a guard is held once per start. A pointer
--- whose guard this session does not hold is ignored (the begin that failed half-way
--- releases every pointer of its batch); the server's warning for it is not sent to the
--- client. Returns how many were released.
-CREATE FUNCTION duetime.worker_release(job_ids bigint[], attempts integer[], epochs bigint[])
-    RETURNS integer
-    LANGUAGE sql SET search_path = pg_catalog, pg_temp SET client_min_messages = error AS $$
-    SELECT count(*) FILTER (WHERE pg_advisory_unlock((g >> 32)::integer,
-                                                     ((g & 4294967295) - 2147483648)::integer))::integer
-      FROM unnest(job_ids, attempts, epochs) AS w(id, attempt, epoch)
-     CROSS JOIN LATERAL duetime.attempt_guard(w.id, w.attempt, w.epoch) AS g
-$$;
-
 REVOKE EXECUTE ON FUNCTION duetime.attempt_guard(bigint, integer, bigint) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[], integer[], bigint[])
+REVOKE EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[], integer[], bigint[],
+                                               bigint[], integer[], bigint[])
     FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION duetime.worker_release(bigint[], integer[], bigint[]) FROM PUBLIC;
