@@ -39,9 +39,6 @@ Settlement rules (DESIGN §6):
 
 An ack that fails (channel closed by a broker reconnect) is only logged: the broker
 redelivers the message and the ledger recognises it as already settled.
-
-The module is about 400 lines because every settlement rule above, and the coalescer
-that sends the acks, sit beside the one loop that applies them.
 """
 
 from __future__ import annotations

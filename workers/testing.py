@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
+from scheduler.clock import SYSTEM_CLOCK
 from workers.context import JobContext
 from workers.registry import Registry, default_registry
 
@@ -49,7 +50,7 @@ def make_context(
         job_id=job_id,
         attempt=attempt,
         max_attempts=max_attempts,
-        due_at=due_at or datetime.now(UTC),
+        due_at=due_at or SYSTEM_CLOCK.now(),
         task=task,
         queue=queue,
         # the key the handler sees, as given: a test names ctx.idempotency_key directly
