@@ -314,8 +314,10 @@ class Executor:
         instead: it may be the dead runner's own message, redelivered before PostgreSQL
         ended the runner's session and released its guard, and acking it would leave the
         job to the reconciler's visibility timeout. Requeued, it finds the guard free (and
-        runs) or the row settled (and is dropped). Only the broker sets ``redelivered``,
-        so forged copies cannot make themselves cycle."""
+        runs) or the row settled (and is dropped); a copy that keeps finding the attempt
+        running is dead-lettered by the queue's delivery limit, and the row stays the
+        reconciler's. Only the broker sets ``redelivered``, so forged copies cannot make
+        themselves cycle."""
         DELIVERIES_DROPPED.labels(self.shard, "running").inc()
         log.warning(
             "delivery_duplicate_running",

@@ -17,7 +17,8 @@ begin read was already one batched statement; it now takes the locks as it reads
 delivery pays no extra round trip. ``release`` is batched too and not awaited by the
 delivery (it is sent after the outcome committed, which is all the ordering it needs):
 the releases due ride along with the next begin read (the function releases them
-first), and only those no read took along go as a statement of their own.
+first), and only those no read took along within ``RELEASE_DELAY`` go as a statement
+of their own.
 
 What it costs: begin reads share this one connection, one at a time (the store pool
 allowed four in flight); an idle or draining worker sends its releases on their own.
@@ -47,6 +48,11 @@ T = TypeVar("T")
 
 #: (job id, attempt, dispatch epoch): what a guard lock is taken on.
 Pointer = tuple[int, int, int]
+#: Seconds a release waits for a begin read to take it along before it is sent on its
+#: own. Holding a settled attempt's guard a little longer only makes a copy arriving
+#: meanwhile be dropped as "running" instead of as settled; an attempt that ended
+#: without an outcome has its message requeued after a longer delay than this.
+RELEASE_DELAY = 0.05
 
 
 class AttemptGuard:
@@ -119,7 +125,7 @@ class AttemptGuard:
     async def _release_soon(self) -> None:
         """Send the releases that no begin read took along (an idle or draining worker)."""
         try:
-            await asyncio.sleep(0)  # the releases of this loop turn go together
+            await asyncio.sleep(RELEASE_DELAY)  # a begin read may take them along first
 
             async def unlock(conn: Conn) -> None:
                 batch, self._releasing = self._releasing, []
