@@ -111,10 +111,10 @@ log = get_logger("duetime.worker")
 
 #: Deliveries read per statement.
 BATCH_SIZE = 256
-#: Batched reads in flight at once. One: they all run on the guard connection
-#: (``scheduler.store.execution_guard``), one at a time, so deliveries that arrive while
-#: a read is in flight make the next batch instead of queueing at the connection.
-BEGIN_FLUSHES = 1
+#: Batched reads in flight at once: a delivery never waits long for one to start, even
+#: when a read waits for a claim still in flight (FOR KEY SHARE). Each runs on a guard
+#: connection of its own (``scheduler.store.execution_guard``, as many slots).
+BEGIN_FLUSHES = 4
 #: Seconds before a redelivered copy of an attempt running elsewhere goes back to the
 #: queue (``AttemptRunningElsewhere``).
 RUNNING_ELSEWHERE_REQUEUE = 1.0

@@ -71,7 +71,7 @@ class ExecutionStore:
         self._db = Pooled(pool, acquire_timeout=timeout)
         self._budgets = json.dumps(dict(budgets or {}), sort_keys=True)
         self.guard = AttemptGuard(
-            self._db, begin_sql=Q["begin_deliveries"], release_sql=Q["release_guards"]
+            self._db, begin_sql=Q["begin_deliveries"], release_sql=Q["release_guards"], slots=4
         )
 
     async def begin(
