@@ -80,7 +80,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
-from structlog.contextvars import bind_contextvars, bound_contextvars
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.db import DB_UNAVAILABLE
@@ -258,7 +258,8 @@ class Executor:
         """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be, and
         ``AttemptRunningElsewhere`` for a ``redelivered`` copy of an attempt that another
         worker process is running (the caller requeues it for later)."""
-        with bound_contextvars(job_id=msg.job_id, attempt=msg.attempt, task=msg.task):
+        bound = bind_contextvars(job_id=msg.job_id, attempt=msg.attempt, task=msg.task)
+        try:
             pointer = (msg.job_id, msg.due_at, msg.attempt, msg.epoch)
             if pointer in self._running:
                 DELIVERIES_DROPPED.labels(self.shard, "running").inc()
@@ -272,6 +273,8 @@ class Executor:
                 return await self._execute(msg, redelivered)
             finally:
                 self._running.discard(pointer)
+        finally:
+            reset_contextvars(**bound)  # the values before this delivery, task included
 
     async def _execute(self, msg: JobMessage, redelivered: bool) -> Outcome:
         ref = JobRef(msg.job_id, msg.due_at, msg.attempt)
