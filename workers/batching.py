@@ -19,6 +19,7 @@ graphile-worker's batched ``complete_jobs``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -57,7 +58,10 @@ class Coalescer(Generic[T, R]):
 
     def _kick(self) -> None:
         if self._waiting and len(self._flushes) < self._max_flushes:
-            task = asyncio.create_task(self._run(), name=f"{self._name}:flush")
+            # outside the submitting delivery's context: a batch is no one delivery's
+            task = asyncio.create_task(
+                self._run(), name=f"{self._name}:flush", context=contextvars.Context()
+            )
             self._flushes.add(task)
             task.add_done_callback(self._done)
 

@@ -30,14 +30,15 @@ Settlement rules (DESIGN §6):
   messages cannot stall a queue. The job is never failed for it: a real job's row stays
   ``dispatched`` and its shard's reconciler publishes it again after the visibility
   timeout (a forged shard name has no row and no reconciler: it stays dead-lettered);
+- a redelivered copy of an attempt another worker process is running
+  (``AttemptRunningElsewhere``) → nack with requeue after
+  ``RUNNING_ELSEWHERE_REQUEUE`` seconds (a fresh copy is acked by the executor without a
+  run; ``Executor._running_elsewhere`` says why the two differ);
 - shutdown: deliveries waiting for a slot are nacked with requeue at once; running ones
   get the grace period, then are cancelled (their transaction rolls back) and nacked.
 
 An ack that fails (channel closed by a broker reconnect) is only logged: the broker
 redelivers the message and the ledger recognises it as already settled.
-
-The module is about 400 lines because every settlement rule above, and the coalescer
-that sends the acks, sit beside the one loop that applies them.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ from scheduler.broker import CLOSE_TIMEOUT, declare_job_queue
 from scheduler.log import get_logger
 from scheduler.messages import MalformedMessage, decode
 from scheduler.metrics import DELIVERIES_DROPPED, DELIVERIES_REQUEUED, MALFORMED_MESSAGES
-from workers.errors import DatabaseUnavailable
-from workers.executor import Executor
+from workers.errors import AttemptRunningElsewhere, DatabaseUnavailable
+from workers.executor import RUNNING_ELSEWHERE_REQUEUE, Executor
 from workers.shards import ShardExecutors, UnknownShard
 
 log = get_logger("duetime.worker")
@@ -218,7 +219,7 @@ class Consumer:
                 if self.stopping:
                     await settle("nack", requeue=True)
                     return
-                await self._executor.execute(msg)
+                await self._executor.execute(msg, redelivered=bool(message.redelivered))
                 committed = True
             self._db_failures = 0
             await settle("ack")
@@ -228,6 +229,8 @@ class Consumer:
             raise
         except DatabaseUnavailable as exc:
             await self._requeue_later(settle, exc, job)
+        except AttemptRunningElsewhere as exc:
+            await self._requeue_later(settle, exc, job, delay=RUNNING_ELSEWHERE_REQUEUE)
         except UnknownShard as exc:
             await self._unknown_shard(settle, exc, job)
         except Exception as exc:  # a bug: never crash the consumer, never lose the message

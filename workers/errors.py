@@ -20,7 +20,7 @@ import asyncpg
 
 from scheduler.db import DB_UNAVAILABLE
 
-__all__ = ["CONNECTION_ERRORS", "DatabaseUnavailable"]
+__all__ = ["CONNECTION_ERRORS", "AttemptRunningElsewhere", "DatabaseUnavailable"]
 
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     *DB_UNAVAILABLE,
@@ -31,3 +31,8 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 
 class DatabaseUnavailable(Exception):
     """No outcome could be recorded (PostgreSQL unreachable, or a bug): requeue."""
+
+
+class AttemptRunningElsewhere(Exception):
+    """A redelivered copy of an attempt another worker process is running: requeue it
+    for later (``workers.executor.Executor._running_elsewhere`` says why)."""

@@ -4,13 +4,17 @@ A delivery's way through the worker (DESIGN §6)::
 
     begin      one statement for every delivery that arrived together (autocommit):
                lock-read each row FOR KEY SHARE — waits for an in-flight claim — and
-               read the task, the payload and the ledger's verdict from the row
+               read the task, the payload and the ledger's verdict from the row; take
+               the guard lock of each attempt it may run
+      guard held by another worker process         → skipped (acked; requeued if redelivered)
     (before it) the same message already running in this process → skipped, no read
       missing / not 'dispatched' / other attempt   → skipped (stale or duplicate)
       message epoch is not the row's dispatch_epoch → skipped (a copy of another dispatch)
       key already in the ledger (effect applied)    → settled as succeeded, handler not run
       task not registered here                      → a failed attempt (retried, rolling
                                                       deploys), dead when attempts run out
+    commit     chosen once, before the handler runs: its own transaction, or a share of
+               a transaction group (``_groupable``); no ctx.db means a batched commit
     handler(ctx, payload)   under the task's timeout (else the worker's task_timeout)
       used ctx.db   → in that transaction, the attempt's own: UPDATE succeeded +
                       INSERT ledger (``duetime.finish_attempt``) sent with the COMMIT in
@@ -25,6 +29,8 @@ A delivery's way through the worker (DESIGN §6)::
                       (``complete``, batched with the others that finished meanwhile)
     failure        → ctx.db work rolled back; then ``pending`` with the next attempt, or
                       ``dead`` (``workers.retry.decide``), on a connection of its own
+    settle     whichever way it committed, the attempt's ``Verdict`` goes through one
+               ``workers.settlement.Settler``: one outcome, one log line, one metric
 
 The caller acks only after ``execute`` returned: every return value means "an outcome is
 committed". ``DatabaseUnavailable`` means none could be recorded; the caller requeues.
@@ -37,9 +43,10 @@ the running delivery holds its own message: it settles the row, or, if it cannot
 its message back (``DatabaseUnavailable``, shutdown), and the reconciler re-publishes a
 row left ``dispatched``. A copy that names another dispatch than the row's
 (``dispatch_epoch``) is stale and skipped by ``begin``'s answer. Both are counted in
-``duetime_deliveries_dropped_total``. Limit: two *worker processes* that receive exact
-copies of the current message at the same instant can each run it once (the ledger
-still applies its ``ctx.db`` effects once); see docs/security.md.
+``duetime_deliveries_dropped_total``. Across worker processes the begin read takes the
+attempt's guard lock (``scheduler.store.execution_guard``, migration 0012), released once
+the outcome committed: a copy whose attempt another process runs is not run
+(``_running_elsewhere``); see docs/security.md.
 
 **The row is authoritative.** The message only points at a job (id, due time, attempt);
 the handler that runs and its payload come from the row read by ``begin``. A message
@@ -52,8 +59,9 @@ with a ctx.db statement pays BEGIN, that statement, and ``finish_attempt`` + COM
 round trip) in its own transaction, or, when its task shares transactions, that statement
 and its share of its group's BEGIN, ``finish_group`` and COMMIT (1.38 + 0.10).
 
-This module is over 400 lines on purpose: it is one delivery's whole way (read, run,
-settle, record a failure), in the order it happens. Connections are not reset between jobs
+Log lines of a delivery carry its job's fields (``job_id``, ``attempt``, ``task``) from
+``structlog.contextvars``, bound once in ``execute`` and unbound when it returns (the
+heartbeat's task inherits them). Connections are not reset between jobs
 (``scheduler.db.keep_session``): handlers keep session state transaction-scoped
 (``SET LOCAL``, ``pg_advisory_xact_lock``).
 
@@ -67,16 +75,14 @@ by the ledger like any duplicate delivery.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
-import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from enum import StrEnum
-from typing import Any
+from datetime import datetime
 
 import asyncpg
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.db import DB_UNAVAILABLE
 from scheduler.log import get_logger
@@ -85,27 +91,33 @@ from scheduler.metrics import (
     DELIVERIES_DROPPED,
     FIRE_LAG,
     JOB_DURATION,
-    JOBS_FINISHED,
     MESSAGE_ROW_MISMATCH,
 )
 from scheduler.store.execution import ExecutionStore
-from scheduler.store.rows import UNREADABLE, Completion, JobRef, LockedJob
+from scheduler.store.rows import UNREADABLE, JobRef, LockedJob
 from workers.batching import Coalescer
 from workers.context import JobContext
-from workers.errors import CONNECTION_ERRORS, DatabaseUnavailable
-from workers.groups import Groups, Verdict
+from workers.errors import CONNECTION_ERRORS, AttemptRunningElsewhere, DatabaseUnavailable
+from workers.groups import Groups
 from workers.heartbeat import Heartbeat
 from workers.lazydb import LazyTransaction
 from workers.registry import Registry, TaskSpec
-from workers.retry import DEFAULT_RETRY, GiveUp, RetryLater, RetryPolicy, decide, describe
+from workers.settlement import Attempt, Settler, UnknownTask
+from workers.verdicts import Outcome, Verdict
+
+__all__ = ["Executor", "Outcome", "UnknownTask", "Unreadable"]
 
 log = get_logger("duetime.worker")
 
-#: Deliveries read or completed per statement.
+#: Deliveries read per statement.
 BATCH_SIZE = 256
 #: Batched reads in flight at once: a delivery never waits long for one to start, even
-#: when a read waits for a claim still in flight (FOR KEY SHARE).
+#: when a read waits for a claim still in flight (FOR KEY SHARE). Each runs on a guard
+#: connection of its own (``scheduler.store.execution_guard``, as many slots).
 BEGIN_FLUSHES = 4
+#: Seconds before a redelivered copy of an attempt running elsewhere goes back to the
+#: queue (``AttemptRunningElsewhere``).
+RUNNING_ELSEWHERE_REQUEUE = 1.0
 #: Tasks whose handlers typically run longer than this get transactions of their own.
 GROUP_MAX_HANDLER_SECONDS = 0.02
 #: Weight of the newest run in a task's moving average of handler run time.
@@ -113,24 +125,6 @@ DURATION_WEIGHT = 0.2
 #: Default bound on a handler's run time when its task sets none (``task_timeout``).
 DEFAULT_TASK_TIMEOUT = 1800.0
 
-
-class Outcome(StrEnum):
-    """What a delivery ended as; every value means it is settled and may be acked."""
-
-    SUCCEEDED = "succeeded"
-    RETRIED = "retried"
-    DEAD = "dead"
-    SKIPPED = "skipped"  # stale, duplicate, or superseded: nothing to do
-
-
-class UnknownTask(Exception):
-    """The row names a task this worker has not registered (a rolling deploy, a typo)."""
-
-
-#: Errors with which PostgreSQL refuses a *value* (out of range, violates a CHECK):
-#: recording the same outcome again cannot succeed, so the job is parked as dead instead
-#: of being requeued forever.
-_REFUSED_VALUE = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 #: Errors that say the database could not be used at all: retried, never blamed on a row.
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncio.CancelledError,
@@ -162,7 +156,8 @@ class Unreadable:
 
 class Executor:
     """Runs deliveries against the database. Stateless between deliveries apart from the
-    two batching queues (``begin``, ``complete``), which ``close()`` stops.
+    two batching queues (``begin``, and the settler's ``complete``), which ``close()``
+    stops.
 
     ``pool`` serves the handlers' transactions (``ctx.db``); ``store`` runs the worker's
     own statements, by default on the same pool. ``duetime worker`` gives the store a
@@ -173,6 +168,7 @@ class Executor:
 
     ``shard`` names the database ``pool`` is (``main`` unsharded): the label of every
     metric the executor records, so a worker with several shards counts each apart.
+    ``clock`` times handlers and fire lag (tests drive it).
     """
 
     def __init__(
@@ -188,6 +184,7 @@ class Executor:
         group_transactions: bool = True,
         rng: random.Random | None = None,
         shard: str = DEFAULT_SHARD,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.shard = shard
         # a 0 sample from the start, so the first mismatch shows as an increase
@@ -199,18 +196,16 @@ class Executor:
         self._heartbeat_interval = heartbeat_interval
         self._acquire_timeout = acquire_timeout
         self._task_timeout = task_timeout
-        self._rng = rng
+        self._clock = clock
         self._durations: dict[str, float] = {}  # task -> moving average of run time
         # the pointers of the deliveries being executed: a copy is skipped (execute)
         self._running: set[tuple[int, datetime, int, int]] = set()
-        self._begins: Coalescer[JobRef, LockedJob | Unreadable | None] = Coalescer(
+        self._begins: Coalescer[tuple[JobRef, int], LockedJob | Unreadable | None] = Coalescer(
             self._begin, name="begin", max_batch=BATCH_SIZE, max_flushes=BEGIN_FLUSHES
         )
-        self._completions: Coalescer[Completion, bool] = Coalescer(
-            self._complete, name="complete", max_batch=BATCH_SIZE
-        )
+        self._settler = Settler(self._store, worker=worker_name, shard=shard, rng=rng)
         self._groups = (
-            Groups(pool, self._store, worker=worker_name, timeout=acquire_timeout)
+            Groups(pool, self._store, worker=worker_name, timeout=acquire_timeout, clock=clock)
             if group_transactions
             else None
         )
@@ -228,7 +223,7 @@ class Executor:
         INSERT-then-200-ms-await handler at concurrency 64 fell from 0.91x to 0.86x of
         the 320 jobs/s ideal. For such handlers the round trips of a transaction of
         their own are noise."""
-        if not spec.share_transaction:
+        if self._groups is None or not spec.share_transaction:
             return False
         typical = self._durations.get(spec.name)
         return typical is None or typical < GROUP_MAX_HANDLER_SECONDS
@@ -242,73 +237,101 @@ class Executor:
 
     def batching(self) -> dict[str, float]:
         """Deliveries per batched statement so far (logged when the worker stops)."""
+        completions = self._settler.completions
         return {
             "begin_batches": self._begins.batches,
             "begin_per_batch": round(self._begins.items / max(1, self._begins.batches), 1),
             "groups": self._groups.groups if self._groups else 0,
             "group_members": self._groups.members if self._groups else 0,
-            "complete_batches": self._completions.batches,
-            "complete_per_batch": round(
-                self._completions.items / max(1, self._completions.batches), 1
-            ),
+            "complete_batches": completions.batches,
+            "complete_per_batch": round(completions.items / max(1, completions.batches), 1),
         }
 
     async def close(self) -> None:
         await self._begins.close()
-        await self._completions.close()
+        await self._settler.close()
         if self._groups is not None:
             await self._groups.close()
+        await self._store.close()
 
-    async def execute(self, msg: JobMessage) -> Outcome:
-        """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be."""
-        pointer = (msg.job_id, msg.due_at, msg.attempt, msg.epoch)
-        if pointer in self._running:
-            DELIVERIES_DROPPED.labels(self.shard, "running").inc()
-            log.warning(
-                "delivery_duplicate_running",
-                job_id=msg.job_id,
-                attempt=msg.attempt,
-                task=msg.task,
-                action="acked without running: the running delivery settles the row",
-            )
-            return Outcome.SKIPPED
-        self._running.add(pointer)
+    async def execute(self, msg: JobMessage, *, redelivered: bool = False) -> Outcome:
+        """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be, and
+        ``AttemptRunningElsewhere`` for a ``redelivered`` copy of an attempt that another
+        worker process is running (the caller requeues it for later)."""
+        bound = bind_contextvars(job_id=msg.job_id, attempt=msg.attempt, task=msg.task)
         try:
-            return await self._execute(msg)
+            pointer = (msg.job_id, msg.due_at, msg.attempt, msg.epoch)
+            if pointer in self._running:
+                DELIVERIES_DROPPED.labels(self.shard, "running").inc()
+                log.warning(
+                    "delivery_duplicate_running",
+                    action="acked without running: the running delivery settles the row",
+                )
+                return Outcome.SKIPPED
+            self._running.add(pointer)
+            try:
+                return await self._execute(msg, redelivered)
+            finally:
+                self._running.discard(pointer)
         finally:
-            self._running.discard(pointer)
+            reset_contextvars(**bound)  # the values before this delivery, task included
 
-    async def _execute(self, msg: JobMessage) -> Outcome:
+    async def _execute(self, msg: JobMessage, redelivered: bool) -> Outcome:
         ref = JobRef(msg.job_id, msg.due_at, msg.attempt)
         try:
-            job = await self._begins.submit(ref)
+            job = await self._begins.submit((ref, msg.epoch))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
         if isinstance(job, Unreadable):
-            return await self._park(ref, msg, job)
+            return await self._park(ref, job)
+        if job is not None:
+            bind_contextvars(task=job.task)  # the row's task, whatever the message said
         if job is None or job.status != "dispatched" or job.attempt != msg.attempt:
             return _skipped(job, msg)
         if job.epoch != msg.epoch:
             DELIVERIES_DROPPED.labels(self.shard, "stale_epoch").inc()
             return _skipped(job, msg, reason="other dispatch", row_epoch=job.epoch)
-        if msg.task is not None and msg.task != job.task:
-            MESSAGE_ROW_MISMATCH.labels(self.shard).inc()
-            log.error(
-                "message_row_mismatch",
-                job_id=msg.job_id,
-                attempt=msg.attempt,
-                task=job.task,
-                message_task=msg.task[:200],
-                action="running the row's task and payload",
-            )
-        outcome = await self._settle(ref, job)
-        label = job.task if job.task in self._registry else "unknown"
-        JOBS_FINISHED.labels(self.shard, label, outcome.value).inc()
-        return outcome
+        if not job.started:
+            return self._running_elsewhere(redelivered)
+        try:
+            if msg.task is not None and msg.task != job.task:
+                MESSAGE_ROW_MISMATCH.labels(self.shard).inc()
+                log.error(
+                    "message_row_mismatch",
+                    message_task=msg.task[:200],
+                    action="running the row's task and payload",
+                )
+            return await self._attempt(Attempt(ref, job, self._registry.get(job.task)))
+        finally:
+            self._store.release(ref, msg.epoch)
 
-    async def _begin(self, refs: list[JobRef]) -> list[LockedJob | Unreadable | None]:
+    def _running_elsewhere(self, redelivered: bool) -> Outcome:
+        """Another worker process holds this attempt's guard: it is running there.
+
+        A copy that arrives fresh (a duplicate or forged publish) is acked without a run:
+        the runner holds its own message and settles the row, or requeues its message if
+        it cannot, and if the runner dies its message is redelivered (the broker) or the
+        row published again (the reconciler). A *redelivered* copy is requeued for later
+        instead: it may be the dead runner's own message, redelivered before PostgreSQL
+        ended the runner's session and released its guard, and acking it would leave the
+        job to the reconciler's visibility timeout. Requeued, it finds the guard free (and
+        runs) or the row settled (and is dropped); a copy that keeps finding the attempt
+        running is dead-lettered by the queue's delivery limit, and the row stays the
+        reconciler's. Only the broker sets ``redelivered``, so forged copies cannot make
+        themselves cycle."""
+        DELIVERIES_DROPPED.labels(self.shard, "running").inc()
+        log.warning(
+            "delivery_duplicate_running",
+            where="another worker",
+            action="requeued for later" if redelivered else "acked without running",
+        )
+        if redelivered:
+            raise AttemptRunningElsewhere("the attempt is running in another worker")
+        return Outcome.SKIPPED
+
+    async def _begin(self, items: list[tuple[JobRef, int]]) -> list[LockedJob | Unreadable | None]:
         """``begin`` for a batch. A row the client cannot read (a payload nested deeper
         than the JSON parser goes, a value Python cannot hold) would fail every batch it
         is in, and requeue them all forever: such a batch is read again row by row, and
@@ -320,24 +343,24 @@ class Executor:
         whole batch is requeued (``DatabaseUnavailable``); nothing is re-read on the
         connection that failed."""
         try:
-            return list(await self._store.begin(refs))
+            return list(await self._store.begin([r for r, _ in items], [e for _, e in items]))
         except Exception as exc:
             if not _row_unreadable(exc):
                 raise
-            if len(refs) == 1:
+            if len(items) == 1:
                 return [Unreadable(f"{type(exc).__name__}: {str(exc)[:300]}")]
             log.warning(
                 "begin_batch_unreadable",
-                deliveries=len(refs),
+                deliveries=len(items),
                 error=f"{type(exc).__name__}: {str(exc)[:300]}",
                 next_step="read the batch row by row and park the unreadable rows",
             )
         found: list[LockedJob | Unreadable | None] = []
-        for ref in refs:
-            found.extend(await self._begin([ref]))
+        for item in items:
+            found.extend(await self._begin([item]))
         return found
 
-    async def _park(self, ref: JobRef, msg: JobMessage, row: Unreadable) -> Outcome:
+    async def _park(self, ref: JobRef, row: Unreadable) -> Outcome:
         error = f"the worker cannot read this job's row: {row.reason}"
         try:
             parked = await self._store.mark_dead(ref, error)
@@ -345,98 +368,66 @@ class Executor:
             raise
         except Exception as exc:
             raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        log.error(
-            "job_row_unreadable",
-            job_id=ref.job_id,
-            attempt=ref.attempt,
-            task=msg.task,
-            error=error,
-            parked=parked,
-        )
+        log.error("job_row_unreadable", error=error, parked=parked)
         return Outcome.DEAD if parked else Outcome.SKIPPED
 
-    async def _settle(self, ref: JobRef, job: LockedJob) -> Outcome:
-        fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}
-        if job.done:  # the ledger holds the key: the effect was applied before
-            settled = await self._complete_one(ref, job)
-            log.info("delivery_duplicate", idempotency_key=job.key, settled=settled, **fields)
-            return Outcome.SKIPPED
-        spec = self._registry.get(job.task)
+    async def _attempt(self, attempt: Attempt) -> Outcome:
+        """Run the attempt and settle it through the settler. How it commits is chosen
+        once, here: a transaction group only for a task that may share one; an attempt
+        rolled back with its group (``RERUN``) runs again in a transaction of its own."""
+        spec = attempt.spec
+        if attempt.job.done:  # the ledger holds the key: the effect was applied before
+            return await self._settle(attempt, Verdict.DUPLICATE)
         if spec is None:
-            unknown = UnknownTask(self._registry.unknown_message(job.task))
-            return await self._record_failure(
-                ref, job, unknown, DEFAULT_RETRY, job.max_attempts, error=str(unknown)
-            )
-        return await self._run(
-            ref, job, spec, grouped=self._groups is not None and self._groupable(spec)
-        )
+            unknown = UnknownTask(self._registry.unknown_message(attempt.job.task))
+            return await self._settle(attempt, Verdict.FAILED, unknown)
+        grouped = self._groupable(spec)
+        while True:
+            verdict, failure = await self._run(attempt, spec, grouped=grouped)
+            outcome = await self._settler.settle(attempt, verdict, failure)
+            if outcome is not None:
+                return outcome
+            grouped = False
 
-    async def _run(self, ref: JobRef, job: LockedJob, spec: TaskSpec, *, grouped: bool) -> Outcome:
-        fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}
+    async def _settle(
+        self, attempt: Attempt, verdict: Verdict, failure: BaseException | None = None
+    ) -> Outcome:
+        outcome = await self._settler.settle(attempt, verdict, failure)
+        assert outcome is not None  # only a group's RERUN settles nothing
+        return outcome
+
+    async def _run(
+        self, attempt: Attempt, spec: TaskSpec, *, grouped: bool
+    ) -> tuple[Verdict, BaseException | None]:
+        """Run the handler once and commit as chosen: the verdict, and the handler's
+        failure if it raised (or the server refused its transaction)."""
         db = LazyTransaction(
             self._pool,
             timeout=self._acquire_timeout,
             groups=self._groups if grouped else None,
-            completion=Completion(ref, job.key, job.task),
+            completion=attempt.completion,
         )
-        verdict: Verdict | None = None
         try:
-            failure = await self._run_handler(ref, job, spec, db)
-            if db.member is not None:
-                verdict = await db.member.report(failure)
-            elif failure is None and db.opened:
-                result = await self._finish_in_transaction(ref, job, db)
-                if isinstance(result, Outcome):
-                    return result
-                failure = result
+            failure = await self._run_handler(attempt, spec, db)
+            if db.member is not None:  # a share of a transaction group
+                return await db.member.report(failure), failure
+            if failure is not None:
+                return Verdict.FAILED, failure
+            if db.opened:  # its own transaction
+                return await self._finish_in_transaction(attempt, db)
         finally:
             await db.close()
-        if verdict is not None:
-            return await self._after_group(ref, job, spec, verdict, failure)
-        if failure is None:
-            if await self._complete_one(ref, job):
-                log.debug("job_succeeded", **fields)
-                return Outcome.SUCCEEDED
-            log.warning("attempt_superseded", **fields)
-            return Outcome.SKIPPED
-        return await self._record_failure(
-            ref, job, failure, spec.retry, spec.attempts_allowed(job.max_attempts)
-        )
-
-    async def _after_group(
-        self,
-        ref: JobRef,
-        job: LockedJob,
-        spec: TaskSpec,
-        verdict: Verdict,
-        failure: BaseException | None,
-    ) -> Outcome:
-        fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}
-        if verdict is Verdict.COMMITTED:
-            log.debug("job_succeeded", **fields)
-            return Outcome.SUCCEEDED
-        if verdict is Verdict.FAILED and failure is not None:
-            return await self._record_failure(
-                ref, job, failure, spec.retry, spec.attempts_allowed(job.max_attempts)
-            )
-        if verdict is Verdict.SUPERSEDED:
-            log.warning("attempt_superseded", **fields)
-            return Outcome.SKIPPED
-        if verdict is Verdict.DUPLICATE:
-            settled = await self._complete_one(ref, job)
-            log.info("delivery_duplicate", idempotency_key=job.key, settled=settled, **fields)
-            return Outcome.SKIPPED
-        # rolled back with its group through no fault of its own: run again, alone
-        log.info("attempt_rerun_alone", **fields)
-        return await self._run(ref, job, spec, grouped=False)
+        # never used ctx.db: batched with the others that finished meanwhile
+        committed = await self._settler.complete(attempt)
+        return (Verdict.COMMITTED if committed else Verdict.SUPERSEDED), None
 
     async def _finish_in_transaction(
-        self, ref: JobRef, job: LockedJob, db: LazyTransaction
-    ) -> Outcome | BaseException:
-        """Succeeded + ledger row + COMMIT in the handler's transaction. Returns the
-        outcome, or the exception that makes this attempt a failure."""
-        fields = {"job_id": ref.job_id, "attempt": ref.attempt, "task": job.task}
-        finish = self._store.finish_statement(Completion(ref, job.key, job.task), self._worker)
+        self, attempt: Attempt, db: LazyTransaction
+    ) -> tuple[Verdict, BaseException | None]:
+        """Succeeded + ledger row + COMMIT in the handler's transaction, one round trip.
+        A refusal (the row moved on, the key recorded first by another delivery) rolls
+        the handler's writes back; a server error is the handler's failure."""
+        finish = self._store.finish_statement(attempt.completion, self._worker)
         try:
             try:
                 await db.commit(finish)  # one round trip: finish, then COMMIT
@@ -445,51 +436,32 @@ class Executor:
                 if found is None:
                     raise
                 await db.close()  # roll back the handler's writes
-                if not found.settled:
-                    log.warning("attempt_superseded", **fields)
-                    return Outcome.SKIPPED
-                # another delivery recorded the key first: ours is undone, settle the row
-                settled = await self._complete_one(ref, job)
-                log.info("delivery_duplicate", idempotency_key=job.key, settled=settled, **fields)
-                return Outcome.SKIPPED
+                return (Verdict.DUPLICATE if found.settled else Verdict.SUPERSEDED), None
         except asyncio.CancelledError:
             raise
         except CONNECTION_ERRORS as exc:
             raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
         except asyncpg.PostgresError as exc:  # the server refused: the handler's fault
-            return exc
-        log.debug("job_succeeded", **fields)
-        return Outcome.SUCCEEDED
-
-    async def _complete_one(self, ref: JobRef, job: LockedJob) -> bool:
-        try:
-            return await self._completions.submit(Completion(ref, job.key, job.task))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
-
-    async def _complete(self, items: list[Completion]) -> list[bool]:
-        settled = await self._store.complete(items, self._worker)
-        return [c.ref.job_id in settled for c in items]
+            return Verdict.FAILED, exc
+        return Verdict.COMMITTED, None
 
     async def _run_handler(
-        self, ref: JobRef, job: LockedJob, spec: TaskSpec, db: LazyTransaction
+        self, attempt: Attempt, spec: TaskSpec, db: LazyTransaction
     ) -> BaseException | None:
         """Run the handler under its timeout; return its exception, or None."""
-        beat_log = _BeatLog(ref, job.task)
+        ref, job = attempt.ref, attempt.job
         heartbeat = Heartbeat(
             self._store,
             job_id=ref.job_id,
             due_at=ref.due_at,
             attempt=ref.attempt,
             interval=self._heartbeat_interval,
-            log=beat_log,
+            log=log,  # its task inherits the delivery's bound job fields
         )
         ctx = JobContext(
             job_id=ref.job_id,
             attempt=ref.attempt,
-            max_attempts=spec.attempts_allowed(job.max_attempts),
+            max_attempts=attempt.max_attempts,
             due_at=ref.due_at,
             task=job.task,
             queue=job.queue,
@@ -497,10 +469,11 @@ class Executor:
             db=db,
             beat=heartbeat.beat,
         )
-        fire_lag = (datetime.now(UTC) - job.run_time).total_seconds()
+        clock = self._clock
+        fire_lag = (clock.now() - job.run_time).total_seconds()
         FIRE_LAG.labels(self.shard).observe(max(0.0, fire_lag))
         timeout = spec.timeout if spec.timeout is not None else self._task_timeout
-        started = time.monotonic()
+        started = clock.monotonic()
         heartbeat.start()
         try:
             async with asyncio.timeout(timeout) as deadline:
@@ -511,101 +484,17 @@ class Executor:
             return exc
         finally:
             await heartbeat.stop()
-            took = time.monotonic() - started
+            took = clock.monotonic() - started
             JOB_DURATION.labels(self.shard, spec.name).observe(took)
             self._learn(spec.name, took - (db.member.waited if db.member is not None else 0.0))
         return None
 
-    async def _record_failure(
-        self,
-        ref: JobRef,
-        job: LockedJob,
-        exc: BaseException,
-        policy: RetryPolicy,
-        max_attempts: int,
-        *,
-        error: str | None = None,
-    ) -> Outcome:
-        decision = decide(
-            exc, attempt=ref.attempt, max_attempts=max_attempts, policy=policy, rng=self._rng
-        )
-        if error is not None:
-            decision = dataclasses.replace(decision, error=error)
-        fields: dict[str, Any] = {
-            "job_id": ref.job_id,
-            "attempt": ref.attempt,
-            "task": job.task,
-            "error": decision.error,
-        }
-        # a traceback is logged when it can be: an exception whose str() raised or is
-        # huge is summarised by ``describe`` instead (it must not break the log line)
-        exc_info = exc if len(decision.error) < 2000 and not isinstance(exc, UnknownTask) else None
-        run_at: datetime | None = None
-        try:
-            if isinstance(decision, RetryLater):
-                try:
-                    run_at = await self._store.schedule_retry(
-                        ref, delay=decision.delay, error=decision.error
-                    )
-                except _REFUSED_VALUE as refused:
-                    decision = GiveUp(
-                        f"{decision.error} (the retry could not be recorded: {describe(refused)})"
-                    )
-                    fields["error"] = decision.error
-                    recorded = await self._store.mark_dead(ref, decision.error)
-                else:
-                    recorded = run_at is not None
-            else:
-                recorded = await self._store.mark_dead(ref, decision.error)
-        except asyncio.CancelledError:
-            raise
-        except Exception as failed:
-            log.error("failure_not_recorded", exc_info=exc_info, **fields)
-            raise DatabaseUnavailable(f"{type(failed).__name__}: {failed}") from failed
-        if not recorded:
-            log.warning("attempt_superseded", **fields)
-            return Outcome.SKIPPED
-        if isinstance(decision, GiveUp):
-            log.error("job_dead", exc_info=exc_info, **fields)
-            return Outcome.DEAD
-        log.warning(
-            "job_retry_scheduled",
-            exc_info=exc_info,
-            retry_in=round(decision.delay, 3),
-            run_at=run_at.isoformat() if run_at else None,
-            **fields,
-        )
-        return Outcome.RETRIED
-
-
-class _BeatLog:
-    """The heartbeat's logger, bound on first use: most attempts end before their first
-    beat, and binding a structlog logger per delivery was ~3 % of a storm's CPU."""
-
-    __slots__ = ("_log", "_ref", "_task")
-
-    def __init__(self, ref: JobRef, task: str) -> None:
-        self._ref, self._task, self._log = ref, task, None
-
-    def __getattr__(self, name: str) -> Any:
-        if self._log is None:
-            self._log = get_logger(
-                "duetime.worker",
-                job_id=self._ref.job_id,
-                attempt=self._ref.attempt,
-                task=self._task,
-            )
-        return getattr(self._log, name)
-
 
 def _skipped(
-    job: LockedJob | None, msg: JobMessage, *, reason: str | None = None, **extra: Any
+    job: LockedJob | None, msg: JobMessage, *, reason: str | None = None, **extra: object
 ) -> Outcome:
     log.info(
         "delivery_skipped",
-        job_id=msg.job_id,
-        attempt=msg.attempt,
-        task=msg.task if job is None else job.task,
         status=None if job is None else job.status,
         current_attempt=None if job is None else job.attempt,
         reason=reason or ("missing" if job is None else "stale"),

@@ -47,18 +47,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
+import contextvars
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import asyncpg
 
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.log import get_logger
 from scheduler.store.conn import Conn
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import Completion
 from workers.errors import CONNECTION_ERRORS, DatabaseUnavailable
+from workers.verdicts import Verdict
 
 log = get_logger("duetime.worker")
 
@@ -68,14 +69,6 @@ MAX_MEMBERS = 32
 
 class GroupAborted(BaseException):
     """Another member's statement failed: this attempt is re-run on its own."""
-
-
-class Verdict(Enum):
-    COMMITTED = "committed"  # succeeded, committed with the group
-    FAILED = "failed"  # its handler raised: record the failure
-    RERUN = "rerun"  # rolled back with the group through no fault of its own
-    SUPERSEDED = "superseded"  # the row moved on: nothing to do
-    DUPLICATE = "duplicate"  # the key is in the ledger already: settle as succeeded
 
 
 @dataclass(eq=False)
@@ -94,13 +87,14 @@ class Member:
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run one Connection method on the group's connection, under the lock."""
         group = self.group
-        queued = time.monotonic()
+        clock = group.groups.clock
+        queued = clock.monotonic()
         await group.started  # raises when the group could not open its transaction
         if group.owner is self:
-            self.waited += time.monotonic() - queued
+            self.waited += clock.monotonic() - queued
             return await group.run(self, method, args, kwargs)
         async with group.lock:
-            self.waited += time.monotonic() - queued
+            self.waited += clock.monotonic() - queued
             return await group.run(self, method, args, kwargs)
 
     async def connection(self) -> Conn:
@@ -322,8 +316,10 @@ class Groups:
         worker: str,
         timeout: float,
         max_members: int = MAX_MEMBERS,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.pool = pool
+        self.clock = clock
         self.store = store
         self.worker = worker
         self.timeout = timeout
@@ -358,7 +354,9 @@ class Groups:
             self._open = None
 
     def spawn(self, coro: Any, *, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
+        """Run ``coro`` as a task owned here, outside the spawning delivery's context: a
+        group's lines must not carry the job fields bound to one of its members."""
+        task = asyncio.create_task(coro, name=name, context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._done)
 

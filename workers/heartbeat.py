@@ -1,12 +1,12 @@
 """Heartbeats: a running job's sign of life for the reconciler.
 
-While a handler runs, its transaction holds the job row FOR KEY SHARE, which already
-makes the reconciler's ``FOR UPDATE SKIP LOCKED`` pass it by. ``heartbeat_at`` is the
-second, visible signal: operators (``duetime jobs show``) and the reconciler's
-"silent for" clock see that the job is alive. A beat is one autocommit UPDATE on its own
-pooled connection, so it is visible at once and does not conflict with the open
-transaction. The first automatic beat comes one interval (visibility_timeout/3) after
-the handler started, so short jobs never pay for one.
+No lock on the job row is held while a handler runs (``workers.executor`` says why), so
+``heartbeat_at`` is what keeps the reconciler from publishing a running job again: its
+"silent for" clock, and operators (``duetime jobs show``), see that the job is alive.
+A beat is one autocommit UPDATE on its own pooled connection, so it is visible at once
+and does not conflict with the handler's open transaction. The first automatic beat
+comes one interval (visibility_timeout/3) after the handler started, so short jobs never
+pay for one.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Most handlers of a storm never touch the database (they call an API, send a mail
 ones that do need their writes to commit with the ledger row. So ``ctx.db`` is a
 ``LazyTransaction``: nothing is acquired until the handler's first statement, which
 takes a pooled connection and opens the transaction. The executor then finishes the
-attempt inside that same transaction (``ExecutionStore.finish``: job ``succeeded`` +
+attempt inside that same transaction (``duetime.finish_attempt``: job ``succeeded`` +
 ledger row) and commits, so those effects are applied exactly once; an attempt that never
-used it is settled in a batch with others (``workers.completer``), one statement for many.
+used it is settled in a batch with others (``workers.settlement``), one statement for many.
 
 The common ``asyncpg.Connection`` calls are here (``execute``, ``fetch*``,
 ``executemany``, ``copy_*``, ``prepare``, ``transaction()`` for a savepoint). Anything

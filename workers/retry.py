@@ -13,7 +13,7 @@ A handler that raises gets, in a new transaction after its own was rolled back:
 
 Every delay is bounded by ``MAX_RETRY_DELAY`` (366 days): a handler asking for
 ``Retry(in_=1e13)`` waits that long at most instead of overflowing the database's
-interval arithmetic, which once made the failure unrecordable and requeued the delivery
+interval arithmetic, which would make the failure unrecordable and requeue the delivery
 forever.
 
 ``last_error`` is ``"ExcType: message"`` cut to ``MAX_ERROR_CHARS``; the traceback

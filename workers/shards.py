@@ -8,13 +8,14 @@ the job's own shard, the ledger is per shard, and a duplicate delivery is recogn
 the ledger of the shard that holds the job: effectively-once holds per shard.
 
 Connection budget (docs/operations.md, "Connection budget"). A worker opens its pools
-full at start (so the first burst after READY waits for no connection: the cold start
-measured 16x the steady p99 when it did), and keeps few while idle: a connection idle
-for ``IDLE_SECONDS`` is closed down to the pool's minimum, ``HANDLER_WARM`` handler
+full at start (so the first burst after READY waits for no connection: a cold start
+measured 16x the steady p99), and keeps few while idle: a connection idle for
+``IDLE_SECONDS`` is closed down to the pool's minimum, ``HANDLER_WARM`` handler
 connections (prepared) and ``STORE_WARM`` store ones. So one idle worker holds 6
-connections a minute after its last burst, whatever its concurrency (it held
-concurrency + 4 for ever: two workers at concurrency 32 took 72 of PostgreSQL's default
-100), and at most concurrency + 8 under load. Handlers that never use ``ctx.db`` never
+connections a minute after its last burst, whatever its concurrency (kept open, two
+workers at concurrency 32 would hold 72 of PostgreSQL's default 100), and at most
+concurrency + 8 under load (one store connection is the attempt guard's while attempts
+run: ``scheduler.store.execution_guard``). Handlers that never use ``ctx.db`` never
 take a handler connection. With K > 1 shards each shard opens and keeps 1 + 2 and grows
 on demand. The concurrency limit is one limit across shards (the consumer's), so the
 handler pools together never run more than ``concurrency`` handlers.
@@ -214,11 +215,11 @@ class ShardExecutors:
     def __contains__(self, shard: object) -> bool:
         return shard in self._executors
 
-    async def execute(self, msg: JobMessage) -> Outcome:
+    async def execute(self, msg: JobMessage, *, redelivered: bool = False) -> Outcome:
         executor = self._executors.get(msg.shard)
         if executor is None:
             raise UnknownShard(msg.shard, self.names)
-        return await executor.execute(msg)
+        return await executor.execute(msg, redelivered=redelivered)
 
     def batching(self) -> dict[str, dict[str, float]]:
         """Each shard's ``Executor.batching()``."""

@@ -20,10 +20,23 @@
 -- scheduler.messages.effective_key (tests/integration/test_effective_key.py). `done` says
 -- the ledger already holds it (the effect was applied by an earlier delivery). `epoch` is
 -- the row's dispatch_epoch: the worker runs a delivery only when its message carries that
--- epoch (a copy from another dispatch is stale). `i` is the position in the input
+-- epoch (a copy from another dispatch is stale). `started` (migration 0012): this
+-- session took the attempt's guard lock and may run it (true), another session holds it
+-- (false: a copy of a running attempt), or the row is not the message's to run (NULL).
+-- Runs on the executor's guard connection, which holds the locks it takes until they are
+-- released: $5-$7 are attempts whose guards this session releases first (those settled
+-- since the last statement), else release_guards. `i` is the position in the input
 -- arrays; missing jobs return no row.
-SELECT i, status, attempt, max_attempts, queue, task, payload, key, run_time, done, epoch
-  FROM duetime.worker_begin($1::bigint[], $2::timestamptz[]);
+SELECT i, status, attempt, max_attempts, queue, task, payload, key, run_time, done, epoch,
+       started
+  FROM duetime.worker_begin($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[],
+                            $5::bigint[], $6::int[], $7::bigint[]);
+
+-- name: release_guards
+-- On the guard connection, after the attempts' outcomes committed (or when they ended
+-- without one): their guard locks are released, so a later copy finds the row settled,
+-- or, when nothing was settled, may run it.
+SELECT duetime.worker_release($1::bigint[], $2::int[], $3::bigint[]);
 
 -- name: complete_deliveries
 -- Batched completion of attempts whose handler never used ctx.db (and of duplicates whose

@@ -83,9 +83,14 @@ CREATE POLICY "{producer}_own_schedules" ON duetime.schedules FOR SELECT TO "{pr
 -- execution.sql calls one of migration 0009's SECURITY DEFINER functions, which settle
 -- only a row that is `dispatched` at the attempt named (succeeded with its ledger row,
 -- pending at attempt + 1, dead, or a heartbeat) and read a batch of deliveries' rows
--- (worker_begin). Not DELETE, not the fence, not INSERT into jobs, not schedules.
+-- (worker_begin, which also takes the attempt's guard lock, migration 0012, released by
+-- worker_release). Not DELETE, not the fence, not INSERT into jobs, not schedules.
 -- Handlers' own tables (ctx.db) are the application's to grant to the worker login user.
 GRANT EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[]),
+                          duetime.worker_begin(bigint[], timestamptz[], integer[], bigint[],
+                                               bigint[], integer[], bigint[]),
+                          duetime.worker_release(bigint[], integer[], bigint[]),
+                          duetime.attempt_guard(bigint, integer, bigint),
                           duetime.worker_complete(bigint[], timestamptz[], integer[], text),
                           duetime.worker_finish_group(bigint[], timestamptz[], integer[],
                                                       text, timestamptz, timestamptz),

@@ -1,16 +1,18 @@
 """ExecutionStore: every statement a worker runs (DESIGN §6; SQL in ``execution.sql``).
 
 Deliveries are read and completed in batches (``begin``/``complete``: one statement for
-many jobs, in autocommit); an attempt whose handler used ``ctx.db`` finishes inside its
-own transaction (``finish_statement``, sent with its COMMIT), on the caller's connection.
+many jobs, in autocommit); ``begin`` runs on the guard connection, which holds the lock
+of every attempt it started until ``release`` (``scheduler.store.execution_guard``). An
+attempt whose handler used ``ctx.db`` finishes inside its own transaction
+(``finish_statement``, sent with its COMMIT), on the caller's connection.
 Failure outcomes (``schedule_retry``, ``mark_dead``) and ``heartbeat`` run on pooled
 connections of their own: a failure is rare, and a sign of life must be visible while a
 handler still runs.
 
-Every statement calls a function of migration 0009 that settles only a row dispatched at
-the attempt named, and writes the ledger row from that row (its ``effective_key`` and
-task): a ``Completion``'s ``key`` and ``task`` are what the worker shows the handler and
-matches on, never what the database records.
+Every statement calls a function of migration 0009 (0012 for the guard) that settles
+only a row dispatched at the attempt named, and writes the ledger row from that row (its
+``effective_key`` and task): a ``Completion``'s ``key`` and ``task`` are what the worker
+shows the handler and matches on, never what the database records.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import asyncpg
 
 from scheduler.sql import load
 from scheduler.store.conn import Conn, Pooled
+from scheduler.store.execution_guard import AttemptGuard
 from scheduler.store.rows import Completion, Finish, JobRef, LockedJob, from_record
 
 Q = load("execution")
@@ -67,20 +70,37 @@ class ExecutionStore:
         what the worker decided with."""
         self._db = Pooled(pool, acquire_timeout=timeout)
         self._budgets = json.dumps(dict(budgets or {}), sort_keys=True)
+        self.guard = AttemptGuard(
+            self._db, begin_sql=Q["begin_deliveries"], release_sql=Q["release_guards"], slots=4
+        )
 
-    async def begin(self, refs: Sequence[JobRef]) -> list[LockedJob | None]:
-        """Read the rows of ``refs`` (one statement; waits for in-flight claims). The
-        result is aligned with ``refs``: None where the job does not exist."""
-        async with self._db.acquire() as conn:
-            records = await conn.fetch(
-                Q["begin_deliveries"],
-                [r.job_id for r in refs],
-                [r.due_at for r in refs],
-            )
+    async def begin(
+        self, refs: Sequence[JobRef], epochs: Sequence[int] | None = None
+    ) -> list[LockedJob | None]:
+        """Read the rows of ``refs`` (one statement; waits for in-flight claims), taking
+        the guard lock of every attempt that is its message's to run (``epochs``: the
+        messages' dispatch epochs; ``LockedJob.started``; without them, a read that takes
+        no lock). The result is aligned with ``refs``: None where the job does not exist.
+        Every attempt started here must be ``release``d once its outcome committed or it
+        ended without one."""
+        records = await self.guard.begin(
+            [r.job_id for r in refs],
+            [r.due_at for r in refs],
+            [r.attempt for r in refs],
+            list(epochs) if epochs is not None else [None] * len(refs),
+        )
         found: list[LockedJob | None] = [None] * len(refs)
         for record in records:
             found[record["i"] - 1] = from_record(LockedJob, record)
         return found
+
+    def release(self, ref: JobRef, epoch: int) -> None:
+        """Release the guard lock ``begin`` took for this attempt (batched, not awaited)."""
+        self.guard.release((ref.job_id, ref.attempt, epoch))
+
+    async def close(self) -> None:
+        """Release every guard lock and give the guard connection back to the pool."""
+        await self.guard.close()
 
     async def complete(self, items: Sequence[Completion], worker: str) -> set[int]:
         """Settle ``items`` as succeeded with their ledger rows, in one statement. Returns
@@ -172,7 +192,7 @@ async def prepare_store_connection(conn: asyncpg.Connection) -> None:
     """Prepare the worker's own statements on a new connection of its store pool, so the
     first deliveries after start-up pay for no parsing or planning (each runs once with
     job id 0, which matches nothing and changes nothing)."""
-    await conn.fetch(Q["begin_deliveries"], [0], [_epoch()])
+    await conn.fetch(Q["begin_deliveries"], [0], [_epoch()], [0], [0], [], [], [])
     await conn.fetchval(Q["complete_deliveries"], [0], [_epoch()], [0], "")
     await conn.fetchval(Q["schedule_retry"], 0, _epoch(), 0, 0.0, "", "{}")
     await conn.fetchval(Q["mark_dead"], 0, _epoch(), 0, "", "{}")

@@ -208,6 +208,10 @@ class LockedJob:
     run_time: datetime  # coalesce(run_at, due_at): when this attempt was meant to run
     done: bool  # the ledger already holds the key: the effect was applied before
     epoch: int | None = None  # dispatch_epoch: the dispatch whose message may run it
+    #: this read took the attempt's guard lock (True), another session holds it (False:
+    #: a copy of an attempt running elsewhere), or no lock was tried (None: not the
+    #: message's to run). Migration 0012; ``scheduler.store.execution_guard``.
+    started: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

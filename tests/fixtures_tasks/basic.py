@@ -1,7 +1,8 @@
 """Handlers for worker-process tests: ``duetime worker --import tests.fixtures_tasks.basic``.
 
-``fixtures.record`` writes one row to ``worker_test_effects`` through ``ctx.db`` (so it
-commits exactly once, with the ledger row), then optionally heartbeats (the test's
+``fixtures.record`` optionally appends its process id to a file (``starts_file``: every
+run counted, whichever process), writes one row to ``worker_test_effects`` through
+``ctx.db`` (so it commits exactly once, with the ledger row), then optionally heartbeats (the test's
 signal that the handler is running), waits while a file exists (the test decides when
 it may finish), and sleeps.
 """
@@ -28,6 +29,10 @@ CREATE TABLE IF NOT EXISTS {EFFECTS_TABLE} (
 
 @task("fixtures.record", timeout=120)
 async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
+    starts = payload.get("starts_file")
+    if starts:  # one line per run, naming the process: runs across processes are countable
+        with open(starts, "a") as out:  # noqa: ASYNC230 — a line appended to a local file
+            out.write(f"{os.getpid()}\n")
     await ctx.db.execute(
         f"INSERT INTO {EFFECTS_TABLE} (job_id, attempt, tag) VALUES ($1, $2, $3)",
         ctx.job_id,

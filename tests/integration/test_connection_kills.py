@@ -38,16 +38,18 @@ class KilledUnderBegin(ExecutionStore):
         self.broken = True
         self.calls = 0
 
-    async def begin(self, refs: Sequence[JobRef]) -> list[LockedJob | None]:
+    async def begin(
+        self, refs: Sequence[JobRef], epochs: Sequence[int] | None = None
+    ) -> list[LockedJob | None]:
         if not self.broken:
-            return await super().begin(refs)
+            return await super().begin(refs, epochs)
         self.calls += 1
         async with self.pool.acquire() as conn:
             pid = conn.get_server_pid()
         # waits until the backend is gone (PostgreSQL 14+)
         assert await self.killer.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)
         try:
-            await super().begin(refs)
+            await super().begin(refs, epochs)
         except Exception as exc:
             raise self.client_error from exc
         raise self.client_error
@@ -56,7 +58,7 @@ class KilledUnderBegin(ExecutionStore):
 @pytest.fixture
 async def pools(dsn: str) -> AsyncIterator[tuple[asyncpg.Pool, asyncpg.Pool, asyncpg.Pool]]:
     handlers = await db.create_pool(dsn, min_size=1, max_size=2)
-    store = await db.create_pool(dsn, min_size=1, max_size=1)
+    store = await db.create_pool(dsn, min_size=1, max_size=2)  # the guard holds one
     killer = await db.create_pool(dsn, min_size=1, max_size=1, application_name="test-killer")
     try:
         yield handlers, store, killer

@@ -1,7 +1,8 @@
 """Forged and stale deliveries against a real worker (real PostgreSQL, real RabbitMQ).
 
 Anyone who can publish to a job queue can copy a real job's message (docs/security.md):
-copies of the attempt that is running are dropped without running, a message of
+copies of the attempt that is running are dropped without running, in its worker process
+and in any other (the attempt's guard lock), a message of
 another dispatch than the row's (``dispatch_epoch``) is dropped as stale, and messages
 naming a shard no worker knows are dead-lettered without holding the queue.
 """
@@ -13,6 +14,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -22,7 +24,10 @@ from prometheus_client import REGISTRY
 
 from scheduler.config import Settings
 from scheduler.config.shards import DEFAULT_SHARD
-from tests.fixtures_tasks.jobs import dispatched_job, job_row, publish, queue_depth
+from tests.fixtures_tasks.basic import EFFECTS_TABLE
+from tests.fixtures_tasks.jobs import dispatched_job, effects, job_row, publish, queue_depth
+from tests.integration.test_worker_process import consumers_are, worker_argv, worker_env
+from tests.support.procs import Processes
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
 
@@ -147,3 +152,56 @@ async def _is(value: Any, want: Any) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+#: Byte-identical copies of the current message, published at once to two processes.
+PROCESS_COPIES = 8
+
+
+async def test_copies_in_two_worker_processes_run_once_and_a_kill9_lets_the_copy_run(
+    procs: Processes,
+    test_env: dict[str, str],
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    unique: str,
+    tmp_path: Path,
+) -> None:
+    """Two ``duetime worker`` processes each get copies of the current message at the
+    same instant: one runs the handler, the other acks its copies without a run (the
+    attempt's guard lock, migration 0012). Killed with -9 mid-handler, the runner's
+    session ends, its guard with it, and the redelivered copy runs in the other process:
+    nothing lost, the effect once."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    starts = tmp_path / "starts"
+    payload = {"hold_while_exists": str(hold), "starts_file": str(starts)}
+    job = await dispatched_job(db_pool, "fixtures.record", payload, queue=queue)
+    argv = worker_argv(queue, concurrency=PROCESS_COPIES, grace=5)
+    workers = [
+        procs.spawn(argv, name=f"worker-{n}", env=worker_env(test_env, f"{n}-{unique}"))
+        for n in ("a", "b")
+    ]
+    await wait_for(lambda: consumers_are(channel, queue, 2), timeout=30, message=workers[0].tail())
+    body = job.message(1).encode()
+    await asyncio.gather(*(publish(channel, queue, body) for _ in range(PROCESS_COPIES)))
+
+    def runs() -> list[int]:
+        return [int(line) for line in starts.read_text().split()] if starts.exists() else []
+
+    await wait_for(lambda: _true(len(runs()) >= 1), timeout=15, message=workers[1].tail())
+    runner = next(w for w in workers if w.pid == runs()[0])
+    other = next(w for w in workers if w is not runner)
+    await wait_for(lambda: _is(queue_depth(channel, queue), (0, 2)), timeout=15)
+    await asyncio.sleep(1.0)  # any second run would have started by now
+    assert runs() == [runner.pid], runs()
+    # the other process got copies too, and dropped them as running elsewhere
+    assert '"where": "another worker"' in other.output(), other.tail()
+    assert await status(db_pool, job) == "dispatched"
+
+    runner.kill9()
+    hold.unlink()  # whoever runs the job now may finish
+    await wait_for(lambda: _is(status(db_pool, job), "succeeded"), timeout=30, message=other.tail())
+    assert runs() == [runner.pid, other.pid]
+    assert await effects(db_pool, job, EFFECTS_TABLE) == 1  # the killed run rolled back
+    assert await other.stop(timeout=15) == 0

@@ -20,16 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE = ("scheduler", "workers", "duetime")
 CLOCK = "scheduler/clock.py"
 
-#: Files other work in progress is moving onto ``scheduler.clock`` (the leadership,
-#: shards, duties and worker reshaping); each entry goes when its file is fixed, and an
-#: entry whose file no longer reads the clock fails the last test, so the list can
+#: Files allowed to read the system clock directly besides ``scheduler/clock.py``: none.
+#: An entry whose file no longer reads the clock fails the last test, so the list can
 #: only shrink.
-ALLOWED: frozenset[str] = frozenset(
-    {
-        "workers/executor.py",  # the worker's settlement seam is being rebuilt
-        "workers/groups.py",  # likewise (transaction groups)
-    }
-)
+ALLOWED: frozenset[str] = frozenset()
 
 #: (module, function) pairs that read the system clock.
 FORBIDDEN = {("time", "time"), ("time", "monotonic"), ("datetime.datetime", "now")}
