@@ -103,13 +103,13 @@ class LazyTransaction:
     # -- the Connection calls handlers use -----------------------------------------
 
     async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
-        return await self._call("execute", query, *args, timeout=timeout)
+        return str(await self._call("execute", query, *args, timeout=timeout))
 
     async def executemany(self, command: str, args: Any, *, timeout: float | None = None) -> None:
         await self._call("executemany", command, args, timeout=timeout)
 
     async def fetch(self, query: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return await self._call("fetch", query, *args, **kwargs)
+        return list(await self._call("fetch", query, *args, **kwargs))
 
     async def fetchrow(self, query: str, *args: Any, **kwargs: Any) -> Any:
         return await self._call("fetchrow", query, *args, **kwargs)
@@ -118,16 +118,16 @@ class LazyTransaction:
         return await self._call("fetchval", query, *args, **kwargs)
 
     async def copy_records_to_table(self, table_name: str, **kwargs: Any) -> str:
-        return await self._call("copy_records_to_table", table_name, **kwargs)
+        return str(await self._call("copy_records_to_table", table_name, **kwargs))
 
     async def copy_to_table(self, table_name: str, **kwargs: Any) -> str:
-        return await self._call("copy_to_table", table_name, **kwargs)
+        return str(await self._call("copy_to_table", table_name, **kwargs))
 
     async def copy_from_query(self, query: str, *args: Any, **kwargs: Any) -> str:
-        return await self._call("copy_from_query", query, *args, **kwargs)
+        return str(await self._call("copy_from_query", query, *args, **kwargs))
 
     async def copy_from_table(self, table_name: str, **kwargs: Any) -> str:
-        return await self._call("copy_from_table", table_name, **kwargs)
+        return str(await self._call("copy_from_table", table_name, **kwargs))
 
     async def prepare(self, query: str, **kwargs: Any) -> Any:
         # a prepared statement outlives one call: in a group it needs the connection held
@@ -229,4 +229,5 @@ class _Savepoint:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        return await self._inner.__aexit__(exc_type, exc, tb)
+        suppress: bool | None = await self._inner.__aexit__(exc_type, exc, tb)
+        return suppress

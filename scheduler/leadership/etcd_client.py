@@ -150,7 +150,7 @@ def etcd_tls(settings: Settings) -> EtcdTLS | None:
     )
 
 
-class TlsClient(aetcd.Client):  # aetcd ships no type hints: mypy sees Any
+class TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type hints: its Client is Any
     """``aetcd.Client`` over ``grpc.aio.secure_channel``.
 
     ``connect`` mirrors aetcd 1.0's (same attributes, same auth request, same error

@@ -68,12 +68,12 @@ from scheduler.config import Settings
 from scheduler.config.shards import DEFAULT_SHARD, election_key
 from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
+from scheduler.errors import describe
 from scheduler.leadership.duty_set import DUTY_STOP_TIMEOUT, DutiesFactory, DutySet
 from scheduler.leadership.elector import Elector, ShardEvent
 from scheduler.leadership.etcd_client import etcd_tls
 from scheduler.leadership.lifecycle import run_replica
 from scheduler.leadership.policy import (
-    describe,
     recampaign_delay,
     session_settings,
     term_end_reason,

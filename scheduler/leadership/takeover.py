@@ -18,7 +18,7 @@ from collections.abc import Collection
 from typing import Any
 
 from scheduler.config import Settings
-from scheduler.leadership.policy import describe
+from scheduler.errors import describe
 from scheduler.store.fence import FenceStore
 
 __all__ = ["FENCE_READ_TIMEOUT", "advance_fence", "fence_lock_timeout"]
