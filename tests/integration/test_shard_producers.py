@@ -186,6 +186,17 @@ async def test_cli_jobs_add_with_shard(
     assert run.code == 2
     assert run.error_line() == "unknown shard 'nope' (shards: a, b)"
 
+    # a unique key picks the shard of (queue, key): every add of it meets the holder
+    unique = ["jobs", "add", f"uniq-{tag}", "--in", "1h", "--unique-key", f"{tag}-u"]
+    held = shard_for_unique_key("default", f"{tag}-u", SHARDS)
+    first = await duetime(env, *unique, "--json")
+    assert first.code == 0 and first.json()["shard"] == held, first
+    again = await duetime(env, *unique, "--key", f"{tag}-other")
+    assert again.code == 0, again
+    assert again.out.startswith(f"skipped: held by job {first.json()['id']} ")
+    assert again.out.strip().endswith(f"in shard {held}")
+    assert await where(pools, f"uniq-{tag}") == {s: int(s == held) for s in SHARDS}
+
 
 async def test_cli_reads_and_changes_name_their_shard(
     test_env: dict[str, str], shard_urls: dict[str, str], pools: dict[str, asyncpg.Pool]
