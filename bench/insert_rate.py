@@ -1,4 +1,4 @@
-"""Insert throughput into duetime.jobs, and what the NOTIFY insert trigger costs.
+"""Insert throughput into duetime.jobs, and what insert triggers cost.
 
 Usage::
 
@@ -12,17 +12,20 @@ document. What it measures:
   autocommit transaction per job), the way a web request publishes;
 - ``executemany``: asyncpg ``executemany`` of a plain three-column INSERT;
 - ``bulk_copy``: ``JobStore.bulk_enqueue`` (one COPY) of 100k and 500k jobs;
-- ``notify_trigger``: the same COPY (200k) and the same single-INSERT loop with the
-  statement-level trigger ``jobs_notify_insert`` enabled vs disabled (``ALTER TABLE ...
-  DISABLE TRIGGER``), repeated and interleaved, median and ratio;
-- ``trigger_variants`` (``--variants``): the alternatives DESIGN §5 mentions, a
+- ``trigger_variants`` (``--variants``): the NOTIFY triggers DESIGN §5 weighed, a
   row-level trigger with a WHEN horizon and a statement trigger with a transition table,
-  so the choice stays measured.
+  each created for the run and measured enabled vs disabled (``ALTER TABLE ... DISABLE
+  TRIGGER``), repeated and interleaved, median and ratio, next to an A/A noise floor;
 - ``unique`` (``--only unique``): what migration 0014's unique-key claim costs. Jobs
   without a key, with the BEFORE INSERT trigger ``jobs_unique_claim`` enabled vs
   disabled (paired, as above; disabled is the table as it was before 0014, plus a NULL
   column); then jobs that each carry a distinct key (every insert claims one), and
   duplicates of one key (every insert is skipped), against the keyless rate.
+
+There is no ``trigger`` section any more: it measured the shipped statement trigger
+``jobs_notify_insert``, which migration 0004 replaced by the client's NOTIFY (and
+dropped), so the section had nothing left to switch off; its numbers stay in
+docs/foundation-measurements.md.
 
 Jobs are spread over the next seven days (several daily partitions), with a small
 payload, as producers would send them. The table is truncated before every run so each
@@ -47,10 +50,10 @@ from scheduler import db
 from scheduler.jobspec import JobSpec
 from scheduler.log import configure_logging
 from scheduler.store import JobStore
+from scheduler.store.conn import Conn
 
 WEEK = 7 * 86_400
 INSERT = "INSERT INTO duetime.jobs (task, payload, due_at) VALUES ($1, $2, $3)"
-SHIPPED_TRIGGER = "jobs_notify_insert"
 UNIQUE_TRIGGER = "jobs_unique_claim"
 INSERT_KEYED = (
     "INSERT INTO duetime.jobs (task, payload, due_at, unique_key) VALUES ($1, $2, $3, $4)"
@@ -62,7 +65,7 @@ WORKLOADS = (
     "concurrent_single_inserts",
 )
 
-# Alternatives to the shipped statement trigger, for --variants only.
+# NOTIFY triggers the design weighed (none ships since migration 0004), for --variants.
 VARIANTS: dict[str, list[str]] = {
     # A/A: a trigger that never fires on INSERT. Its "cost" is the machine's noise floor.
     "noise_floor_update_trigger": [
@@ -132,7 +135,7 @@ class Bench:
 
     async def _enqueue_many(
         self,
-        conn: asyncpg.Connection,
+        conn: Conn,
         first: int,
         n: int,
         *,
@@ -323,8 +326,7 @@ class Bench:
         return out
 
     async def variant(self, name: str, args: argparse.Namespace) -> dict[str, Any]:
-        """A replacement trigger vs no trigger at all (the shipped one stays disabled)."""
-        await self.set_trigger(SHIPPED_TRIGGER, False)
+        """A NOTIFY trigger vs no trigger at all (the table as migrated has none)."""
         for sql in VARIANTS[name]:
             await self.pool.execute(sql)
         try:
@@ -332,7 +334,6 @@ class Bench:
         finally:
             for sql in DROP_VARIANT:
                 await self.pool.execute(sql)
-            await self.set_trigger(SHIPPED_TRIGGER, True)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -349,13 +350,30 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 result["bulk_copy"] = [_rate(n, await bench.copy(n)) for n in args.bulk]
             if "unique" in args.only:
                 result["unique"] = await bench.unique_cost(args)
-            if "trigger" in args.only:
-                result["notify_trigger"] = await bench.trigger_cost(SHIPPED_TRIGGER, args)
             if args.variants:
                 result["trigger_variants"] = {v: await bench.variant(v, args) for v in VARIANTS}
         finally:
             await pool.close()
     return result
+
+
+SECTIONS = ("throughput", "unique")
+
+
+def sections(text: str) -> set[str]:
+    """``--only``: a comma-separated subset of ``SECTIONS``."""
+    chosen = set(text.split(","))
+    if "trigger" in chosen:
+        raise argparse.ArgumentTypeError(
+            "the trigger section was removed with jobs_notify_insert (migration 0004); "
+            "--variants measures NOTIFY triggers against none"
+        )
+    unknown = chosen - set(SECTIONS)
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown section(s) {', '.join(sorted(unknown))} (one of {', '.join(SECTIONS)})"
+        )
+    return chosen
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -382,15 +400,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--only",
-        type=lambda v: set(v.split(",")),
-        default={"throughput", "trigger"},
-        help="sections to run: throughput,trigger,unique (default throughput,trigger)",
+        type=sections,
+        default={"throughput"},
+        help=f"sections to run: {','.join(SECTIONS)} (default throughput)",
     )
     parser.add_argument(
         "--workloads",
         type=lambda v: set(v.split(",")),
         default=set(WORKLOADS),
-        help=f"trigger-cost workloads (default all): {','.join(WORKLOADS)}",
+        help=f"--variants workloads (default all): {','.join(WORKLOADS)}",
     )
     return parser.parse_args(argv)
 

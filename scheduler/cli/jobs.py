@@ -1,10 +1,22 @@
-"""``duetime jobs add|list|show|cancel|retry``."""
+"""``duetime jobs add|list|show|cancel|retry``.
+
+``jobs add --unique-key`` says which job holds the key afterwards, which
+``JobStore.enqueue`` alone does not tell (it returns the holder whatever happened). So
+the CLI first tries the insert under ``on_conflict="error"`` (nothing is written when
+the key is held, and the refusal names the holder) and only then applies the asked
+policy; comparing the job that policy returns with the holder tells skipped, replaced
+and kept apart. Between the two statements the holder may finish: the policy then
+inserts, and the line says so.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from datetime import timedelta
 from typing import Any
+
+import asyncpg
 
 from scheduler.cli._util import (
     add_actions,
@@ -22,12 +34,27 @@ from scheduler.cli._util import (
     say,
 )
 from scheduler.config import Settings
-from scheduler.errors import InvalidInput
-from scheduler.shards.router import ShardRouter
+from scheduler.errors import InvalidInput, UniqueKeyTaken
+from scheduler.shards.router import RoutedJob, ShardRouter
 from scheduler.store import JobStore
+from scheduler.store.jobs import ON_CONFLICT, OnConflict
 from scheduler.store.rows import JOB_STATUSES, Job
 
 LIST_COLUMNS = ("id", "task", "queue", "status", "attempt", "due_at", "run_at", "last_error")
+#: CHECK jobs_priority_range (migration 0015), checked here so the line names the flag.
+PRIORITY_RANGE = (-100, 100)
+
+
+def priority(text: str) -> int:
+    """``--priority``: an integer in ``PRIORITY_RANGE``."""
+    low, high = PRIORITY_RANGE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"priority must be an integer, not {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"priority must be between {low} and {high}, not {text}")
+    return value
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -44,9 +71,25 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     add.add_argument("--max-attempts", type=positive_int, default=5)
     add.add_argument("--key", help="idempotency key (default job:<id>)")
     add.add_argument(
+        "--unique-key", metavar="KEY", help="at most one live job of the queue holds KEY"
+    )
+    add.add_argument(
+        "--on-conflict",
+        choices=ON_CONFLICT,
+        help="when --unique-key is held: skip (default), replace (debounce) or error",
+    )
+    add.add_argument(
+        "--unique-for",
+        metavar="DURATION",
+        help="keep --unique-key taken this long after the enqueue, e.g. 1h",
+    )
+    add.add_argument(
+        "--priority", type=priority, default=0, help="-100..100, higher first (default 0)"
+    )
+    add.add_argument(
         "--shard",
         metavar="NAME",
-        help="shard to write to (default: by --key's hash, else round-robin)",
+        help="shard to write to (default: by --unique-key, else --key, else round-robin)",
     )
     add.add_argument("--json", action="store_true", help="print the job as JSON")
     add.set_defaults(func=run_add)
@@ -86,9 +129,14 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
     payload = parse_payload(args.payload)
     due_at = parse_when(args.at) if args.at else None
     delay = parse_duration(args.in_) if args.in_ else None
+    if args.unique_key is None and (args.on_conflict or args.unique_for):
+        raise InvalidInput("--on-conflict and --unique-for need --unique-key")
+    unique_for = _unique_for(args.unique_for) if args.unique_for else None
+    policy: OnConflict = args.on_conflict or "skip"
     router = await ShardRouter.open(settings, max_size=2)
-    try:
-        routed = await router.enqueue(
+
+    async def enqueue(on_conflict: OnConflict) -> RoutedJob:
+        return await router.enqueue(
             args.task,
             payload,
             shard=args.shard,
@@ -97,14 +145,55 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
             queue=args.queue,
             max_attempts=args.max_attempts,
             idempotency_key=args.key,
+            unique_key=args.unique_key,
+            on_conflict=on_conflict,
+            unique_for=unique_for,
+            priority=args.priority,
         )
+
+    try:
+        outcome = "inserted"
+        try:
+            routed = await enqueue("error" if args.unique_key else policy)
+        except UniqueKeyTaken as taken:
+            if policy == "error":
+                raise
+            routed = await enqueue(policy)
+            outcome = _outcome(policy, taken.holder_id, routed)
+    except asyncpg.CheckViolationError as exc:
+        raise InvalidInput(f"refused by {exc.constraint_name}: {exc}") from None
     finally:
         await router.close()
     job = routed.job
     sharded = settings.shards is not None  # unsharded: no shard named (the K = 1 contract)
     where = f" in shard {routed.shard}" if sharded else ""
-    text = f"enqueued job {job.id} ({job.task}) due {job.due_at.isoformat()} on {job.queue}{where}"
-    return emit(args, {**job.to_dict(), "shard": routed.shard} if sharded else job.to_dict(), text)
+    about = f"({job.task}) due {job.next_run_at.isoformat()} on {job.queue}{where}"
+    text = {
+        "inserted": f"enqueued job {job.id} {about}",
+        "skipped": f"skipped: held by job {job.id} {about}",
+        "replaced": f"replaced: job {job.id} holds the key, now {about}",
+        "kept": f"kept: held by job {job.id}, {job.status}, {about}",
+    }[outcome]
+    data = job.to_dict()
+    if sharded:
+        data["shard"] = routed.shard
+    if args.unique_key is not None:
+        data["unique_outcome"] = outcome
+    return emit(args, data, text)
+
+
+def _unique_for(text: str) -> timedelta:
+    """``--unique-for``: a duration, 0 included (``JobStore`` checks the upper bound)."""
+    return timedelta(0) if text.strip() in ("0", "0s") else parse_duration(text)
+
+
+def _outcome(policy: OnConflict, holder_id: int | None, routed: RoutedJob) -> str:
+    """What ``policy`` did, given the holder the "error" attempt was refused by."""
+    if routed.job.id != holder_id:
+        return "inserted"  # the holder finished meanwhile, or (replace) was due later
+    if policy == "skip":
+        return "skipped"
+    return "replaced" if routed.job.status == "pending" else "kept"
 
 
 async def run_list(args: argparse.Namespace, settings: Settings) -> int:

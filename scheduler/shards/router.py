@@ -5,18 +5,27 @@ the job is created, in this order:
 
 1. an explicit ``shard=`` (a job that must sit next to the caller's own rows, or that
    the caller enqueues inside its own transaction with ``conn=``);
-2. else, with an idempotency key, ``shard_for_key``: BLAKE2b (8-byte digest) of the
+2. else, with a unique key, ``shard_for_unique_key``: the same hash of the queue and the
+   key (``queue NUL unique_key``). A unique key is enforced by the trigger of one
+   database only, so every enqueue of one ``(queue, unique_key)`` must reach the same
+   shard or two live jobs could hold it; the queue is part of the hash because the key
+   space is per queue. This comes before the idempotency key: a job with both is
+   deduplicated by its idempotency key only against that shard, so a producer using
+   both derives them from the same thing (one idempotency key, one unique key) or pins
+   ``shard=``;
+3. else, with an idempotency key, ``shard_for_key``: BLAKE2b (8-byte digest) of the
    UTF-8 key, as a big-endian integer, modulo K over the shard names **sorted**. The
    same key always lands in the same shard, on every producer, whatever order the
    shards are configured in, so two jobs with one key meet the same idempotency ledger
    and the effect is applied once, as on a single database;
-3. else round-robin over the shards (per router), spreading keyless jobs evenly.
+4. else round-robin over the shards (per router), spreading keyless jobs evenly.
 
 Resizing: going from K to K+1 shards changes the shard of most keys (modulo, not a
 consistent hash), so a key enqueued before the resize and again after it may land in
-two different shards, meet two ledgers, and run twice. Deduplication by idempotency key
-is per shard; a resize is a moment to let keyed jobs finish first, or to route the keys
-that must not run twice explicitly.
+two different shards, meet two ledgers, and run twice; a unique key held in its old
+shard is not seen by the new one either. Deduplication by idempotency key and
+uniqueness are per shard; a resize is a moment to let keyed jobs finish first, or to
+route the keys that must not run twice explicitly.
 
 Plain-SQL producers are unaffected: they insert into whichever shard's database they
 are connected to. The single-shard ``JobStore`` stays the API of one database; the
@@ -39,10 +48,10 @@ from scheduler.config import Settings
 from scheduler.errors import InvalidInput
 from scheduler.jobspec import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, JobSpec
 from scheduler.store.conn import Conn
-from scheduler.store.jobs import JobStore
+from scheduler.store.jobs import JobStore, OnConflict
 from scheduler.store.rows import Job
 
-__all__ = ["RoutedJob", "ShardRouter", "shard_for_key"]
+__all__ = ["RoutedJob", "ShardRouter", "shard_for_key", "shard_for_unique_key"]
 
 
 def shard_for_key(key: str, shards: Iterable[str]) -> str:
@@ -53,6 +62,13 @@ def shard_for_key(key: str, shards: Iterable[str]) -> str:
         raise ValueError("no shards to route to")
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
     return names[int.from_bytes(digest, "big") % len(names)]
+
+
+def shard_for_unique_key(queue: str, unique_key: str, shards: Iterable[str]) -> str:
+    """The shard of a unique key in ``queue``: ``shard_for_key`` of ``queue NUL key``.
+    NUL appears in neither a queue name nor a unique key (both are validated), so two
+    different pairs never hash the same text."""
+    return shard_for_key(f"{queue}\0{unique_key}", shards)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +137,21 @@ class ShardRouter:
             raise InvalidInput(f"unknown shard {shard!r} (shards: {', '.join(self.names)})")
         return store
 
-    def route(self, *, shard: str | None = None, idempotency_key: str | None = None) -> str:
-        """The shard a new job goes to: explicit, else by key, else round-robin."""
+    def route(
+        self,
+        *,
+        shard: str | None = None,
+        idempotency_key: str | None = None,
+        unique_key: str | None = None,
+        queue: str = DEFAULT_QUEUE,
+    ) -> str:
+        """The shard a new job goes to: explicit, else by ``(queue, unique_key)``, else
+        by idempotency key, else round-robin (the module docstring says why)."""
         if shard is not None:
             self.store(shard)  # an unknown name fails here, naming the known ones
             return shard
+        if unique_key is not None:
+            return shard_for_unique_key(queue, unique_key, self.names)
         if idempotency_key is not None:
             return shard_for_key(idempotency_key, self.names)
         return next(self._next)
@@ -141,13 +167,21 @@ class ShardRouter:
         queue: str = DEFAULT_QUEUE,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         idempotency_key: str | None = None,
+        unique_key: str | None = None,
+        on_conflict: OnConflict = "skip",
+        unique_for: timedelta | None = None,
+        priority: int = 0,
         conn: Conn | None = None,
     ) -> RoutedJob:
-        """``JobStore.enqueue`` on the routed shard. ``conn`` (the caller's transaction)
-        belongs to one database, so with several shards it needs ``shard=`` too."""
+        """``JobStore.enqueue`` on the routed shard (``unique_key``, ``on_conflict``,
+        ``unique_for`` and ``priority`` mean what they mean there). ``conn`` (the
+        caller's transaction) belongs to one database, so with several shards it needs
+        ``shard=`` too; a pinned unique key is unique within that shard only."""
         if conn is not None and shard is None and len(self.names) > 1:
             raise InvalidInput("enqueue with conn= on several shards needs shard= (its database)")
-        name = self.route(shard=shard, idempotency_key=idempotency_key)
+        name = self.route(
+            shard=shard, idempotency_key=idempotency_key, unique_key=unique_key, queue=queue
+        )
         job = await self._stores[name].enqueue(
             task,
             payload,
@@ -156,6 +190,10 @@ class ShardRouter:
             queue=queue,
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
+            unique_key=unique_key,
+            on_conflict=on_conflict,
+            unique_for=unique_for,
+            priority=priority,
             conn=conn,
         )
         return RoutedJob(name, job)

@@ -59,6 +59,8 @@ class Job:
     created_by: str | None
     #: the key this job holds in its queue while live (migration 0014), if any
     unique_key: str | None = None
+    #: -100..100, higher first among the due jobs of its queue (migration 0015)
+    priority: int = 0
 
     @property
     def effective_key(self) -> str:

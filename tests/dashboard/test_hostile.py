@@ -79,11 +79,13 @@ async def test_a_payload_nested_3000_deep_renders_on_every_page(cluster: Cluster
         await pool.execute("DELETE FROM duetime.jobs WHERE id = ANY($1::bigint[])", [dead, overdue])
 
 
-async def test_the_job_page_shows_a_unique_key_escaped(cluster: Cluster) -> None:
+async def test_the_job_page_shows_a_unique_key_escaped_and_the_priority(
+    cluster: Cluster,
+) -> None:
     pool = cluster.pool
     job = await pool.fetchval(
-        "INSERT INTO duetime.jobs (task, queue, unique_key, due_at) "
-        "VALUES ('uk.shown', $1, '<b>uk</b>', now() + interval '1 day') RETURNING id",
+        "INSERT INTO duetime.jobs (task, queue, unique_key, due_at, priority) "
+        "VALUES ('uk.shown', $1, '<b>uk</b>', now() + interval '1 day', -42) RETURNING id",
         cluster.queue,
     )
     served = await cluster.start_dashboard()
@@ -91,6 +93,7 @@ async def test_the_job_page_shows_a_unique_key_escaped(cluster: Cluster) -> None
         status, _, body = await asyncio.to_thread(request, f"{served.url}/jobs/{job}")
         assert status == 200
         assert "<code>&lt;b&gt;uk&lt;/b&gt;</code>" in body and "<b>uk</b>" not in body
+        assert '<dt>priority</dt><dd data-testid="job-priority">-42</dd>' in body
     finally:
         await pool.execute("DELETE FROM duetime.jobs WHERE id = $1", job)
 

@@ -24,7 +24,7 @@ import asyncpg
 import pytest
 
 from scheduler import db
-from scheduler.shards.router import shard_for_key
+from scheduler.shards.router import shard_for_key, shard_for_unique_key
 from tests.conftest import _rabbitmqctl, own_database
 from tests.support.procs import REPO_ROOT, Processes, duetime_argv
 from tests.support.wait import wait_for
@@ -146,6 +146,8 @@ async def test_the_shard_example_routes_across_shards_unchanged(
         assert "shards ('a', 'b')" in output and "bulk {'a': 2, 'b': 2}" in output, output
         keyed = shard_for_key("report:2026-12", ("a", "b"))
         assert f"on shard {keyed}" in output and "pinned a" in output, output
+        held = shard_for_unique_key("default", "dashboard:sales", ("a", "b"))
+        assert f"on shard {held}" in output, output
         for name, url in (("a", url_a), ("b", url_b)):
             conn = await db.connect(url)
             try:
@@ -153,8 +155,13 @@ async def test_the_shard_example_routes_across_shards_unchanged(
                     "SELECT payload, idempotency_key FROM duetime.jobs"
                     " WHERE task = 'build_report' AND status = 'pending'"
                 )
+                boards = await conn.fetch(
+                    "SELECT unique_key, priority FROM duetime.jobs WHERE task = 'refresh_dashboard'"
+                )
             finally:
                 await conn.close()
+            expected = [("dashboard:sales", 5)] if name == held else []
+            assert [(r["unique_key"], r["priority"]) for r in boards] == expected, boards
             keys = [r["idempotency_key"] for r in rows if r["idempotency_key"]]
             assert keys == (["report:2026-12"] if name == keyed else []), (name, rows)
             teams = sorted(str(r["payload"]["team"]) for r in rows if "team" in r["payload"])
@@ -192,6 +199,8 @@ async def check_effects(conn: asyncpg.Connection) -> None:
     assert await conn.fetchval("SELECT count(*) FROM orders WHERE id = 6") == 1
     reports = [j for j in jobs if j["task"] == "build_report"]
     assert len(reports) == 6  # keyed, four in bulk, one pinned (none due yet)
+    boards = [(j["unique_key"], j["priority"]) for j in jobs if j["task"] == "refresh_dashboard"]
+    assert boards == [("dashboard:sales", 5)]  # enqueued twice through the router, one job
     assert {j["status"] for j in reports} == {"pending"}
     assert [j["idempotency_key"] for j in reports if j["idempotency_key"]] == ["report:2026-12"]
 

@@ -106,6 +106,66 @@ async def test_show(env: dict[str, str]) -> None:
     assert fields["payload"] == '{"k": "v"}'
     assert fields["status"] == "pending"
     assert fields["run_at"] == "-"
+    assert fields["priority"] == "0" and fields["unique_key"] == "-"
+
+
+async def test_add_unique_key_policies_and_priority(
+    env: dict[str, str], pool: asyncpg.Pool, unique: str
+) -> None:
+    """Each line names the job holding the key afterwards, and what the policy did."""
+    key = ["--unique-key", f"doc:{unique}"]
+    first = await add(env, "reindex", *key, "--in", "1h", "--priority", "-7")
+    assert (first["unique_key"], first["priority"], first["unique_outcome"]) == (
+        f"doc:{unique}",
+        -7,
+        "inserted",
+    )
+
+    skipped = await duetime(env, "jobs", "add", "reindex", *key, "--payload", '{"rev": 2}')
+    assert skipped.code == 0, skipped
+    assert skipped.out.startswith(f"skipped: held by job {first['id']} (reindex) due "), skipped
+
+    replaced = await add(
+        env,
+        "reindex",
+        *key,
+        "--on-conflict",
+        "replace",
+        "--payload",
+        '{"rev": 3}',
+        "--in",
+        "2h",
+        "--priority",
+        "9",
+    )
+    assert (replaced["id"], replaced["unique_outcome"]) == (first["id"], "replaced")
+    assert (replaced["payload"], replaced["priority"]) == ({"rev": 3}, 9)
+    plain = await duetime(env, "jobs", "add", "reindex", *key, "--on-conflict", "replace")
+    assert plain.out.startswith("enqueued job ") and f"job {first['id']}" not in plain.out
+    # the holder was due later than "now": cancelled, the new job holds the key
+    holder = int(plain.out.split()[2])
+    await pool.execute(
+        f"UPDATE duetime.jobs SET status = 'dispatched', dispatch_epoch = {FENCE_EPOCH}"
+        " WHERE id = $1",
+        holder,
+    )
+    kept = await duetime(env, "jobs", "add", "reindex", *key, "--on-conflict", "replace")
+    assert kept.out.startswith(f"kept: held by job {holder}, dispatched, "), kept
+
+    refused = await duetime(env, "jobs", "add", "reindex", *key, "--on-conflict", "error")
+    assert (refused.code, refused.out) == (2, ""), refused
+    assert refused.error_line() == (
+        f"unique key 'doc:{unique}' of queue 'default' is held by job {holder}"
+    )
+
+    window = ["--unique-key", f"digest:{unique}"]
+    digest = await add(env, "digest", *window, "--unique-for", "1h", "--in", "1h")
+    await duetime(env, "jobs", "cancel", str(digest["id"]))
+    held = await duetime(env, "jobs", "add", "digest", *window)
+    assert held.out.startswith(f"skipped: held by job {digest['id']} (digest)"), held
+    shown = await duetime(env, "jobs", "show", str(digest["id"]))
+    fields = {line.split(None, 1)[0]: line.split(None, 1)[1] for line in shown.out.splitlines()}
+    assert (fields["unique_key"], fields["priority"]) == (f"digest:{unique}", "0")
 
 
 async def test_list_table_json_filters_and_paging(env: dict[str, str], unique: str) -> None:
@@ -217,6 +277,15 @@ async def test_retry_dead_then_retry_pending(env: dict[str, str], pool: asyncpg.
         (["add", " "], "task name must be a non-empty string"),
         (["add", "t", "--max-attempts", "1001"], "max_attempts must be between 1 and 1000"),
         (["add", "t", "--key", ""], "idempotency_key must be 1-500 characters"),
+        (["add", "t", "--unique-key", ""], "unique_key must be 1-200 characters"),
+        (["add", "t", "--unique-key", "a\tb"], "unique_key must not contain control characters"),
+        (
+            ["add", "t", "--on-conflict", "error"],
+            "--on-conflict and --unique-for need --unique-key",
+        ),
+        (["add", "t", "--unique-for", "1h"], "--on-conflict and --unique-for need --unique-key"),
+        (["add", "t", "--unique-key", "k", "--unique-for", "soon"], "invalid duration 'soon'"),
+        (["add", "t", "--unique-key", "k", "--unique-for", "400d"], "unique_for must be a"),
         (["show", str(UNKNOWN_ID)], f"job {UNKNOWN_ID} not found"),
         (["cancel", str(UNKNOWN_ID)], f"job {UNKNOWN_ID} not found"),
         (["retry", str(UNKNOWN_ID)], f"job {UNKNOWN_ID} not found"),
@@ -309,6 +378,9 @@ async def test_unknown_key_in_config_file(env: dict[str, str], tmp_path: Path) -
         (["show", "99999999999999999999"], "job id must be between 1 and"),
         (["list", "--after", "-3"], "job id must be between 1 and"),
         (["add", "t", "--max-attempts", "0"], "'0' must be >= 1"),
+        (["add", "t", "--priority", "101"], "priority must be between -100 and 100, not 101"),
+        (["add", "t", "--priority", "high"], "priority must be an integer, not 'high'"),
+        (["add", "t", "--on-conflict", "merge"], "invalid choice: 'merge'"),
         (["add", "t", "--in", "5m", "--at", "now"], "not allowed with argument"),
         (["list", "--status", "running"], "invalid choice: 'running'"),
     ],

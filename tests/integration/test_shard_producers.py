@@ -10,15 +10,16 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import asyncpg
 import pytest
 
 from scheduler import db
 from scheduler.config import Settings, load_settings
-from scheduler.errors import InvalidInput
+from scheduler.errors import InvalidInput, UniqueKeyTaken
 from scheduler.jobspec import JobSpec
-from scheduler.shards.router import ShardRouter, shard_for_key
+from scheduler.shards.router import ShardRouter, shard_for_key, shard_for_unique_key
 from tests.conftest import RUN_ID, create_database, drop_database, own_database
 from tests.support.cli import run_duetime as duetime
 
@@ -109,6 +110,62 @@ async def test_router_explicit_key_and_round_robin(
         assert inside.shard == "a" and await where(pools, f"conn-{tag}") == {"a": 1, "b": 0}
 
 
+async def test_router_unique_key_routes_by_queue_and_key(
+    shard_urls: dict[str, str], pools: dict[str, asyncpg.Pool]
+) -> None:
+    """Uniqueness is enforced per database, so one (queue, unique key) must reach one
+    shard on every enqueue, whatever the idempotency keys or the round-robin say."""
+    tag = uuid.uuid4().hex[:8]
+    async with await ShardRouter.open(settings_for(shard_urls)) as router:
+        task = f"unique-{tag}"
+        placed: dict[str, str] = {}
+        for i in range(12):
+            key = f"{tag}-doc-{i}"
+            first = await router.enqueue(
+                task,
+                {"rev": 1},
+                unique_key=key,
+                delay=3600,
+                priority=7,
+                idempotency_key=f"{key}-event-1",
+            )
+            # another idempotency key, and the round-robin advanced: same shard, same job
+            await router.enqueue(f"rr-{tag}", delay=3600)
+            again = await router.enqueue(
+                task, {"rev": 2}, unique_key=key, delay=3600, idempotency_key=f"{key}-event-2"
+            )
+            assert first.shard == again.shard == shard_for_unique_key("default", key, SHARDS)
+            assert again.job.id == first.job.id and again.job.payload == {"rev": 1}
+            assert first.job.unique_key == key and first.job.priority == 7
+            placed[key] = first.shard
+        assert set(placed.values()) == {"a", "b"}  # 12 keys do not all hash to one shard
+        assert await where(pools, task) == {s: list(placed.values()).count(s) for s in ("a", "b")}
+
+        key = f"{tag}-doc-0"
+        replaced = await router.enqueue(
+            task, {"rev": 3}, unique_key=key, on_conflict="replace", delay=7200, priority=-5
+        )
+        assert replaced.shard == placed[key] and replaced.job.payload == {"rev": 3}
+        assert replaced.job.priority == -5
+        with pytest.raises(UniqueKeyTaken) as taken:
+            await router.enqueue(task, unique_key=key, on_conflict="error")
+        assert taken.value.holder_id == replaced.job.id
+        digest = f"{tag}-digest"
+        windowed = await router.enqueue(
+            f"digest-{tag}", unique_key=digest, unique_for=timedelta(hours=1), delay=3600
+        )
+        await router.store(windowed.shard).cancel(windowed.job.id)
+        held = await router.enqueue(f"digest-{tag}", unique_key=digest, delay=3600)
+        assert held.job.id == windowed.job.id and held.job.status == "cancelled"
+
+        # the queue is part of the hash: the key space is per queue
+        queues = {shard_for_unique_key(f"q{i}-{tag}", key, SHARDS) for i in range(12)}
+        assert queues == {"a", "b"}
+        # an explicit shard still wins
+        pinned = await router.enqueue(task, unique_key=key, shard="a", delay=3600, queue="other")
+        assert pinned.shard == "a"
+
+
 async def test_cli_jobs_add_with_shard(
     test_env: dict[str, str], shard_urls: dict[str, str], pools: dict[str, asyncpg.Pool]
 ) -> None:
@@ -128,6 +185,17 @@ async def test_cli_jobs_add_with_shard(
     run = await duetime(env, "jobs", "add", "x", "--shard", "nope")
     assert run.code == 2
     assert run.error_line() == "unknown shard 'nope' (shards: a, b)"
+
+    # a unique key picks the shard of (queue, key): every add of it meets the holder
+    unique = ["jobs", "add", f"uniq-{tag}", "--in", "1h", "--unique-key", f"{tag}-u"]
+    held = shard_for_unique_key("default", f"{tag}-u", SHARDS)
+    first = await duetime(env, *unique, "--json")
+    assert first.code == 0 and first.json()["shard"] == held, first
+    again = await duetime(env, *unique, "--key", f"{tag}-other")
+    assert again.code == 0, again
+    assert again.out.startswith(f"skipped: held by job {first.json()['id']} ")
+    assert again.out.strip().endswith(f"in shard {held}")
+    assert await where(pools, f"uniq-{tag}") == {s: int(s == held) for s in SHARDS}
 
 
 async def test_cli_reads_and_changes_name_their_shard(
