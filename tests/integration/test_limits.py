@@ -15,7 +15,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import pytest
@@ -208,7 +208,7 @@ async def test_cli_sets_lists_removes_and_errors_in_one_line(
     assert done.code == 0, done.err
     listed = await run_duetime(cli, "limits", "list", "--json")
     assert listed.code == 0, listed.err
-    rows = {r["target"]: r for r in listed.json()}  # type: ignore[union-attr]
+    rows = {r["target"]: r for r in cast(list[dict[str, Any]], listed.json())}
     assert rows["task:send_email"]["max_running"] == 5
     assert rows[f"queue:{env.queue}"]["per_key"] is True
     assert (await run_duetime(cli, "limits", "remove", "task:send_email")).code == 0
