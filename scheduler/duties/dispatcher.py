@@ -407,6 +407,10 @@ class Dispatcher:
         if not self._limits:
             return []
         allowance = Allowance(self._limits, await self.limits.counts(conn, self._limits))
+        if allowance.all_closed():
+            # every target is full: its claim would only step over their due rows
+            self._limits_holding = True
+            return []
         found = await self.limits.claim(conn, self._limits, allowance.closed(), limit, held=held)
         kept, _left = allowance.take(found, limit)  # the others stay pending
         self._limits_holding = allowance.holding() or bool(_left)

@@ -98,6 +98,11 @@ class Allowance:
         closed = self.closed()
         return bool(closed.tasks or closed.queues or closed.task_keys or closed.queue_keys)
 
+    def all_closed(self) -> bool:
+        """Whether no job of any limited target may start now (a per-key limit is
+        never all closed: a key not seen yet has room)."""
+        return all(not lim.per_key and self.room(lim) == 0 for lim in self.limits.values())
+
     def take(self, jobs: Iterable[J], limit: int) -> tuple[list[J], list[J]]:
         """Walk ``jobs`` in order; keep (at most ``limit``) those every matching limit
         has room for, charging them. Returns (kept, left out)."""

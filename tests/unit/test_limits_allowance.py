@@ -60,3 +60,10 @@ def test_counts_of_unlimited_targets_are_ignored() -> None:
     a = Allowance([Limit("queue:q", 1)], [Running("mail", "other", "", 50)])
     assert not a.holding()
     assert a.skip_queues == ("q",) and a.skip_tasks == ()
+
+
+def test_all_closed_only_when_every_plain_limit_is_full() -> None:
+    full = [Running("mail", "q", "", 2)]
+    assert Allowance([Limit("task:mail", 2)], full).all_closed()
+    assert not Allowance([Limit("task:mail", 2), Limit("queue:other", 1)], full).all_closed()
+    assert not Allowance([Limit("task:mail", 2, per_key=True)], full).all_closed()
