@@ -101,6 +101,7 @@ from scheduler.metrics import (
     JOBS_CLAIMED,
     JOBS_HELD,
     JOBS_PUBLISHED,
+    LIMIT_HELD,
     PUBLISH_FAILURES,
 )
 from scheduler.publisher import (
@@ -190,6 +191,7 @@ class Dispatcher:
         self._limits: list[Limit] = []
         self._limits_read_at = float("-inf")
         self._limits_holding = False  # the last claim left jobs pending for a limit
+        self._limit_series: set[str] = set()  # targets LIMIT_HELD has a series for
         self.out = PublisherAndGate(
             ctx.settings,
             name=self.name,
@@ -246,10 +248,12 @@ class Dispatcher:
     async def run_once(self) -> float:
         """Dispatch what is due; return how long to sleep (wake() cuts it short)."""
         await self._ensure_listener()
+        await self._read_limits()
         if self.pacing.backlog_sample_due():
             with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
                 BACKLOG.labels(self.shard).set(await self.store.backlog())
                 self._report_held(await self.store.held())
+                await self._report_limit_held()
         delay: float | None = await self.out.gate.delay()
         if delay:
             return delay
@@ -303,7 +307,6 @@ class Dispatcher:
         lags: dict[int, float] = {}
         held = self.credit.held()
         limit = self.credit.limit(self.config.batch_size)
-        await self._read_limits()
         try:
             async with self.writes.transaction(epoch) as conn:
                 jobs = await self._claim_limited(conn, limit, held)
@@ -467,6 +470,16 @@ class Dispatcher:
                 detail=details[ids[0]],
                 outcome="kept pending",
             )
+
+    async def _report_limit_held(self) -> None:
+        """Gauge the due jobs each limit holds back; a removed limit's series goes."""
+        held = await self.limits.held(self._limits) if self._limits else {}
+        for target, jobs in held.items():
+            LIMIT_HELD.labels(self.shard, target).set(jobs)
+        for target in self._limit_series - held.keys():
+            with contextlib.suppress(KeyError):
+                LIMIT_HELD.remove(self.shard, target)
+        self._limit_series = set(held)
 
     def _report_held(self, held: HeldQueues) -> None:
         """Gauge the jobs held for undeclared queues; log each such queue once (while

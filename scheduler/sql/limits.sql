@@ -79,3 +79,20 @@ SELECT id, task, queue, due_at, run_at, attempt, coalesce(limit_key, '') AS limi
  ORDER BY priority DESC, coalesce(run_at, due_at)
  LIMIT $9
    FOR UPDATE SKIP LOCKED;
+
+-- name: held
+-- Due pending jobs per limited target, tasks $1 and queues $2 (sampled with the backlog
+-- for duetime_limit_held). The dispatcher claims every due job a limit admits at once,
+-- so these are the jobs the limit holds back (or a full broker buffer does, for a
+-- moment). Reads jobs_pending_run_idx, like the backlog count.
+SELECT target, count(*) AS jobs
+  FROM (SELECT 'task:' || task AS target
+          FROM duetime.jobs
+         WHERE status = 'pending' AND coalesce(run_at, due_at) <= now() AND due_at <= now()
+           AND task = ANY($1::text[])
+        UNION ALL
+        SELECT 'queue:' || queue
+          FROM duetime.jobs
+         WHERE status = 'pending' AND coalesce(run_at, due_at) <= now() AND due_at <= now()
+           AND queue = ANY($2::text[])) AS due
+ GROUP BY target;

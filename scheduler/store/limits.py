@@ -142,6 +142,15 @@ class LimitStore(PooledStore):
         records = await conn.fetch(Q["counts"], tasks, queues)
         return [Running(r["task"], r["queue"], r["limit_key"], int(r["running"])) for r in records]
 
+    async def held(self, limits: Sequence[Limit]) -> dict[str, int]:
+        """Due pending jobs per target of ``limits`` (every target, 0 when none)."""
+        tasks = [lim.name for lim in limits if lim.kind == "task"]
+        queues = [lim.name for lim in limits if lim.kind == "queue"]
+        async with self._db.acquire() as conn:
+            records = await conn.fetch(Q["held"], tasks, queues)
+        counts = {r["target"]: int(r["jobs"]) for r in records}
+        return {lim.target: counts.get(lim.target, 0) for lim in limits}
+
     async def claim(
         self,
         conn: Conn,

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import asyncpg
 import pytest
+from prometheus_client import REGISTRY
 
 from scheduler import db
 from scheduler.config import Settings
@@ -76,7 +77,9 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
 
 @contextlib.asynccontextmanager
 async def dispatching(env: Env) -> AsyncIterator[Dispatcher]:
-    config = config_from_settings(DispatcherConfig, env.settings, limits_interval=0.2)
+    config = config_from_settings(
+        DispatcherConfig, env.settings, limits_interval=0.2, backlog_interval=0.2
+    )
     dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), config=config)
     dispatcher.loop.start(LeaderTerm(epoch=1, node_id="test-node"))
     try:
@@ -152,9 +155,13 @@ async def test_a_queue_limit_holds_jobs_pending_and_counts_dispatched_ones(env: 
     await insert(env.pool, env.queue, 10)
     async with dispatching(env):  # no worker: nothing finishes, so two stay dispatched
         await asyncio.sleep(1.5)
-    rows = await env.pool.fetch(
-        "SELECT status, count(*) AS n FROM duetime.jobs GROUP BY status ORDER BY status"
-    )
+        rows = await env.pool.fetch(
+            "SELECT status, count(*) AS n FROM duetime.jobs GROUP BY status ORDER BY status"
+        )
+        held = REGISTRY.get_sample_value(
+            "duetime_limit_held", {"shard": "main", "limit": f"queue:{env.queue}"}
+        )
+        assert held == 8  # the metric counts the jobs the limit holds back
     assert {r["status"]: r["n"] for r in rows} == {"dispatched": 2, "pending": 8}
     [row] = await LimitStore(env.pool).list()
     assert (row.running, row.due) == (2, 8)
