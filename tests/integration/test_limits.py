@@ -76,12 +76,12 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
 
 
 @contextlib.asynccontextmanager
-async def dispatching(env: Env) -> AsyncIterator[Dispatcher]:
+async def dispatching(env: Env, *, epoch: int = 1) -> AsyncIterator[Dispatcher]:
     config = config_from_settings(
         DispatcherConfig, env.settings, limits_interval=0.2, backlog_interval=0.2
     )
     dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), config=config)
-    dispatcher.loop.start(LeaderTerm(epoch=1, node_id="test-node"))
+    dispatcher.loop.start(LeaderTerm(epoch=epoch, node_id=f"test-node-{epoch}"))
     try:
         yield dispatcher
     finally:
@@ -148,6 +148,27 @@ async def test_max_running_is_never_exceeded_on_jobs_pending_before_it_was_set(
     async with working(env, running, concurrency=8), dispatching(env):
         await wait_for(lambda: finished(env.pool, 60), timeout=90, message="all ran")
     assert running.peak == 3  # reached, never passed (8 would run without the limit)
+
+
+async def test_max_running_holds_across_a_change_of_leader(env: Env) -> None:
+    await LimitStore(env.pool).set(f"task:{TASK}", 3)
+    await insert(env.pool, env.queue, 80)
+    running = Running()
+
+    async def done(n: int) -> bool:
+        count = await env.pool.fetchval(
+            "SELECT count(*) FROM duetime.jobs WHERE status = 'succeeded'"
+        )
+        return int(count) >= n
+
+    async with working(env, running, concurrency=8):
+        async with dispatching(env, epoch=1):
+            await wait_for(lambda: done(25), timeout=60, message="a third ran")
+        # the next leader counts the slots of the jobs its predecessor dispatched
+        assert await FenceStore(env.pool).advance(2, "test-node-2")
+        async with dispatching(env, epoch=2):
+            await wait_for(lambda: finished(env.pool, 80), timeout=90, message="all ran")
+    assert running.peak == 3
 
 
 async def test_a_queue_limit_holds_jobs_pending_and_counts_dispatched_ones(env: Env) -> None:
