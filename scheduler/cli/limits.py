@@ -20,7 +20,7 @@ from scheduler.errors import InvalidInput
 from scheduler.jobspec import parse_limit_target
 from scheduler.store.limits import MAX_RUNNING_LIMIT, LimitStore
 
-LIST_COLUMNS = ("target", "max_running", "per_key", "running", "due", "updated_at")
+LIST_COLUMNS = ("target", "max_running", "per_key", "fair", "running", "due", "updated_at")
 
 
 def _max_running(text: str) -> int:
@@ -42,11 +42,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     set_.add_argument(
         "--max-running",
         type=_max_running,
-        required=True,
         help="at most this many jobs of the target dispatched at once, cluster-wide",
     )
     set_.add_argument(
         "--per-key", action="store_true", help="the limit applies to each limit_key apart"
+    )
+    set_.add_argument(
+        "--fair",
+        action="store_true",
+        help="a queue's due jobs start round-robin between limit keys, not by run time",
     )
     add_shard_option(set_)
     set_.set_defaults(func=run_set)
@@ -63,12 +67,23 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 async def run_set(args: argparse.Namespace, settings: Settings) -> int:
-    parse_limit_target(args.target)
+    kind, _ = parse_limit_target(args.target)
+    if args.max_running is None and not args.fair:
+        raise InvalidInput("give --max-running N, or --fair on a queue")
+    if args.per_key and args.max_running is None:
+        raise InvalidInput("--per-key needs --max-running")
+    if args.fair and kind != "queue":
+        raise InvalidInput("--fair applies to a queue (queue:NAME)")
+    rules = []
+    if args.max_running is not None:
+        scope = " per limit_key" if args.per_key else ""
+        rules.append(f"at most {args.max_running} running{scope}")
+    if args.fair:
+        rules.append("round-robin between limit keys")
     for shard in _shards(settings, args.shard):
         async with opened(settings, LimitStore, shard=shard) as store:
-            await store.set(args.target, args.max_running, per_key=args.per_key)
-        scope = " per limit_key" if args.per_key else ""
-        print(f"limit {args.target}: at most {args.max_running} running{scope}{_where(shard)}")
+            await store.set(args.target, args.max_running, per_key=args.per_key, fair=args.fair)
+        print(f"limit {args.target}: {', '.join(rules)}{_where(shard)}")
     return 0
 
 
@@ -100,5 +115,14 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
         print("no limits set (duetime limits set task:NAME --max-running N)")
         return 0
     columns = (("shard",) if shards != [None] else ()) + LIST_COLUMNS
-    print_table([{**item, "per_key": "yes" if item["per_key"] else ""} for item in out], columns)
+    table = [
+        {
+            **item,
+            "max_running": "" if item["max_running"] is None else item["max_running"],
+            "per_key": "yes" if item["per_key"] else "",
+            "fair": "yes" if item["fair"] else "",
+        }
+        for item in out
+    ]
+    print_table(table, columns)
     return 0

@@ -414,7 +414,19 @@ class Dispatcher:
             # every target is full: its claim would only step over their due rows
             self._limits_holding = True
             return []
-        found = await self.limits.claim(conn, self._limits, allowance.closed(), limit, held=held)
+        capped = [lim for lim in self._limits if not lim.fair]
+        fair = [lim.name for lim in self._limits if lim.fair]  # the fair claim's
+        found = []
+        if capped:
+            found = await self.limits.claim(
+                conn, capped, allowance.closed(), limit, held=[*held, *fair]
+            )
+        seen = {job.job.id for job in found}
+        for queue in allowance.fair_queues:
+            if queue not in held:
+                more = await self.limits.claim_fair(conn, queue, limit)
+                found += [job for job in more if job.job.id not in seen]
+                seen.update(job.job.id for job in more)
         kept, _left = allowance.take(found, limit)  # the others stay pending
         self._limits_holding = allowance.holding() or bool(_left)
         return [job.job for job in kept]

@@ -11,7 +11,9 @@ its fenced transaction from the limits and the dispatched counts read there
   candidate set of the rest, which ``take`` walks in claim order, keeping a job only if
   every limit it falls under has room and charging each of them.
 
-A job under both a task limit and a queue limit is charged to both. Jobs ``take``
+A job under both a task limit and a queue limit is charged to both. A ``fair`` queue's
+jobs are claimed by the fair claim instead (round-robin between keys) and go through
+``take`` the same way; a fair queue without ``max_running`` caps nothing. Jobs ``take``
 leaves out stay pending (their row locks end at the commit). Synchronous, no I/O.
 """
 
@@ -23,6 +25,9 @@ from typing import Protocol, TypeVar
 from scheduler.store.limits import Closed, Limit, Running
 
 __all__ = ["Allowance"]
+
+#: The room of a target without a cap (a fair-only queue).
+MAX_ROOM = 1 << 30
 
 
 class _Limited(Protocol):
@@ -63,7 +68,7 @@ class Allowance:
         found = []
         for target in (f"task:{task}", f"queue:{queue}"):
             lim = self.limits.get(target)
-            if lim is not None:
+            if lim is not None and lim.max_running is not None:  # fair only: no cap
                 found.append(lim)
         return found
 
@@ -73,6 +78,8 @@ class Allowance:
 
     def room(self, lim: Limit, key: str = "") -> int:
         """Jobs of ``lim``'s target (of ``key``, for a per-key limit) that may start."""
+        if lim.max_running is None:
+            return MAX_ROOM
         return max(0, lim.max_running - self._used.get(self._slot(lim, key), 0))
 
     def closed(self) -> Closed:
@@ -89,7 +96,7 @@ class Allowance:
                     (tasks if lim.kind == "task" else queues).append(lim.name)
                 continue
             for (target, key), used in self._used.items():
-                if target == lim.target and used >= lim.max_running:
+                if target == lim.target and lim.max_running is not None and used >= lim.max_running:
                     (task_keys if lim.kind == "task" else queue_keys).append((lim.name, key))
         return Closed(tuple(tasks), tuple(queues), tuple(task_keys), tuple(queue_keys))
 
@@ -101,7 +108,20 @@ class Allowance:
     def all_closed(self) -> bool:
         """Whether no job of any limited target may start now (a per-key limit is
         never all closed: a key not seen yet has room)."""
-        return all(not lim.per_key and self.room(lim) == 0 for lim in self.limits.values())
+        return all(
+            not lim.per_key and not lim.fair and self.room(lim) == 0 for lim in self.limits.values()
+        )
+
+    @property
+    def fair_queues(self) -> tuple[str, ...]:
+        """Queues whose due jobs start round-robin between their keys, with room."""
+        return tuple(
+            sorted(
+                lim.name
+                for lim in self.limits.values()
+                if lim.fair and (lim.per_key or self.room(lim) > 0)
+            )
+        )
 
     def take(self, jobs: Iterable[J], limit: int) -> tuple[list[J], list[J]]:
         """Walk ``jobs`` in order; keep (at most ``limit``) those every matching limit

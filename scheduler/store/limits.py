@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from scheduler.errors import InvalidInput
 from scheduler.jobspec import parse_limit_target
 from scheduler.sql import load
 from scheduler.store.conn import Conn, PooledStore
@@ -30,8 +31,9 @@ class Limit:
     """One row of duetime.limits."""
 
     target: str
-    max_running: int
+    max_running: int | None  # None: no cap (fair only)
     per_key: bool = False
+    fair: bool = False
 
     @property
     def kind(self) -> str:
@@ -58,6 +60,7 @@ class LimitRow:
             "target": self.limit.target,
             "max_running": self.limit.max_running,
             "per_key": self.limit.per_key,
+            "fair": self.limit.fair,
             "running": self.running,
             "due": self.due,
             "created_at": self.created_at.isoformat(),
@@ -104,21 +107,36 @@ class Closed:
 
 def _check(max_running: int) -> int:
     if isinstance(max_running, bool) or not isinstance(max_running, int):
-        raise ValueError("max_running must be an integer")
+        raise InvalidInput("max_running must be an integer")
     if not 1 <= max_running <= MAX_RUNNING_LIMIT:
-        raise ValueError(f"max_running must be between 1 and {MAX_RUNNING_LIMIT}")
+        raise InvalidInput(f"max_running must be between 1 and {MAX_RUNNING_LIMIT}")
     return max_running
 
 
 class LimitStore(PooledStore):
     # -- operator (``duetime limits``, as the schema owner) --------------------------
 
-    async def set(self, target: str, max_running: int, *, per_key: bool = False) -> None:
-        """Create or change the limit on ``target``; it applies to jobs already pending
-        from the dispatcher's next read of the limits (within a second)."""
-        parse_limit_target(target)
+    async def set(
+        self,
+        target: str,
+        max_running: int | None,
+        *,
+        per_key: bool = False,
+        fair: bool = False,
+    ) -> None:
+        """Create or change the limit on ``target`` (``fair``: a queue's due jobs start
+        round-robin between their limit keys); it applies to jobs already pending from
+        the dispatcher's next read of the limits (within a second)."""
+        kind, _ = parse_limit_target(target)
+        if max_running is None and not fair:
+            raise InvalidInput("a limit needs --max-running, or --fair on a queue")
+        if per_key and max_running is None:
+            raise InvalidInput("--per-key needs --max-running")
+        if fair and kind != "queue":
+            raise InvalidInput("--fair applies to a queue (queue:NAME)")
+        cap = None if max_running is None else _check(max_running)
         async with self._db.acquire() as conn:
-            await conn.execute(Q["set"], target, _check(max_running), per_key)
+            await conn.execute(Q["set"], target, cap, per_key, fair)
 
     async def remove(self, target: str) -> bool:
         """Remove the limit on ``target``; False when there was none."""
@@ -132,7 +150,7 @@ class LimitStore(PooledStore):
         """Every limit (the dispatcher caches them)."""
         async with self._db.acquire() as conn:
             records = await conn.fetch(Q["all"])
-        return [Limit(r["target"], r["max_running"], r["per_key"]) for r in records]
+        return [Limit(r["target"], r["max_running"], r["per_key"], r["fair"]) for r in records]
 
     async def counts(self, conn: Conn, limits: Sequence[Limit]) -> list[Running]:
         """Dispatched jobs of the targets of ``limits``, inside the caller's fenced
@@ -150,6 +168,21 @@ class LimitStore(PooledStore):
             records = await conn.fetch(Q["held"], tasks, queues)
         counts = {r["target"]: int(r["jobs"]) for r in records}
         return {lim.target: counts.get(lim.target, 0) for lim in limits}
+
+    async def claim_fair(self, conn: Conn, queue: str, limit: int) -> list[LimitedJob]:
+        """Lock up to ``limit`` due jobs of the fair ``queue``, round-robin between their
+        limit keys (``claim_fair`` in limits.sql), in that order."""
+        ranked = await conn.fetch(Q["claim_fair"], queue, limit)
+        if not ranked:
+            return []
+        dues = [r["due_at"] for r in ranked]
+        records = await conn.fetch(Q["lock_ids"], [r["id"] for r in ranked], min(dues), max(dues))
+        by_id = {r["id"]: r for r in records}
+        return [
+            LimitedJob(ClaimedJob.from_record(by_id[r["id"]]), by_id[r["id"]]["limit_key"])
+            for r in ranked
+            if r["id"] in by_id
+        ]
 
     async def claim(
         self,
@@ -191,7 +224,7 @@ class LimitStore(PooledStore):
             records = await conn.fetch(Q["list"])
         return [
             LimitRow(
-                Limit(r["target"], r["max_running"], r["per_key"]),
+                Limit(r["target"], r["max_running"], r["per_key"], r["fair"]),
                 created_at=r["created_at"],
                 updated_at=r["updated_at"],
                 running=int(r["running"]),

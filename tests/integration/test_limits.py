@@ -199,6 +199,29 @@ async def test_per_key_limit_caps_each_key_apart(env: Env) -> None:
     assert running.peak >= 2  # the keys do run side by side
 
 
+async def test_fair_queue_starts_round_robin_between_keys(env: Env) -> None:
+    """Tenant A's 2,000 due jobs came first by run time; tenant B's 10 are all among the
+    first ~30 started, not after A's backlog."""
+    await env.pool.execute(
+        "INSERT INTO duetime.jobs (task, payload, due_at, queue, limit_key) "
+        "SELECT $1, jsonb_build_object('key', 'A'), now() - interval '1 hour'"
+        "       + make_interval(secs => i * 0.001), $2, 'A' FROM generate_series(1, 2000) i",
+        TASK,
+        env.queue,
+    )
+    await insert(env.pool, env.queue, 10, key="B")  # due a second ago: after every A job
+    await LimitStore(env.pool).set(f"queue:{env.queue}", None, fair=True)
+    running = Running()
+    async with working(env, running, concurrency=4), dispatching(env):
+
+        async def b_done() -> bool:
+            return running.started.count("B") == 10
+
+        await wait_for(b_done, timeout=60, message="B's jobs started")
+    last_b = max(i for i, key in enumerate(running.started) if key == "B")
+    assert last_b < 30, running.started[:40]
+
+
 async def test_limit_key_is_checked_and_passed_through(env: Env) -> None:
     job = await JobStore(env.pool).enqueue(TASK, queue=env.queue, limit_key="tenant-1")
     key = await env.pool.fetchval("SELECT limit_key FROM duetime.jobs WHERE id = $1", job.id)
@@ -246,6 +269,9 @@ async def test_cli_sets_lists_removes_and_errors_in_one_line(
         (("set", "task:x", "--max-running", "0"), "between 1 and"),
         (("set", "task:x", "--max-running", "lots"), "not a whole number"),
         (("remove", "task:send_email"), "no limit on task:send_email"),
+        (("set", "task:x"), "--max-running N, or --fair"),
+        (("set", "task:x", "--fair"), "--fair applies to a queue"),
+        (("set", "queue:q", "--fair", "--per-key"), "--per-key needs --max-running"),
     ]:
         run = await run_duetime(cli, "limits", *args)
         assert run.code != 0

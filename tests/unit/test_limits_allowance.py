@@ -67,3 +67,17 @@ def test_all_closed_only_when_every_plain_limit_is_full() -> None:
     assert Allowance([Limit("task:mail", 2)], full).all_closed()
     assert not Allowance([Limit("task:mail", 2), Limit("queue:other", 1)], full).all_closed()
     assert not Allowance([Limit("task:mail", 2, per_key=True)], full).all_closed()
+
+
+def test_a_fair_queue_without_a_cap_caps_nothing_and_is_never_closed() -> None:
+    a = Allowance([Limit("queue:q", None, fair=True)], [Running("mail", "q", "a", 99)])
+    assert a.fair_queues == ("q",)
+    assert not a.all_closed() and not a.holding()
+    kept, left = a.take([J("mail", "q", "a")] * 3, limit=10)
+    assert (len(kept), left) == (3, [])
+
+
+def test_a_full_fair_queue_with_a_cap_offers_no_fair_claim() -> None:
+    a = Allowance([Limit("queue:q", 2, fair=True)], [Running("mail", "q", "a", 2)])
+    assert a.fair_queues == ()
+    assert a.closed().queues == ("q",)

@@ -7,7 +7,7 @@
 -- in 0014 (every existing row is NULL; validating would scan every bucket under ACCESS
 -- EXCLUSIVE); new rows are checked from the ALTER on and new buckets copy it.
 --
--- `duetime.limits`: one row per limited target, `task:NAME` or `queue:NAME`, written
+-- `duetime.limits`: one row per limited (or fair) target, `task:NAME` or `queue:NAME`, written
 -- only by the schema owner (`duetime limits set|remove`); the scheduler reads it. The
 -- one fenced dispatcher of a shard enforces it in its claim (dispatch.sql
 -- `limit_counts`, `claim_limited`): a job counts against a limit while its row is
@@ -29,9 +29,12 @@ COMMENT ON COLUMN duetime.jobs.limit_key IS
 CREATE TABLE duetime.limits (
     -- `task:<task name>` or `queue:<queue name>`
     target      text        NOT NULL,
-    -- at most this many jobs of the target dispatched at once (per limit_key if per_key)
-    max_running integer     NOT NULL,
+    -- at most this many jobs of the target dispatched at once (per limit_key if per_key);
+    -- NULL: no cap (a fair-only queue)
+    max_running integer,
     per_key     boolean     NOT NULL DEFAULT false,
+    -- a queue's due jobs start round-robin between their limit keys, not by run time
+    fair        boolean     NOT NULL DEFAULT false,
     created_at  timestamptz NOT NULL DEFAULT now(),
     updated_at  timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT limits_pkey PRIMARY KEY (target),
@@ -40,11 +43,23 @@ CREATE TABLE duetime.limits (
     CONSTRAINT limits_target_invalid CHECK (
         target ~ '^task:[^[:cntrl:]]{1,200}$'
         OR target ~ '^queue:[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$'),
-    CONSTRAINT limits_max_running_positive CHECK (max_running BETWEEN 1 AND 1000000)
+    CONSTRAINT limits_max_running_positive CHECK (max_running BETWEEN 1 AND 1000000),
+    CONSTRAINT limits_rule_missing CHECK (max_running IS NOT NULL OR fair),
+    CONSTRAINT limits_per_key_needs_max CHECK (NOT per_key OR max_running IS NOT NULL),
+    CONSTRAINT limits_fair_queue_only CHECK (NOT fair OR target LIKE 'queue:%')
 );
 
 COMMENT ON TABLE duetime.limits IS
     'concurrency limits the dispatcher enforces (duetime limits set|list|remove)';
+
+-- The fair claim (limits.sql `claim_fair`) walks the distinct keys of a queue's pending
+-- jobs by a loose index scan and takes each key's first jobs by priority and run time:
+-- this index serves both. Partial on limit_key IS NOT NULL, so a job without a key (every
+-- job before this migration, and every job of a producer that does not use keys) costs
+-- its insert nothing more.
+CREATE INDEX jobs_pending_key_idx
+    ON duetime.jobs (queue, limit_key, priority DESC, (coalesce(run_at, due_at)))
+    WHERE status = 'pending' AND limit_key IS NOT NULL;
 
 -- The dispatcher's count of dispatched jobs per limited target reads the dispatched
 -- rows through jobs_dispatched_idx (a partial index: only the broker's bounded buffer
