@@ -16,7 +16,9 @@ a claim pass runs, in a transaction that is rolled back:
   rows are stepped over);
 - ``counts``: the grouped count of dispatched jobs of the limited task;
 - ``limited_claim``: the limited claim (limits.sql ``claim``), nothing closed;
-- ``limited_claim_keys_closed``: the same with 50 of the 100 keys closed (per key).
+- ``limited_claim_keys_closed``: the same with 50 of the 100 keys closed (per key);
+- ``fair_claim_ranking``: the fair claim's ranking over the queue (limits.sql
+  ``claim_fair``: 100 keys and the keyless jobs, round-robin), before its lock by id.
 
 Prints (and with ``--out`` writes) one JSON document: per variant the median and p95
 milliseconds over ``--runs``.
@@ -119,6 +121,7 @@ async def run(dsn: str, rows: int, limit: int, runs: int) -> dict[str, Any]:
                 "counts": (L["counts"], [[LIMITED], []]),
                 "limited_claim": (L["claim"], claim_args),
                 "limited_claim_keys_closed": (L["claim"], closed_args),
+                "fair_claim_ranking": (L["claim_fair"], [QUEUE, limit]),
             }
             out: dict[str, Any] = {**head, "rows": rows, "limit": limit}
             for name, (sql, args) in variants.items():
