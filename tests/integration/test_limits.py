@@ -28,6 +28,7 @@ from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duties.knobs import config_from_settings
 from scheduler.errors import InvalidInput
+from scheduler.status import limits_holding, read_limits
 from scheduler.store.fence import FenceStore
 from scheduler.store.jobs import JobStore
 from scheduler.store.limits import LimitStore
@@ -186,6 +187,9 @@ async def test_a_queue_limit_holds_jobs_pending_and_counts_dispatched_ones(env: 
     assert {r["status"]: r["n"] for r in rows} == {"dispatched": 2, "pending": 8}
     [row] = await LimitStore(env.pool).list()
     assert (row.running, row.due) == (2, 8)
+    [line] = limits_holding(await read_limits(env.pool, 5.0))  # `duetime status`
+    assert line.code == "limit_holding"
+    assert line.message == f"limit queue:{env.queue} holds 8 due jobs: 2 of 2 running"
 
 
 async def test_per_key_limit_caps_each_key_apart(env: Env) -> None:
@@ -244,6 +248,16 @@ async def test_limit_key_is_checked_and_passed_through(env: Env) -> None:
             "INSERT INTO duetime.limits (target, max_running) VALUES ('task:x', 0)"
         )
     assert caught.value.constraint_name == "limits_max_running_positive"
+    for values, name in [
+        ("('task:x', NULL, false, false)", "limits_rule_missing"),
+        ("('task:x', 1, false, true)", "limits_fair_queue_only"),
+        ("('queue:q', NULL, true, true)", "limits_per_key_needs_max"),
+    ]:
+        with pytest.raises(asyncpg.CheckViolationError) as caught:
+            await env.pool.execute(
+                f"INSERT INTO duetime.limits (target, max_running, per_key, fair) VALUES {values}"
+            )
+        assert caught.value.constraint_name == name
 
 
 async def test_cli_sets_lists_removes_and_errors_in_one_line(
