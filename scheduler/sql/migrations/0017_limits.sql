@@ -56,7 +56,9 @@ COMMENT ON TABLE duetime.limits IS
 -- jobs by a loose index scan and takes each key's first jobs by priority and run time:
 -- this index serves both. Partial on limit_key IS NOT NULL, so a job without a key (every
 -- job before this migration, and every job of a producer that does not use keys) costs
--- its insert nothing more.
+-- its insert nothing more. Like 0015's index it is built on every bucket under a SHARE
+-- lock (inserts wait for the build, which reads every bucket once and, every existing
+-- row having a NULL key, writes nothing; its time on a large table is not measured here).
 CREATE INDEX jobs_pending_key_idx
     ON duetime.jobs (queue, limit_key, priority DESC, (coalesce(run_at, due_at)))
     WHERE status = 'pending' AND limit_key IS NOT NULL;
