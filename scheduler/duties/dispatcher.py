@@ -427,8 +427,8 @@ class Dispatcher:
                 more = await self.limits.claim_fair(conn, queue, limit)
                 found += [job for job in more if job.job.id not in seen]
                 seen.update(job.job.id for job in more)
-        kept, _left = allowance.take(found, limit)  # the others stay pending
-        self._limits_holding = allowance.holding() or bool(_left)
+        kept, left = allowance.take(found, limit)  # the others stay pending
+        self._limits_holding = allowance.holding() or bool(left)
         return [job.job for job in kept]
 
     async def _claim(self, conn: Conn, limit: int, held: list[str]) -> list[ClaimedJob]:
