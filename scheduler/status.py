@@ -330,14 +330,16 @@ def limits_holding(limits: Sequence[LimitRow]) -> list[Finding]:
         cap = row.limit.max_running
         if cap is None or row.due == 0 or row.running < cap:
             continue
-        scope = " (busiest key)" if row.limit.per_key else ""
-        found.append(
-            Finding(
-                "limit_holding",
-                f"limit {row.limit.target} holds {row.due} due jobs: {row.running} of "
-                f"{cap} running{scope}",
+        if row.limit.per_key:  # `due` spans every key; some may still have room
+            text = (
+                f"limit {row.limit.target}: its busiest key runs {row.running} of {cap}; "
+                f"{row.due} due jobs of the target wait"
             )
-        )
+        else:
+            text = (
+                f"limit {row.limit.target} holds {row.due} due jobs: {row.running} of {cap} running"
+            )
+        found.append(Finding("limit_holding", text))
     return found
 
 
