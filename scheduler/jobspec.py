@@ -61,6 +61,32 @@ def validate_unique_key(key: str) -> str:
     return key
 
 
+def validate_limit_key(key: str) -> str:
+    """The rule of CHECK jobs_limit_key_invalid (migration 0017), the one unique keys
+    have: 1-200 characters, no control characters."""
+    if not isinstance(key, str) or not 1 <= len(key) <= MAX_UNIQUE_KEY_LENGTH:
+        raise InvalidInput(f"limit_key must be 1-{MAX_UNIQUE_KEY_LENGTH} characters")
+    if any(unicodedata.category(ch) == "Cc" for ch in key):
+        raise InvalidInput("limit_key must not contain control characters")
+    return key
+
+
+def parse_limit_target(target: str) -> tuple[str, str]:
+    """``task:NAME`` or ``queue:NAME`` as (kind, name), by the rule of CHECK
+    limits_target_invalid (migration 0017): a task name without control characters, a
+    queue name as ``validate_queue`` has it."""
+    kind, sep, name = target.partition(":") if isinstance(target, str) else ("", "", "")
+    if not sep or kind not in ("task", "queue"):
+        raise InvalidInput(f"limit target must be task:NAME or queue:NAME (got {target!r})")
+    if kind == "queue":
+        validate_queue(name)
+    else:
+        validate_task(name)
+        if any(unicodedata.category(ch) == "Cc" for ch in name):
+            raise InvalidInput("a limited task name must not contain control characters")
+    return kind, name
+
+
 def validate_queue(queue: str) -> str:
     if not isinstance(queue, str) or not QUEUE_NAME.match(queue):
         raise InvalidInput(

@@ -117,6 +117,11 @@ JOBS_HELD = Gauge(
     "due pending jobs the dispatcher holds back (reason queue_undeclared: no duetime queues add)",
     ["shard", "reason"],
 )
+LIMIT_HELD = Gauge(
+    "duetime_limit_held",
+    "due pending jobs of a limited task or queue, held back by its limit (duetime limits)",
+    ["shard", "limit"],
+)
 DISPATCH_CREDIT = Gauge(
     "duetime_dispatch_credit",
     "messages the dispatcher may still publish to a queue before its broker buffer is full "

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -45,6 +45,7 @@ from scheduler.config import Settings
 from scheduler.config.shards import election_key as shard_election_key
 from scheduler.errors import ConfigError
 from scheduler.log import scrub
+from scheduler.store.limits import LimitRow, LimitStore
 from scheduler.store.rows import DbSnapshot
 from scheduler.store.status import StatusStore
 
@@ -226,9 +227,10 @@ def evaluate(
     max_backlog_age: float,
     broker: BrokerView | None = None,
     max_unstarted_age: float = DEFAULT_MAX_UNSTARTED_AGE,
+    limits: Sequence[LimitRow] = (),
 ) -> StatusReport:
-    """Judge a snapshot (and what RabbitMQ said, when ``broker`` is given): problems make
-    ``duetime status`` exit 1."""
+    """Judge a snapshot (and what RabbitMQ said, when ``broker`` is given; ``limits``
+    with their use): problems make ``duetime status`` exit 1."""
     problems: list[Finding] = []
     warnings: list[Finding] = []
     stale_after = STALE_RENEWALS * lease_ttl
@@ -290,6 +292,7 @@ def evaluate(
                 "(duetime queues list)",
             )
         )
+    warnings += limits_holding(limits)
     worst = max(
         (q for q in snapshot.queues if q.oldest_overdue is not None and q.declared),
         key=lambda q: q.oldest_overdue or 0.0,
@@ -317,6 +320,35 @@ def evaluate(
         broker,
         max_unstarted_age,
     )
+
+
+def limits_holding(limits: Sequence[LimitRow]) -> list[Finding]:
+    """A line per concurrency limit that is full while due jobs of its target wait: the
+    jobs it holds back (a warning: holding back is what a limit is for)."""
+    found = []
+    for row in limits:
+        cap = row.limit.max_running
+        if cap is None or row.due == 0 or row.running < cap:
+            continue
+        if row.limit.per_key:  # `due` spans every key; some may still have room
+            text = (
+                f"limit {row.limit.target}: its busiest key runs {row.running} of {cap}; "
+                f"{row.due} due jobs of the target wait"
+            )
+        else:
+            text = (
+                f"limit {row.limit.target} holds {row.due} due jobs: {row.running} of {cap} running"
+            )
+        found.append(Finding("limit_holding", text))
+    return found
+
+
+async def read_limits(pool: asyncpg.Pool, timeout: float) -> list[LimitRow]:
+    """The limits with their use; none before migration 0017."""
+    try:
+        return await LimitStore(pool, acquire_timeout=timeout).list()
+    except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError):
+        return []
 
 
 BROKER_PROBLEMS = frozenset({"broker_unreachable", "no_consumers"})
@@ -364,6 +396,7 @@ async def collect_status(
     etcd_task = asyncio.create_task(read_election_key(settings, timeout=etcd_timeout))
     try:
         snapshot = await StatusStore(pool, acquire_timeout=settings.db_timeout).snapshot()
+        limits = await read_limits(pool, settings.db_timeout)
     except BaseException:
         etcd_task.cancel()
         with contextlib.suppress(BaseException):
@@ -382,4 +415,5 @@ async def collect_status(
         max_backlog_age=max_backlog_age,
         broker=broker,
         max_unstarted_age=max_unstarted_age,
+        limits=limits,
     )

@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "jobs",
     "schedules",
     "queues",
+    "limits",
     "scheduler_cmd",
     "worker_cmd",
     "status",

@@ -58,6 +58,16 @@ priority, and a queue is published to only while its broker buffer has room
 rely on it). A queue without room is skipped by the claim and its jobs stay pending; the
 loop then reads its ready count again every ``credit_interval``.
 
+Concurrency limits (``duetime.limits``, migration 0017; docs/architecture.md, "Limits")
+are enforced here too, exactly, because this fenced transaction is the only writer that
+makes jobs ``dispatched``: the limits are read at most every ``limits_interval``, and
+while any exist each claim transaction counts the dispatched jobs of the limited targets
+(``LimitStore.counts``), takes their due jobs first with a claim of its own, kept only as
+far as the remaining allowance goes (``scheduler.duties.limits``), and the general claim
+skips the limited tasks and queues. A job held by a limit stays ``pending``; while a
+limit holds jobs the loop re-counts every ``limits_poll`` (a worker's outcome does not
+wake it).
+
 Only declared queues (``duetime.queues``, migration 0008) are claimed, probed and so
 published: a producer's new ``queue`` value cannot make the broker create a queue. Jobs
 of other names stay pending, *held*: sampled with the backlog into ``JOBS_HELD`` and
@@ -78,6 +88,7 @@ from scheduler.duties.base import DutyLoop
 from scheduler.duties.context import DutyContext, FencedWrites, duty_listener
 from scheduler.duties.credit import DispatchCredit
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
+from scheduler.duties.limits import Allowance
 from scheduler.duties.pacing import BatchReport, DispatchPacing
 from scheduler.duties.report import MAX_IDS_LOGGED, report_parked, some_ids
 from scheduler.duties.unsettled import Unsettled
@@ -90,6 +101,7 @@ from scheduler.metrics import (
     JOBS_CLAIMED,
     JOBS_HELD,
     JOBS_PUBLISHED,
+    LIMIT_HELD,
     PUBLISH_FAILURES,
 )
 from scheduler.publisher import (
@@ -101,6 +113,7 @@ from scheduler.publisher import (
 from scheduler.store.conn import Conn
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
 from scheduler.store.dispatch import DispatchStore
+from scheduler.store.limits import Limit, LimitStore
 from scheduler.store.rows import UNREADABLE, ClaimedJob, HeldQueues
 
 __all__ = ["RETRYABLE", "BatchReport", "Dispatcher", "DispatcherConfig"]
@@ -144,6 +157,10 @@ class DispatcherConfig:
     (the pause, too, while every queue with due jobs has a full buffer)."""
     sample_timeout: float = knob(1.0, gt=0)
     """Deadline for one passive declare (a failed one makes the queue blind)."""
+    limits_interval: float = knob(1.0, gt=0)
+    """How often the limits are read again (a new or changed limit applies after it)."""
+    limits_poll: float = knob(0.05, gt=0)
+    """The pause between claims while a limit holds due jobs back."""
 
     def __post_init__(self) -> None:
         check_knobs(self)
@@ -170,6 +187,11 @@ class Dispatcher:
         self.loop = DutyLoop(self, shard=shard)
         self.writes = FencedWrites(ctx, write="fenced claim")
         self.store = DispatchStore(ctx.pool, acquire_timeout=ctx.settings.db_timeout)
+        self.limits = LimitStore(ctx.pool, acquire_timeout=ctx.settings.db_timeout)
+        self._limits: list[Limit] = []
+        self._limits_read_at = float("-inf")
+        self._limits_holding = False  # the last claim left jobs pending for a limit
+        self._limit_series: set[str] = set()  # targets LIMIT_HELD has a series for
         self.out = PublisherAndGate(
             ctx.settings,
             name=self.name,
@@ -215,6 +237,7 @@ class Dispatcher:
         await self.out.close()
         self.pacing.reset()  # ``unsettled`` is kept: a failed pass tears down too
         self.credit.reset()  # the next term reads the broker's buffers again
+        self._limits_read_at = float("-inf")
 
     @property
     def listening(self) -> bool:
@@ -225,10 +248,12 @@ class Dispatcher:
     async def run_once(self) -> float:
         """Dispatch what is due; return how long to sleep (wake() cuts it short)."""
         await self._ensure_listener()
+        await self._read_limits()
         if self.pacing.backlog_sample_due():
             with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
                 BACKLOG.labels(self.shard).set(await self.store.backlog())
                 self._report_held(await self.store.held())
+                await self._report_limit_held()
         delay: float | None = await self.out.gate.delay()
         if delay:
             return delay
@@ -246,6 +271,9 @@ class Dispatcher:
             self.loop.log.warning("claim_retry", error=f"{type(exc).__name__}: {exc}")
             return self.pacing.after_conflict()
         delay = self.pacing.after_batch(report, probed=probed)
+        if self._limits_holding and not report.failed and report.claimed < report.limit:
+            # due jobs wait for a slot, which a worker's outcome frees without a wake-up
+            return self.config.limits_poll
         if report.held and not report.failed and report.claimed < report.limit:
             # queues with due jobs may be waiting for room in their broker buffer: read
             # their ready counts again soon, not at the next probe's due time
@@ -281,7 +309,9 @@ class Dispatcher:
         limit = self.credit.limit(self.config.batch_size)
         try:
             async with self.writes.transaction(epoch) as conn:
-                jobs = await self._claim(conn, limit, held)
+                jobs = await self._claim_limited(conn, limit, held)
+                if len(jobs) < limit:
+                    jobs += await self._claim(conn, limit - len(jobs), held)
                 self.credit.claimed(len(jobs), held)
                 if not jobs:
                     return BatchReport(limit=limit, held=len(held))
@@ -363,11 +393,54 @@ class Dispatcher:
             seconds=result.seconds + after.seconds,
         )
 
+    async def _read_limits(self) -> None:
+        """Refresh the cached limits every ``limits_interval`` (a failed read keeps the
+        last ones: the counts, not this list, are what keeps a limit exact)."""
+        now = self.clock.monotonic()
+        if now - self._limits_read_at < self.config.limits_interval:
+            return
+        with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
+            self._limits = await self.limits.all()
+            self._limits_read_at = now
+
+    async def _claim_limited(self, conn: Conn, limit: int, held: list[str]) -> list[ClaimedJob]:
+        """The due jobs of limited targets that their limits admit now (none without
+        limits: then this costs nothing)."""
+        self._limits_holding = False
+        if not self._limits:
+            return []
+        allowance = Allowance(self._limits, await self.limits.counts(conn, self._limits))
+        if allowance.all_closed():
+            # every target is full: its claim would only step over their due rows
+            self._limits_holding = True
+            return []
+        capped = [lim for lim in self._limits if not lim.fair]
+        fair = [lim.name for lim in self._limits if lim.fair]  # the fair claim's
+        found = []
+        if capped:
+            found = await self.limits.claim(
+                conn, capped, allowance.closed(), limit, held=[*held, *fair]
+            )
+        seen = {job.job.id for job in found}
+        for queue in allowance.fair_queues:
+            if queue not in held:
+                more = await self.limits.claim_fair(conn, queue, limit)
+                found += [job for job in more if job.job.id not in seen]
+                seen.update(job.job.id for job in more)
+        kept, left = allowance.take(found, limit)  # the others stay pending
+        self._limits_holding = allowance.holding() or bool(left)
+        return [job.job for job in kept]
+
     async def _claim(self, conn: Conn, limit: int, held: list[str]) -> list[ClaimedJob]:
-        """The batch's claim; row by row, parking what cannot be read, if it must be."""
+        """The batch's general claim (without the limited tasks and queues); row by row,
+        parking what cannot be read, if it must be."""
         max_wait = self.config.max_wait
+        skip_tasks = sorted({lim.name for lim in self._limits if lim.kind == "task"})
+        held = [*held, *(lim.name for lim in self._limits if lim.kind == "queue")]
         try:
-            return await self.store.claim(conn, limit, max_wait=max_wait, held=held)
+            return await self.store.claim(
+                conn, limit, max_wait=max_wait, held=held, skip_tasks=skip_tasks
+            )
         except UNREADABLE as exc:
             self.loop.log.warning(
                 "claim_unreadable",
@@ -375,7 +448,7 @@ class Dispatcher:
                 next_step="read the batch row by row and park the unreadable rows",
             )
         jobs, unreadable = await self.store.claim_isolated(
-            conn, limit, max_wait=max_wait, held=held
+            conn, limit, max_wait=max_wait, held=held, skip_tasks=skip_tasks
         )
         parked = await self.store.park_unreadable(conn, unreadable, reader=self.name)
         report_parked(parked, shard=self.shard, log=self.loop.log)
@@ -409,6 +482,16 @@ class Dispatcher:
                 detail=details[ids[0]],
                 outcome="kept pending",
             )
+
+    async def _report_limit_held(self) -> None:
+        """Gauge the due jobs each limit holds back; a removed limit's series goes."""
+        held = await self.limits.held(self._limits) if self._limits else {}
+        for target, jobs in held.items():
+            LIMIT_HELD.labels(self.shard, target).set(jobs)
+        for target in self._limit_series - held.keys():
+            with contextlib.suppress(KeyError):
+                LIMIT_HELD.remove(self.shard, target)
+        self._limit_series = set(held)
 
     def _report_held(self, held: HeldQueues) -> None:
         """Gauge the jobs held for undeclared queues; log each such queue once (while

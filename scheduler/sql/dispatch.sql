@@ -33,6 +33,9 @@ id, task, queue, due_at, run_at, attempt
 -- priority_max_wait in seconds. Both are literals too (validated queue names, a float):
 -- with parameters PostgreSQL kept re-planning (custom plans, ~15-20 ms with 17
 -- partitions, per claim); the held set is almost always empty or one queue.
+-- {skip_tasks} (and the limited queues, added to {held}): targets of a concurrency limit
+-- (migration 0017), whose jobs only the limited claim takes (limits.sql `claim`); empty
+-- while no limit exists, so a claim without limits is the same index scan as before.
 -- Order (docs/architecture.md, "Who decides the order"): first the jobs due for longer
 -- than max_wait, oldest first, from jobs_pending_run_idx (`aged`); then the other due
 -- jobs by priority, highest first, then run time, from jobs_pending_priority_idx
@@ -51,6 +54,7 @@ WITH aged AS MATERIALIZED (
     AND coalesce(run_at, due_at) <= now() - make_interval(secs => {max_wait})
     AND due_at <= now()
     AND queue <> ALL({held})
+    AND task <> ALL({skip_tasks})
     AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
   ORDER BY coalesce(run_at, due_at)
   LIMIT {limit}
@@ -64,6 +68,7 @@ SELECT * FROM (
     AND coalesce(run_at, due_at) <= now()
     AND due_at <= now()
     AND queue <> ALL({held})
+    AND task <> ALL({skip_tasks})
     AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
     AND j.id <> ALL (ARRAY(SELECT aged.id FROM aged))
   ORDER BY priority DESC, coalesce(run_at, due_at)

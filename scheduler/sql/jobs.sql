@@ -2,9 +2,10 @@
 -- The dispatcher's and the worker's transitions live in dispatch.sql / execution.sql.
 
 -- name: insert
+-- $8: limit_key (migration 0017), NULL for none.
 INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key,
-                          priority)
-VALUES ($1, $2, coalesce($3, now()), $4, $5, $6, $7)
+                          priority, limit_key)
+VALUES ($1, $2, coalesce($3, now()), $4, $5, $6, $7, $8)
 RETURNING *;
 
 -- name: insert_unique

@@ -59,11 +59,12 @@ def claim_sql(
     *,
     max_wait: float = DEFAULT_MAX_WAIT,
     held: tuple[str, ...] = (),
+    skip_tasks: tuple[str, ...] = (),
 ) -> str:
-    """The claim with ``limit``, ``max_wait`` and the ``held`` queues as literals (why:
-    the comment on ``claim`` in dispatch.sql); one text per distinct value, so asyncpg
-    prepares each once per connection. ``columns="id"``: the id-only form, for
-    ``claim_isolated``."""
+    """The claim with ``limit``, ``max_wait``, the ``held`` queues and the ``skip_tasks``
+    as literals (why: the comment on ``claim`` in dispatch.sql); one text per distinct
+    value, so asyncpg prepares each once per connection. ``columns="id"``: the id-only
+    form, for ``claim_isolated``."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"claim limit must be a positive integer (got {limit!r})")
     if not math.isfinite(max_wait) or max_wait < 0:
@@ -76,7 +77,15 @@ def claim_sql(
         limit=str(limit),
         max_wait=repr(float(max_wait)),
         held=f"ARRAY[{names}]::text[]",
+        skip_tasks=f"ARRAY[{','.join(map(_literal, skip_tasks))}]::text[]",
     )
+
+
+def _literal(text: str) -> str:
+    """``text`` as an escape-string literal: E'' reads backslashes the same whatever
+    standard_conforming_strings says, and task names are producers' text (NUL cannot be
+    in a text value)."""
+    return "E'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
 log = get_logger(__name__)
@@ -124,11 +133,14 @@ class DispatchStore(PooledStore):
         *,
         max_wait: float = DEFAULT_MAX_WAIT,
         held: Sequence[str] = (),
+        skip_tasks: Sequence[str] = (),
     ) -> list[ClaimedJob]:
-        """Lock up to ``limit`` due pending jobs of declared queues not in ``held``: those
-        due for more than ``max_wait`` seconds oldest first, then by priority (highest
-        first) and run time."""
-        sql = claim_sql(limit, max_wait=max_wait, held=tuple(sorted(held)))
+        """Lock up to ``limit`` due pending jobs of declared queues not in ``held``, of
+        tasks not in ``skip_tasks``: those due for more than ``max_wait`` seconds oldest
+        first, then by priority (highest first) and run time."""
+        sql = claim_sql(
+            limit, max_wait=max_wait, held=tuple(sorted(held)), skip_tasks=tuple(skip_tasks)
+        )
         records = await conn.fetch(sql)
         return [ClaimedJob.from_record(r) for r in records]
 
@@ -139,10 +151,17 @@ class DispatchStore(PooledStore):
         *,
         max_wait: float = DEFAULT_MAX_WAIT,
         held: Sequence[str] = (),
+        skip_tasks: Sequence[str] = (),
     ) -> tuple[list[ClaimedJob], list[UnreadableRow]]:
         """``claim`` one row at a time, for when ``claim`` raised ``UNREADABLE``: the jobs
         that could be read, and the rows that could not (still locked, for ``park``)."""
-        sql = claim_sql(limit, "id", max_wait=max_wait, held=tuple(sorted(held)))
+        sql = claim_sql(
+            limit,
+            "id",
+            max_wait=max_wait,
+            held=tuple(sorted(held)),
+            skip_tasks=tuple(skip_tasks),
+        )
         ids = await conn.fetch(sql)
         return await _one_by_one(conn, ids, CLAIMED_ROW, ClaimedJob.from_record)
 

@@ -24,6 +24,7 @@ from scheduler.jobspec import (
     DEFAULT_QUEUE,
     JobSpec,
     resolve_due,
+    validate_limit_key,
     validate_unique_key,
 )
 from scheduler.metrics import UNIQUE_CONFLICTS
@@ -107,6 +108,7 @@ class JobStore(PooledStore):
         on_conflict: OnConflict = "skip",
         unique_for: timedelta | None = None,
         priority: int = 0,
+        limit_key: str | None = None,
         conn: Conn | None = None,
     ) -> Job:
         """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now.
@@ -121,7 +123,11 @@ class JobStore(PooledStore):
         returned is the one holding the key afterwards (docs/api.md "Unique jobs").
 
         ``priority`` (-100..100, higher first among due jobs of the queue; the database
-        refuses others by ``jobs_priority_range``); a replaced holder takes it too."""
+        refuses others by ``jobs_priority_range``); a replaced holder takes it too.
+
+        ``limit_key``: the key per-key limits count this job under (``duetime limits``;
+        docs/api.md "Limits"). Not yet with ``unique_key``: ``duetime.enqueue_unique``
+        has no limit key parameter, so that combination raises ``InvalidInput``."""
         when = resolve_due(due_at=due_at, delay=delay, now=self._clock.now())
         spec = JobSpec(
             task=task,
@@ -140,11 +146,15 @@ class JobStore(PooledStore):
             spec.idempotency_key,
             priority,
         )
+        if limit_key is not None:
+            validate_limit_key(limit_key)
+            if unique_key is not None:
+                raise InvalidInput("a unique job cannot carry a limit_key through the API yet")
         async with self._db.conn(conn) as c:
             if unique_key is None:
                 if on_conflict != "skip" or unique_for is not None:
                     raise InvalidInput("on_conflict and unique_for need a unique_key")
-                job = Job.from_record(await c.fetchrow(Q["insert"], *args))
+                job = Job.from_record(await c.fetchrow(Q["insert"], *args, limit_key))
             else:
                 job = await self._enqueue_unique(c, args, unique_key, on_conflict, unique_for)
             if job.next_run_at <= self._clock.now() + NOTIFY_HORIZON:

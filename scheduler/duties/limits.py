@@ -1,0 +1,140 @@
+"""Concurrency limits: how many more jobs of each limited target may start now (pure).
+
+A limit caps the jobs of a target (``task:NAME`` or ``queue:NAME``) that are
+``dispatched`` at once; ``per_key`` caps each ``limit_key`` of the target instead (jobs
+without a key share one slot pool, key ''). The dispatcher builds an ``Allowance`` in
+its fenced transaction from the limits and the dispatched counts read there
+(``LimitStore.counts``), then:
+
+- the general claim skips every limited task and queue (``skip_tasks``/``skip_queues``);
+- the limited claim skips what is ``closed`` (no allowance left) and locks a bounded
+  candidate set of the rest, which ``take`` walks in claim order, keeping a job only if
+  every limit it falls under has room and charging each of them.
+
+A job under both a task limit and a queue limit is charged to both. A ``fair`` queue's
+jobs are claimed by the fair claim instead (round-robin between keys) and go through
+``take`` the same way; a fair queue without ``max_running`` caps nothing. Jobs ``take``
+leaves out stay pending (their row locks end at the commit). Synchronous, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, TypeVar
+
+from scheduler.store.limits import Closed, Limit, Running
+
+__all__ = ["Allowance"]
+
+#: The room of a target without a cap (a fair-only queue).
+MAX_ROOM = 1 << 30
+
+
+class _Limited(Protocol):
+    @property
+    def task(self) -> str: ...
+
+    @property
+    def queue(self) -> str: ...
+
+    @property
+    def limit_key(self) -> str: ...
+
+
+J = TypeVar("J", bound=_Limited)
+
+
+class Allowance:
+    """Remaining room per limit (and per key of a per-key limit)."""
+
+    def __init__(self, limits: Sequence[Limit], running: Iterable[Running]) -> None:
+        self.limits = {lim.target: lim for lim in limits}
+        self._used: dict[tuple[str, str], int] = {}  # (target, key or '') -> dispatched
+        for row in running:
+            for lim in self._matching(row.task, row.queue):
+                slot = self._slot(lim, row.limit_key)
+                self._used[slot] = self._used.get(slot, 0) + row.count
+
+    @property
+    def skip_tasks(self) -> tuple[str, ...]:
+        """Tasks the general claim must leave to the limited claim."""
+        return tuple(sorted(lim.name for lim in self.limits.values() if lim.kind == "task"))
+
+    @property
+    def skip_queues(self) -> tuple[str, ...]:
+        return tuple(sorted(lim.name for lim in self.limits.values() if lim.kind == "queue"))
+
+    def _matching(self, task: str, queue: str) -> list[Limit]:
+        found = []
+        for target in (f"task:{task}", f"queue:{queue}"):
+            lim = self.limits.get(target)
+            if lim is not None and lim.max_running is not None:  # fair only: no cap
+                found.append(lim)
+        return found
+
+    @staticmethod
+    def _slot(lim: Limit, key: str) -> tuple[str, str]:
+        return (lim.target, key if lim.per_key else "")
+
+    def room(self, lim: Limit, key: str = "") -> int:
+        """Jobs of ``lim``'s target (of ``key``, for a per-key limit) that may start."""
+        if lim.max_running is None:
+            return MAX_ROOM
+        return max(0, lim.max_running - self._used.get(self._slot(lim, key), 0))
+
+    def closed(self) -> Closed:
+        """Targets with no room, and the keys of per-key limits with none: the limited
+        claim leaves them out, so a full key's backlog cannot crowd others' jobs out of
+        the bounded candidate set."""
+        tasks: list[str] = []
+        queues: list[str] = []
+        task_keys: list[tuple[str, str]] = []
+        queue_keys: list[tuple[str, str]] = []
+        for lim in self.limits.values():
+            if not lim.per_key:
+                if self.room(lim) == 0:
+                    (tasks if lim.kind == "task" else queues).append(lim.name)
+                continue
+            for (target, key), used in self._used.items():
+                if target == lim.target and lim.max_running is not None and used >= lim.max_running:
+                    (task_keys if lim.kind == "task" else queue_keys).append((lim.name, key))
+        return Closed(tuple(tasks), tuple(queues), tuple(task_keys), tuple(queue_keys))
+
+    def holding(self) -> bool:
+        """Whether some limit (or some key of one) has no room left."""
+        closed = self.closed()
+        return bool(closed.tasks or closed.queues or closed.task_keys or closed.queue_keys)
+
+    def all_closed(self) -> bool:
+        """Whether no job of any limited target may start now (a per-key limit is
+        never all closed: a key not seen yet has room)."""
+        return all(
+            not lim.per_key and not lim.fair and self.room(lim) == 0 for lim in self.limits.values()
+        )
+
+    @property
+    def fair_queues(self) -> tuple[str, ...]:
+        """Queues whose due jobs start round-robin between their keys, with room."""
+        return tuple(
+            sorted(
+                lim.name
+                for lim in self.limits.values()
+                if lim.fair and (lim.per_key or self.room(lim) > 0)
+            )
+        )
+
+    def take(self, jobs: Iterable[J], limit: int) -> tuple[list[J], list[J]]:
+        """Walk ``jobs`` in order; keep (at most ``limit``) those every matching limit
+        has room for, charging them. Returns (kept, left out)."""
+        kept: list[J] = []
+        left: list[J] = []
+        for job in jobs:
+            lims = self._matching(job.task, job.queue)
+            if len(kept) >= limit or any(self.room(lim, job.limit_key) == 0 for lim in lims):
+                left.append(job)
+                continue
+            for lim in lims:
+                slot = self._slot(lim, job.limit_key)
+                self._used[slot] = self._used.get(slot, 0) + 1
+            kept.append(job)
+        return kept, left

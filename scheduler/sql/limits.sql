@@ -1,0 +1,157 @@
+-- Concurrency limits (migration 0017; scheduler/store/limits.py, `duetime limits`).
+-- The operator's statements first, then the dispatcher's: it reads the limits, counts
+-- the dispatched jobs of the limited targets, and claims their due jobs apart from the
+-- general claim (docs/architecture.md, "Limits").
+
+-- name: set
+-- Insert or change one limit; the CHECKs of migration 0017 refuse a bad target or number
+-- (the CLI validates first).
+INSERT INTO duetime.limits (target, max_running, per_key, fair)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT (target) DO UPDATE
+   SET max_running = excluded.max_running, per_key = excluded.per_key,
+       fair = excluded.fair, updated_at = now()
+RETURNING target;
+
+-- name: remove
+DELETE FROM duetime.limits WHERE target = $1 RETURNING target;
+
+-- name: all
+-- Every limit, as the dispatcher caches it.
+SELECT target, max_running, per_key, fair FROM duetime.limits ORDER BY target;
+
+-- name: list
+-- Every limit with its use now: dispatched jobs of its target (the largest per key for a
+-- per-key limit) and due pending jobs of the target, held or not. One grouped pass over
+-- the live rows of the limited tasks and queues; `duetime limits list` only.
+WITH live AS (
+    SELECT l.target, j.limit_key,
+           count(*) FILTER (WHERE j.status = 'dispatched') AS running,
+           count(*) FILTER (WHERE j.status = 'pending'
+                              AND coalesce(j.run_at, j.due_at) <= now()) AS due
+      FROM duetime.limits AS l
+      JOIN duetime.jobs AS j
+        ON j.status IN ('pending', 'dispatched')
+       AND (l.target = 'task:' || j.task OR l.target = 'queue:' || j.queue)
+     GROUP BY l.target, j.limit_key
+)
+SELECT l.target, l.max_running, l.per_key, l.fair, l.created_at, l.updated_at,
+       coalesce(CASE WHEN l.per_key THEN max(v.running) ELSE sum(v.running) END, 0)::bigint
+           AS running,
+       coalesce(sum(v.due), 0)::bigint AS due
+  FROM duetime.limits AS l
+  LEFT JOIN live AS v ON v.target = l.target
+ GROUP BY l.target
+ ORDER BY l.target;
+
+-- name: counts
+-- Dispatched jobs of the limited tasks ($1) and queues ($2), per task, queue and limit
+-- key ('' for none: a key is never empty, jobs_limit_key_invalid). A job counts from the
+-- commit that marked it dispatched until the commit of its outcome, so this count is
+-- exact inside the dispatcher's fenced transaction: only that transaction makes jobs
+-- dispatched, and a count that misses an outcome committing meanwhile is only too high.
+-- Reads jobs_dispatched_idx (dispatched rows only: the broker's buffer and running jobs).
+SELECT task, queue, coalesce(limit_key, '') AS limit_key, count(*) AS running
+  FROM duetime.jobs
+ WHERE status = 'dispatched'
+   AND (task = ANY($1::text[]) OR queue = ANY($2::text[]))
+ GROUP BY 1, 2, 3;
+
+-- name: claim
+-- The due jobs of the limited tasks ($1) and queues ($2) of declared queues, except those
+-- of targets with no allowance left ($3 tasks, $4 queues, with the queues held for
+-- credit) and of the per-key targets' keys with none ($5/$6 task and key, $7/$8 queue and
+-- key, in pairs). Highest priority first, then run time; at most $9 rows, locked SKIP
+-- LOCKED like the general claim. The caller keeps those the allowances admit
+-- (scheduler.duties.limits) and leaves the others pending (their locks end at commit).
+-- Parameters, not literals: this runs only while limits exist, and task names and keys
+-- are producers' text.
+SELECT id, task, queue, due_at, run_at, attempt, coalesce(limit_key, '') AS limit_key
+  FROM duetime.jobs AS j
+ WHERE status = 'pending'
+   AND coalesce(run_at, due_at) <= now()
+   AND due_at <= now()
+   AND (task = ANY($1::text[]) OR queue = ANY($2::text[]))
+   AND task <> ALL($3::text[])
+   AND queue <> ALL($4::text[])
+   AND (task, coalesce(limit_key, '')) NOT IN (SELECT * FROM unnest($5::text[], $6::text[]))
+   AND (queue, coalesce(limit_key, '')) NOT IN (SELECT * FROM unnest($7::text[], $8::text[]))
+   AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
+ ORDER BY priority DESC, coalesce(run_at, due_at)
+ LIMIT $9
+   FOR UPDATE SKIP LOCKED;
+
+-- name: held
+-- Due pending jobs per limited target, tasks $1 and queues $2 (sampled with the backlog
+-- for duetime_limit_held). The dispatcher claims every due job a limit admits at once,
+-- so these are the jobs the limit holds back (or a full broker buffer does, for a
+-- moment). Reads jobs_pending_run_idx, like the backlog count.
+SELECT target, count(*) AS jobs
+  FROM (SELECT 'task:' || task AS target
+          FROM duetime.jobs
+         WHERE status = 'pending' AND coalesce(run_at, due_at) <= now() AND due_at <= now()
+           AND task = ANY($1::text[])
+        UNION ALL
+        SELECT 'queue:' || queue
+          FROM duetime.jobs
+         WHERE status = 'pending' AND coalesce(run_at, due_at) <= now() AND due_at <= now()
+           AND queue = ANY($2::text[])) AS due
+ GROUP BY target;
+
+-- name: claim_fair
+-- A --fair queue ($1): its due jobs round-robin between limit keys (jobs without a key
+-- are one more key, ''). The distinct keys of the queue's pending jobs come from a loose
+-- index scan of jobs_pending_key_idx (one probe per key, due or not); each key gives its
+-- first jobs by priority and run time, at most $2 / keys (at least 1) of them, ranked
+-- 1, 2, ... within the key; the candidates are ordered by that rank, then priority and run
+-- time, so key A's 100,000-job backlog gives one job per round like key B's 10. At most
+-- $2 candidates, not locked here (a window over a recursive scan cannot be locked):
+-- `lock_ids` locks them.
+WITH RECURSIVE keys AS (
+    (SELECT limit_key FROM duetime.jobs
+      WHERE status = 'pending' AND limit_key IS NOT NULL AND queue = $1
+      ORDER BY limit_key LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.limit_key FROM duetime.jobs AS j
+             WHERE j.status = 'pending' AND j.limit_key IS NOT NULL AND j.queue = $1
+               AND j.limit_key > k.limit_key
+             ORDER BY j.limit_key LIMIT 1)
+      FROM keys AS k
+     WHERE k.limit_key IS NOT NULL
+), each AS MATERIALIZED (
+    SELECT limit_key FROM keys WHERE limit_key IS NOT NULL
+), per AS (
+    SELECT greatest(1, ceil($2::float8 / (count(*) + 1)))::int AS n FROM each
+)
+SELECT c.id, c.due_at, c.rank, c.priority, c.run
+  FROM each AS k
+ CROSS JOIN LATERAL (
+    SELECT j.id, j.due_at, j.priority, coalesce(j.run_at, j.due_at) AS run,
+           row_number() OVER (ORDER BY j.priority DESC, coalesce(j.run_at, j.due_at)) AS rank
+      FROM duetime.jobs AS j
+     WHERE j.status = 'pending' AND j.limit_key = k.limit_key AND j.queue = $1
+       AND coalesce(j.run_at, j.due_at) <= now() AND j.due_at <= now()
+     ORDER BY j.priority DESC, coalesce(j.run_at, j.due_at)
+     LIMIT (SELECT n FROM per)) AS c
+UNION ALL
+SELECT c.id, c.due_at, c.rank, c.priority, c.run
+  FROM (SELECT j.id, j.due_at, j.priority, coalesce(j.run_at, j.due_at) AS run,
+               row_number() OVER (ORDER BY j.priority DESC, coalesce(j.run_at, j.due_at))
+                   AS rank
+          FROM duetime.jobs AS j
+         WHERE j.status = 'pending' AND j.limit_key IS NULL AND j.queue = $1
+           AND coalesce(j.run_at, j.due_at) <= now() AND j.due_at <= now()
+         ORDER BY j.priority DESC, coalesce(j.run_at, j.due_at)
+         LIMIT (SELECT n FROM per)) AS c
+ ORDER BY rank, priority DESC, run
+ LIMIT $2;
+
+-- name: lock_ids
+-- Lock the fair claim's candidates ($1 ids, $2..$3 their due_at range, as
+-- mark_dispatched finds rows), still pending; the caller keeps the fair order.
+SELECT id, task, queue, due_at, run_at, attempt, coalesce(limit_key, '') AS limit_key
+  FROM duetime.jobs
+ WHERE id = ANY($1::bigint[])
+   AND due_at >= $2 AND due_at <= $3
+   AND status = 'pending'
+   FOR UPDATE SKIP LOCKED;

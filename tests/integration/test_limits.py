@@ -1,0 +1,292 @@
+"""Concurrency limits (migration 0017; docs/architecture.md "Limits"), against real
+PostgreSQL and RabbitMQ: the one fenced dispatcher keeps a target's dispatched jobs at
+or under its limit, so no more than that many handlers ever run at once.
+
+Each test has a database of its own (the dispatcher claims every due job in it) and a
+queue named after the test. Concurrency is measured from the handlers' own start and end
+records, never from the rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import asyncpg
+import pytest
+from prometheus_client import REGISTRY
+
+from scheduler import db
+from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
+from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
+from scheduler.duties.knobs import config_from_settings
+from scheduler.errors import InvalidInput
+from scheduler.status import limits_holding, read_limits
+from scheduler.store.fence import FenceStore
+from scheduler.store.jobs import JobStore
+from scheduler.store.limits import LimitStore
+from tests.support.cli import run_duetime
+from tests.support.helpers import declare_queues
+from tests.support.wait import wait_for
+from workers import JobContext, Registry, Worker
+
+pytestmark = pytest.mark.timeout(120)
+
+TASK = "t.limited"
+
+
+@dataclass
+class Env:
+    settings: Settings
+    pool: asyncpg.Pool
+    queue: str
+    dsn: str
+
+
+@dataclass
+class Running:
+    """What the handlers record: how many run now, overall and per key, and the most."""
+
+    now: int = 0
+    peak: int = 0
+    per_key: Counter[str] = field(default_factory=Counter)
+    peak_per_key: Counter[str] = field(default_factory=Counter)
+    started: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterator[Env]:
+    pool = await db.create_pool(
+        migrated_dsn, max_size=8, server_settings={"idle_in_transaction_session_timeout": "10000"}
+    )
+    try:
+        assert await FenceStore(pool).advance(1, "test-node")
+        await declare_queues(pool, unique)
+        yield Env(
+            dataclasses.replace(settings, database_url=migrated_dsn), pool, unique, migrated_dsn
+        )
+    finally:
+        await pool.close()
+
+
+@contextlib.asynccontextmanager
+async def dispatching(env: Env, *, epoch: int = 1) -> AsyncIterator[Dispatcher]:
+    config = config_from_settings(
+        DispatcherConfig, env.settings, limits_interval=0.2, backlog_interval=0.2
+    )
+    dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), config=config)
+    dispatcher.loop.start(LeaderTerm(epoch=epoch, node_id=f"test-node-{epoch}"))
+    try:
+        yield dispatcher
+    finally:
+        await dispatcher.loop.stop()
+
+
+@contextlib.asynccontextmanager
+async def working(env: Env, running: Running, *, concurrency: int) -> AsyncIterator[None]:
+    """One worker whose handler counts itself in ``running`` while it sleeps a little."""
+    registry = Registry()
+
+    @registry.task(TASK)
+    async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
+        key = payload.get("key", "")
+        running.now += 1
+        running.per_key[key] += 1
+        running.peak = max(running.peak, running.now)
+        running.peak_per_key[key] = max(running.peak_per_key[key], running.per_key[key])
+        running.started.append(key)
+        try:
+            await asyncio.sleep(0.03)
+        finally:
+            running.now -= 1
+            running.per_key[key] -= 1
+
+    worker = Worker(
+        env.settings,
+        queues=[env.queue],
+        registry=registry,
+        concurrency=concurrency,
+        grace_period=5,
+    )
+    await worker.start()
+    try:
+        yield
+    finally:
+        await worker.stop()
+
+
+async def insert(pool: asyncpg.Pool, queue: str, n: int, *, key: str | None = None) -> None:
+    """``n`` due jobs of TASK by plain SQL, with ``limit_key`` ``key``."""
+    await pool.execute(
+        "INSERT INTO duetime.jobs (task, payload, due_at, queue, limit_key) "
+        "SELECT $1, jsonb_build_object('key', coalesce($2, '')), now() - interval '1 second',"
+        "       $3, $2 FROM generate_series(1, $4)",
+        TASK,
+        key,
+        queue,
+        n,
+    )
+
+
+async def finished(pool: asyncpg.Pool, n: int) -> bool:
+    done = await pool.fetchval("SELECT count(*) FROM duetime.jobs WHERE status = 'succeeded'")
+    return int(done) == n
+
+
+async def test_max_running_is_never_exceeded_on_jobs_pending_before_it_was_set(
+    env: Env,
+) -> None:
+    await insert(env.pool, env.queue, 60)  # pending before the limit exists
+    await LimitStore(env.pool).set(f"task:{TASK}", 3)
+    running = Running()
+    async with working(env, running, concurrency=8), dispatching(env):
+        await wait_for(lambda: finished(env.pool, 60), timeout=90, message="all ran")
+    assert running.peak == 3  # reached, never passed (8 would run without the limit)
+
+
+async def test_max_running_holds_across_a_change_of_leader(env: Env) -> None:
+    await LimitStore(env.pool).set(f"task:{TASK}", 3)
+    await insert(env.pool, env.queue, 80)
+    running = Running()
+
+    async def done(n: int) -> bool:
+        count = await env.pool.fetchval(
+            "SELECT count(*) FROM duetime.jobs WHERE status = 'succeeded'"
+        )
+        return int(count) >= n
+
+    async with working(env, running, concurrency=8):
+        async with dispatching(env, epoch=1):
+            await wait_for(lambda: done(25), timeout=60, message="a third ran")
+        # the next leader counts the slots of the jobs its predecessor dispatched
+        assert await FenceStore(env.pool).advance(2, "test-node-2")
+        async with dispatching(env, epoch=2):
+            await wait_for(lambda: finished(env.pool, 80), timeout=90, message="all ran")
+    assert running.peak == 3
+
+
+async def test_a_queue_limit_holds_jobs_pending_and_counts_dispatched_ones(env: Env) -> None:
+    await LimitStore(env.pool).set(f"queue:{env.queue}", 2)
+    await insert(env.pool, env.queue, 10)
+    async with dispatching(env):  # no worker: nothing finishes, so two stay dispatched
+        await asyncio.sleep(1.5)
+        rows = await env.pool.fetch(
+            "SELECT status, count(*) AS n FROM duetime.jobs GROUP BY status ORDER BY status"
+        )
+        held = REGISTRY.get_sample_value(
+            "duetime_limit_held", {"shard": "main", "limit": f"queue:{env.queue}"}
+        )
+        assert held == 8  # the metric counts the jobs the limit holds back
+    assert {r["status"]: r["n"] for r in rows} == {"dispatched": 2, "pending": 8}
+    [row] = await LimitStore(env.pool).list()
+    assert (row.running, row.due) == (2, 8)
+    [line] = limits_holding(await read_limits(env.pool, 5.0))  # `duetime status`
+    assert line.code == "limit_holding"
+    assert line.message == f"limit queue:{env.queue} holds 8 due jobs: 2 of 2 running"
+
+
+async def test_per_key_limit_caps_each_key_apart(env: Env) -> None:
+    await LimitStore(env.pool).set(f"task:{TASK}", 1, per_key=True)
+    for key in ("a", "b", "c"):
+        await insert(env.pool, env.queue, 12, key=key)
+    running = Running()
+    async with working(env, running, concurrency=8), dispatching(env):
+        await wait_for(lambda: finished(env.pool, 36), timeout=90, message="all ran")
+    assert dict(running.peak_per_key) == {"a": 1, "b": 1, "c": 1}
+    assert running.peak >= 2  # the keys do run side by side
+
+
+async def test_fair_queue_starts_round_robin_between_keys(env: Env) -> None:
+    """Tenant A's 2,000 due jobs came first by run time; tenant B's 10 are all among the
+    first ~30 started, not after A's backlog."""
+    await env.pool.execute(
+        "INSERT INTO duetime.jobs (task, payload, due_at, queue, limit_key) "
+        "SELECT $1, jsonb_build_object('key', 'A'), now() - interval '1 hour'"
+        "       + make_interval(secs => i * 0.001), $2, 'A' FROM generate_series(1, 2000) i",
+        TASK,
+        env.queue,
+    )
+    await insert(env.pool, env.queue, 10, key="B")  # due a second ago: after every A job
+    await LimitStore(env.pool).set(f"queue:{env.queue}", None, fair=True)
+    running = Running()
+    async with working(env, running, concurrency=4), dispatching(env):
+
+        async def b_done() -> bool:
+            return running.started.count("B") == 10
+
+        await wait_for(b_done, timeout=60, message="B's jobs started")
+    last_b = max(i for i, key in enumerate(running.started) if key == "B")
+    assert last_b < 30, running.started[:40]
+
+
+async def test_limit_key_is_checked_and_passed_through(env: Env) -> None:
+    job = await JobStore(env.pool).enqueue(TASK, queue=env.queue, limit_key="tenant-1")
+    key = await env.pool.fetchval("SELECT limit_key FROM duetime.jobs WHERE id = $1", job.id)
+    assert key == "tenant-1"
+    with pytest.raises(asyncpg.CheckViolationError) as caught:
+        await env.pool.execute(
+            "INSERT INTO duetime.jobs (task, queue, limit_key) VALUES ('t', $1, E'a\\nb')",
+            env.queue,
+        )
+    assert caught.value.constraint_name == "jobs_limit_key_invalid"
+    with pytest.raises(InvalidInput):
+        await JobStore(env.pool).enqueue(TASK, queue=env.queue, limit_key="")
+    with pytest.raises(asyncpg.CheckViolationError) as caught:
+        await env.pool.execute(
+            "INSERT INTO duetime.limits (target, max_running) VALUES ('job:x', 1)"
+        )
+    assert caught.value.constraint_name == "limits_target_invalid"
+    with pytest.raises(asyncpg.CheckViolationError) as caught:
+        await env.pool.execute(
+            "INSERT INTO duetime.limits (target, max_running) VALUES ('task:x', 0)"
+        )
+    assert caught.value.constraint_name == "limits_max_running_positive"
+    for values, name in [
+        ("('task:x', NULL, false, false)", "limits_rule_missing"),
+        ("('task:x', 1, false, true)", "limits_fair_queue_only"),
+        ("('queue:q', NULL, true, true)", "limits_per_key_needs_max"),
+    ]:
+        with pytest.raises(asyncpg.CheckViolationError) as caught:
+            await env.pool.execute(
+                f"INSERT INTO duetime.limits (target, max_running, per_key, fair) VALUES {values}"
+            )
+        assert caught.value.constraint_name == name
+
+
+async def test_cli_sets_lists_removes_and_errors_in_one_line(
+    env: Env, test_env: dict[str, str]
+) -> None:
+    cli = {**test_env, "DUETIME_DATABASE_URL": env.dsn}
+    done = await run_duetime(cli, "limits", "set", "task:send_email", "--max-running", "5")
+    assert done.code == 0, done.err
+    assert done.out.strip() == "limit task:send_email: at most 5 running"
+    done = await run_duetime(
+        cli, "limits", "set", f"queue:{env.queue}", "--max-running", "2", "--per-key"
+    )
+    assert done.code == 0, done.err
+    listed = await run_duetime(cli, "limits", "list", "--json")
+    assert listed.code == 0, listed.err
+    rows = {r["target"]: r for r in cast(list[dict[str, Any]], listed.json())}
+    assert rows["task:send_email"]["max_running"] == 5
+    assert rows[f"queue:{env.queue}"]["per_key"] is True
+    assert (await run_duetime(cli, "limits", "remove", "task:send_email")).code == 0
+    for args, says in [
+        (("set", "send_email", "--max-running", "5"), "task:NAME or queue:NAME"),
+        (("set", "queue:bad name", "--max-running", "5"), "invalid queue name"),
+        (("set", "task:x", "--max-running", "0"), "between 1 and"),
+        (("set", "task:x", "--max-running", "lots"), "not a whole number"),
+        (("remove", "task:send_email"), "no limit on task:send_email"),
+        (("set", "task:x"), "--max-running N, or --fair"),
+        (("set", "task:x", "--fair"), "--fair applies to a queue"),
+        (("set", "queue:q", "--fair", "--per-key"), "--per-key needs --max-running"),
+    ]:
+        run = await run_duetime(cli, "limits", *args)
+        assert run.code != 0
+        assert says in run.error_line(), run.err
