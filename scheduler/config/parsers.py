@@ -137,7 +137,7 @@ def number(kind: type, *, minimum: float | None = None, exclusive: bool = False)
             raise ValueError(f"must be a {kind.__name__}, not a boolean")
         try:
             number = kind(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf) overflows
             raise ValueError(f"must be a {kind.__name__} (got {value!r})") from None
         if not math.isfinite(number):  # nan passes every comparison below
             raise ValueError(f"must be a finite number (got {value!r})")
