@@ -263,6 +263,15 @@ def test_a_retention_under_a_day_or_not_finite_is_refused_at_load(value: str) ->
             MaintainerConfig(retention_days=float(value))
 
 
+def test_an_integer_setting_given_infinity_in_toml_is_one_line(tmp_path: Path) -> None:
+    """TOML's ``inf`` is a float; int(inf) raised OverflowError through the loader."""
+    path = tmp_path / "duetime.toml"
+    path.write_text("metrics_port = inf\n")
+    message = _error(config_file=path, env={})
+    assert message.count("\n") == 0
+    assert "metrics_port" in message and "must be a int" in message
+
+
 def test_queues_from_env_and_toml(tmp_path: Path) -> None:
     """DUETIME_QUEUES / TOML ``queues``: the queues ``duetime migrate`` declares."""
     assert load_settings(env={}).queues == ()
