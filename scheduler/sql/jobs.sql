@@ -9,13 +9,13 @@ VALUES ($1, $2, coalesce($3, now()), $4, $5, $6, $7, $8)
 RETURNING *;
 
 -- name: insert_unique
--- A job with a unique key (duetime.enqueue_unique of migrations 0014 and 0016, one round
--- trip): $1..$7 as for insert, $8 the key, $9 'skip' | 'replace' | 'error', $10 the
--- unique_for window (an interval as text, '' for none). One row: the outcome ('inserted', 'skipped', 'replaced' or
--- 'refused'), the id of the job holding the key, and that job's columns (all NULL when
--- it is no longer stored).
+-- A job with a unique key (duetime.enqueue_unique of migrations 0014, 0016 and 0018, one
+-- round trip): $1..$8 as for insert, $9 the key, $10 'skip' | 'replace' | 'error', $11 the
+-- unique_for window (an interval as text, '' for none). One row: the outcome ('inserted',
+-- 'skipped', 'replaced' or 'refused'), the id of the job holding the key, and that job's
+-- columns (all NULL when it is no longer stored).
 SELECT e.outcome, e.holder_id, (e.job).*
-  FROM duetime.enqueue_unique($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) AS e;
+  FROM duetime.enqueue_unique($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) AS e;
 
 -- name: get
 SELECT * FROM duetime.jobs WHERE id = $1;

@@ -126,8 +126,7 @@ class JobStore(PooledStore):
         refuses others by ``jobs_priority_range``); a replaced holder takes it too.
 
         ``limit_key``: the key per-key limits count this job under (``duetime limits``;
-        docs/api.md "Limits"). Not yet with ``unique_key``: ``duetime.enqueue_unique``
-        has no limit key parameter, so that combination raises ``InvalidInput``."""
+        docs/api.md "Limits"); a replaced holder keeps its own."""
         when = resolve_due(due_at=due_at, delay=delay, now=self._clock.now())
         spec = JobSpec(
             task=task,
@@ -148,15 +147,15 @@ class JobStore(PooledStore):
         )
         if limit_key is not None:
             validate_limit_key(limit_key)
-            if unique_key is not None:
-                raise InvalidInput("a unique job cannot carry a limit_key through the API yet")
         async with self._db.conn(conn) as c:
             if unique_key is None:
                 if on_conflict != "skip" or unique_for is not None:
                     raise InvalidInput("on_conflict and unique_for need a unique_key")
                 job = Job.from_record(await c.fetchrow(Q["insert"], *args, limit_key))
             else:
-                job = await self._enqueue_unique(c, args, unique_key, on_conflict, unique_for)
+                job = await self._enqueue_unique(
+                    c, (*args, limit_key), unique_key, on_conflict, unique_for
+                )
             if job.next_run_at <= self._clock.now() + NOTIFY_HORIZON:
                 await c.execute(Q["notify"])
         return job

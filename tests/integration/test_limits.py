@@ -290,3 +290,19 @@ async def test_cli_sets_lists_removes_and_errors_in_one_line(
         run = await run_duetime(cli, "limits", *args)
         assert run.code != 0
         assert says in run.error_line(), run.err
+
+
+async def test_a_unique_job_carries_its_limit_key(env: Env) -> None:
+    """Migration 0018: enqueue_unique inserts the limit key (before, the API refused the
+    combination), and a replace keeps the holder's own."""
+    store = JobStore(env.pool)
+    first = await store.enqueue(
+        TASK, queue=env.queue, unique_key="u:1", limit_key="tenant-7", delay=60
+    )
+    held = await store.enqueue(
+        TASK, {"v": 2}, queue=env.queue, unique_key="u:1", on_conflict="replace",
+        limit_key="tenant-8", delay=90,
+    )  # fmt: skip
+    assert held.id == first.id
+    key = await env.pool.fetchval("SELECT limit_key FROM duetime.jobs WHERE id = $1", first.id)
+    assert key == "tenant-7"
