@@ -88,8 +88,16 @@ class AttemptGuard:
         """Guard locks held right now (tests)."""
         return len(self._holder)
 
-    def _free_slot(self) -> _Slot:
-        """A slot no statement is running on, else the one holding the fewest locks."""
+    def _free_slot(self, pointers: Sequence[tuple[int, int, int | None]] = ()) -> _Slot:
+        """The slot whose session still holds (releases pending) the guard of one of
+        ``pointers``: its begin read releases them first and takes them again in the same
+        session (on any other slot, this process's own lock would read as another
+        worker's). Else a slot no statement is running on, else the one holding the
+        fewest locks."""
+        if pointers:
+            for slot in self._slots:
+                if slot.releasing and not set(slot.releasing).isdisjoint(pointers):
+                    return slot
         for slot in self._slots:
             if not slot.lock.locked():
                 return slot
@@ -103,33 +111,36 @@ class AttemptGuard:
         pointers: list[tuple[int, int, int | None]] = list(
             zip(job_ids, attempts, epochs, strict=True)
         )
-        slot = self._free_slot()
+        slot = self._free_slot(pointers)
         releasing: list[Pointer] = []
 
         async def read(conn: Conn) -> list[Any]:
             # the releases due on this connection ride along (released first)
             releasing.extend(slot.releasing)
             slot.releasing.clear()
-            return await conn.fetch(
+            records = await conn.fetch(
                 self._begin_sql,
                 list(job_ids),
                 list(due_ats),
                 list(attempts),
                 list(epochs),
                 *_columns(releasing),
+                timeout=self._db.timeout,
             )
+            # recorded before _run decides whether the connection goes back to the pool:
+            # a session holding the locks just taken must stay this slot's
+            for record in records:
+                if record["started"]:
+                    job_id, attempt, epoch = pointers[record["i"] - 1]
+                    assert epoch is not None  # a lock is only tried for a message's epoch
+                    slot.held.add((job_id, attempt, epoch))
+                    self._holder[(job_id, attempt, epoch)] = slot
+            return records
 
         async def undo(conn: Conn) -> None:
             await self._unlock(conn, [*pointers, *releasing])
 
-        records = await self._run(slot, read, undo)
-        for record in records:
-            if record["started"]:
-                job_id, attempt, epoch = pointers[record["i"] - 1]
-                assert epoch is not None  # a lock is only tried for a message's epoch
-                slot.held.add((job_id, attempt, epoch))
-                self._holder[(job_id, attempt, epoch)] = slot
-        return records
+        return await self._run(slot, read, undo)
 
     def release(self, pointer: Pointer) -> None:
         """Release one attempt's guard lock, soon (batched; the caller does not wait).
@@ -153,7 +164,7 @@ class AttemptGuard:
                 batch, slot.releasing = slot.releasing, []
                 await self._unlock(conn, batch)
 
-            while slot.releasing:
+            while slot.releasing and not self._closed:
                 with contextlib.suppress(Exception):  # the connection was dropped
                     await self._run(slot, unlock, None)
         finally:
@@ -161,7 +172,7 @@ class AttemptGuard:
 
     async def _unlock(self, conn: Conn, pointers: Sequence[tuple[int, int, int | None]]) -> None:
         if pointers:
-            await conn.fetchval(self._release_sql, *_columns(pointers))
+            await conn.fetchval(self._release_sql, *_columns(pointers), timeout=self._db.timeout)
 
     async def _run(
         self,
@@ -175,20 +186,21 @@ class AttemptGuard:
         async with slot.lock:
             if self._closed:
                 raise RuntimeError("attempt guard: closed")
+            if slot.conn is not None and _broken(slot.conn):
+                # its session ended (a killed backend, a lost socket): the server released
+                # its locks, and asyncpg put the holder back in the pool and detached this
+                # proxy, which fails every call from now on, is_closed() included
+                await self._drop(slot)
             if slot.conn is None:
                 slot.conn = await self._db.pool.acquire(timeout=self._db.timeout)
             conn = slot.conn
             try:
                 result = await work(conn)
-                if not slot.held and not slot.releasing:
-                    slot.conn = None  # holds no lock: back to the pool until one is taken
-                    await self._db.pool.release(conn)  # type: ignore[arg-type]
-                return result
             except asyncio.CancelledError:
                 await self._drop(slot)
                 raise
             except BaseException:
-                if undo is None or conn.is_closed():
+                if undo is None or _broken(conn):
                     await self._drop(slot)
                 else:
                     try:
@@ -197,6 +209,16 @@ class AttemptGuard:
                         await self._drop(slot)
                         raise
                 raise
+            if not slot.held and not slot.releasing:
+                # holds no lock (``work`` recorded any it took): back to the pool until
+                # one is taken
+                slot.conn = None
+                try:
+                    await self._db.pool.release(conn, timeout=self._db.timeout)  # type: ignore[arg-type]
+                except Exception:
+                    with contextlib.suppress(Exception):
+                        conn.terminate()
+            return result
 
     async def _drop(self, slot: _Slot) -> None:
         """Forget the slot's connection and what it held; the server releases the locks."""
@@ -210,7 +232,7 @@ class AttemptGuard:
         with contextlib.suppress(Exception):
             conn.terminate()
         with contextlib.suppress(Exception):
-            await self._db.pool.release(conn)  # type: ignore[arg-type]
+            await self._db.pool.release(conn, timeout=self._db.timeout)  # type: ignore[arg-type]
 
     async def close(self) -> None:
         """Release every lock and give the connections back (dropped if that fails)."""
@@ -235,6 +257,16 @@ class AttemptGuard:
                 slot.held.clear()
                 await self._db.pool.release(conn)  # type: ignore[arg-type]
         self._holder.clear()
+
+
+def _broken(conn: Conn) -> bool:
+    """Whether ``conn`` can no longer run a statement: closed, or a pool proxy asyncpg
+    detached when the connection under it was lost (whose every method then raises
+    ``InterfaceError``, ``is_closed`` included)."""
+    try:
+        return conn.is_closed()
+    except Exception:
+        return True
 
 
 def _columns(pointers: Sequence[tuple[int, int, int | None]]) -> tuple[list[Any], ...]:

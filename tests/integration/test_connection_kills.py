@@ -58,7 +58,8 @@ class KilledUnderBegin(ExecutionStore):
 @pytest.fixture
 async def pools(dsn: str) -> AsyncIterator[tuple[asyncpg.Pool, asyncpg.Pool, asyncpg.Pool]]:
     handlers = await db.create_pool(dsn, min_size=1, max_size=2)
-    store = await db.create_pool(dsn, min_size=1, max_size=2)  # the guard holds one
+    # the guard holds one; sessions kept across checkouts, as the worker's store pool
+    store = await db.create_pool(dsn, min_size=1, max_size=2, reset=db.keep_session)
     killer = await db.create_pool(dsn, min_size=1, max_size=1, application_name="test-killer")
     try:
         yield handlers, store, killer
@@ -119,3 +120,67 @@ async def test_a_killed_begin_requeues_the_batch_and_parks_nothing(
         assert sorted(ran) == sorted(j.id for j in jobs)
     finally:
         await executor.close()
+
+
+async def _guard_lock_pids(pool: asyncpg.Pool) -> list[int]:
+    """Backends of this database holding a guard lock (two-int4 advisory locks)."""
+    return [
+        r["pid"]
+        for r in await pool.fetch(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+    ]
+
+
+async def test_the_guard_keeps_the_session_holding_the_locks_it_took(
+    pools: tuple[asyncpg.Pool, asyncpg.Pool, asyncpg.Pool], db_pool: asyncpg.Pool, unique: str
+) -> None:
+    """A begin on a slot that held nothing keeps its connection once it took a lock (it
+    used to give it back to the pool first: the lock stayed in a pooled session, the
+    release went to another one, and every later copy read the attempt as running)."""
+    _, store_pool, killer = pools
+    store = ExecutionStore(store_pool)
+    job = await dispatched_job(db_pool, "t.guard", queue=f"guard-{unique}")
+    ref = JobRef(job.id, job.due_at, 1)
+    try:
+        [row] = await store.begin([ref], [job.epoch])
+        assert row is not None and row.started
+        owners = {s.conn.get_server_pid() for s in store.guard._slots if s.conn is not None}
+        assert await _guard_lock_pids(killer) == [*owners]
+        store.release(ref, job.epoch)
+        for _ in range(50):
+            if not await _guard_lock_pids(killer):
+                break
+            await asyncio.sleep(0.05)
+        assert await _guard_lock_pids(killer) == []
+    finally:
+        await store.close()
+
+
+async def test_a_guard_connection_killed_between_reads_does_not_wedge_its_slot(
+    pools: tuple[asyncpg.Pool, asyncpg.Pool, asyncpg.Pool], db_pool: asyncpg.Pool, unique: str
+) -> None:
+    """The server ends the session of a guard slot holding a lock: asyncpg puts the
+    holder back in the pool and detaches the slot's proxy, whose every call then raises
+    InterfaceError (is_closed() included). The next read drops it and runs on a fresh
+    connection (it used to fail on the detached proxy forever)."""
+    _, store_pool, killer = pools
+    store = ExecutionStore(store_pool)
+    queue = f"guard-kill-{unique}"
+    jobs = [await dispatched_job(db_pool, "t.guard", queue=queue) for _ in range(3)]
+    try:
+        for job in jobs[:2]:  # the slot holds a lock, then reads again on its connection
+            [row] = await store.begin([JobRef(job.id, job.due_at, 1)], [job.epoch])
+            assert row is not None and row.started
+        pids = {s.conn.get_server_pid() for s in store.guard._slots if s.conn is not None}
+        pids |= set(await _guard_lock_pids(killer))
+        assert pids
+        for pid in pids:
+            assert await killer.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)
+        await asyncio.sleep(0.2)  # the client sees the sockets close
+        for job in (jobs[2], *jobs[:2]):  # the lost sessions released the others' locks
+            [row] = await store.begin([JobRef(job.id, job.due_at, 1)], [job.epoch])
+            assert row is not None and row.started, job
+    finally:
+        await store.close()
