@@ -62,7 +62,7 @@ def validate_unique_key(key: str) -> str:
 
 
 def validate_limit_key(key: str) -> str:
-    """The rule of CHECK jobs_limit_key_invalid (migration 0017), the one unique keys
+    """The rule of CHECK jobs_limit_key_invalid (migration 0016), the one unique keys
     have: 1-200 characters, no control characters."""
     if not isinstance(key, str) or not 1 <= len(key) <= MAX_UNIQUE_KEY_LENGTH:
         raise InvalidInput(f"limit_key must be 1-{MAX_UNIQUE_KEY_LENGTH} characters")
@@ -73,7 +73,7 @@ def validate_limit_key(key: str) -> str:
 
 def parse_limit_target(target: str) -> tuple[str, str]:
     """``task:NAME`` or ``queue:NAME`` as (kind, name), by the rule of CHECK
-    limits_target_invalid (migration 0017): a task name without control characters, a
+    limits_target_invalid (migration 0016): a task name without control characters, a
     queue name as ``validate_queue`` has it."""
     kind, sep, name = target.partition(":") if isinstance(target, str) else ("", "", "")
     if not sep or kind not in ("task", "queue"):

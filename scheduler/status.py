@@ -344,7 +344,7 @@ def limits_holding(limits: Sequence[LimitRow]) -> list[Finding]:
 
 
 async def read_limits(pool: asyncpg.Pool, timeout: float) -> list[LimitRow]:
-    """The limits with their use; none before migration 0017."""
+    """The limits with their use; none before migration 0016."""
     try:
         return await LimitStore(pool, acquire_timeout=timeout).list()
     except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError):

@@ -58,7 +58,7 @@ priority, and a queue is published to only while its broker buffer has room
 rely on it). A queue without room is skipped by the claim and its jobs stay pending; the
 loop then reads its ready count again every ``credit_interval``.
 
-Concurrency limits (``duetime.limits``, migration 0017; docs/architecture.md, "Limits")
+Concurrency limits (``duetime.limits``, migration 0016; docs/architecture.md, "Limits")
 are enforced here too, exactly, because this fenced transaction is the only writer that
 makes jobs ``dispatched``: the limits are read at most every ``limits_interval``, and
 while any exist each claim transaction counts the dispatched jobs of the limited targets

@@ -34,7 +34,7 @@ id, task, queue, due_at, run_at, attempt
 -- with parameters PostgreSQL kept re-planning (custom plans, ~15-20 ms with 17
 -- partitions, per claim); the held set is almost always empty or one queue.
 -- {skip_tasks} (and the limited queues, added to {held}): targets of a concurrency limit
--- (migration 0017), whose jobs only the limited claim takes (limits.sql `claim`); empty
+-- (migration 0016), whose jobs only the limited claim takes (limits.sql `claim`); empty
 -- while no limit exists, so a claim without limits is the same index scan as before.
 -- Order (docs/architecture.md, "Who decides the order"): first the jobs due for longer
 -- than max_wait, oldest first, from jobs_pending_run_idx (`aged`); then the other due

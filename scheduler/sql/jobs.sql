@@ -2,14 +2,14 @@
 -- The dispatcher's and the worker's transitions live in dispatch.sql / execution.sql.
 
 -- name: insert
--- $8: limit_key (migration 0017), NULL for none.
+-- $8: limit_key (migration 0016), NULL for none.
 INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key,
                           priority, limit_key)
 VALUES ($1, $2, coalesce($3, now()), $4, $5, $6, $7, $8)
 RETURNING *;
 
 -- name: insert_unique
--- A job with a unique key (duetime.enqueue_unique of migrations 0014, 0016 and 0018, one
+-- A job with a unique key (duetime.enqueue_unique of migrations 0014 and 0017, one
 -- round trip): $1..$8 as for insert, $9 the key, $10 'skip' | 'replace' | 'error', $11 the
 -- unique_for window (an interval as text, '' for none). One row: the outcome ('inserted',
 -- 'skipped', 'replaced' or 'refused'), the id of the job holding the key, and that job's

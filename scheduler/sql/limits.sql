@@ -1,10 +1,10 @@
--- Concurrency limits (migration 0017; scheduler/store/limits.py, `duetime limits`).
+-- Concurrency limits (migration 0016; scheduler/store/limits.py, `duetime limits`).
 -- The operator's statements first, then the dispatcher's: it reads the limits, counts
 -- the dispatched jobs of the limited targets, and claims their due jobs apart from the
 -- general claim (docs/architecture.md, "Limits").
 
 -- name: set
--- Insert or change one limit; the CHECKs of migration 0017 refuse a bad target or number
+-- Insert or change one limit; the CHECKs of migration 0016 refuse a bad target or number
 -- (the CLI validates first).
 INSERT INTO duetime.limits (target, max_running, per_key, fair)
 VALUES ($1, $2, $3, $4)

@@ -55,7 +55,7 @@ ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
 -- No UPDATE/DELETE: no cancel, no retry, no claim (FOR UPDATE needs UPDATE).
 -- unique_key (migration 0014): the key is claimed by a SECURITY DEFINER trigger, so the
 -- producer holds no privilege on duetime.unique_keys and cannot read other scopes' keys.
--- limit_key (migration 0017): a producer names the key its job counts under; the limits
+-- limit_key (migration 0016): a producer names the key its job counts under; the limits
 -- themselves are the owner's (duetime.limits: no grant here).
 GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, unique_key,
                   priority, limit_key)
@@ -125,7 +125,7 @@ GRANT SELECT ON duetime.schedules TO "{scheduler}";
 -- The claim dispatches only jobs of declared queues (dispatch.sql). Declaring one is an
 -- operator's act (`duetime queues add`, as the schema owner): no role here may insert.
 GRANT SELECT ON duetime.queues TO "{scheduler}";
--- The dispatcher enforces the limits (migration 0017); setting one is the owner's act
+-- The dispatcher enforces the limits (migration 0016); setting one is the owner's act
 -- (`duetime limits set`), as declaring a queue is.
 GRANT SELECT ON duetime.limits TO "{scheduler}";
 GRANT UPDATE (next_fire_at, plan_at, buffered_fire_at, paused, last_error, fired_count,

@@ -1,5 +1,5 @@
 """LimitStore: the concurrency limits an operator sets (``sql/limits.sql``, migration
-0017), and the reads the dispatcher enforces them with.
+0016), and the reads the dispatcher enforces them with.
 
 A limit caps how many jobs of a target (``task:NAME`` or ``queue:NAME``; with
 ``per_key``, of each ``limit_key`` of it) are ``dispatched`` at once. The rows are the

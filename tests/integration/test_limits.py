@@ -1,4 +1,4 @@
-"""Concurrency limits (migration 0017; docs/architecture.md "Limits"), against real
+"""Concurrency limits (migration 0016; docs/architecture.md "Limits"), against real
 PostgreSQL and RabbitMQ: the one fenced dispatcher keeps a target's dispatched jobs at
 or under its limit, so no more than that many handlers ever run at once.
 
@@ -293,7 +293,7 @@ async def test_cli_sets_lists_removes_and_errors_in_one_line(
 
 
 async def test_a_unique_job_carries_its_limit_key(env: Env) -> None:
-    """Migration 0018: enqueue_unique inserts the limit key (before, the API refused the
+    """Migration 0017: enqueue_unique inserts the limit key (before, the API refused the
     combination), and a replace keeps the holder's own."""
     store = JobStore(env.pool)
     first = await store.enqueue(

@@ -456,7 +456,7 @@ async def test_a_holder_moved_out_of_default_into_a_new_bucket_keeps_its_key(
 async def test_a_unique_job_keeps_its_priority_and_a_replace_passes_it_on(
     store: JobStore, pool: asyncpg.Pool
 ) -> None:
-    """Migration 0016: enqueue_unique inserts the caller's priority, and a debounce gives
+    """Migration 0017: enqueue_unique inserts the caller's priority, and a debounce gives
     the pending holder the replacing job's priority with its payload and run time."""
     first = await store.enqueue("t.prio", unique_key="prio:1", priority=7, delay=60)
     assert await pool.fetchval("SELECT priority FROM duetime.jobs WHERE id = $1", first.id) == 7

@@ -1,4 +1,4 @@
--- duetime 0017: concurrency limits and the limit key (DESIGN §11; docs/architecture.md
+-- duetime 0016: concurrency limits and the limit key (DESIGN §11; docs/architecture.md
 -- "Limits").
 --
 -- `limit_key` text (NULL = none): what a per-key limit counts on (a tenant, a customer
@@ -15,8 +15,7 @@
 -- counts are derived from the rows at every claim and a worker's or leader's crash
 -- can neither leak nor double-count a slot.
 --
--- duetime.enqueue_unique (0014, 0016) does not take a limit key: a unique job enqueued
--- through the Python API carries none (a follow-up; plain SQL can set both).
+-- duetime.enqueue_unique (0014) takes the limit key from 0017 on.
 
 ALTER TABLE duetime.jobs ADD COLUMN limit_key text;
 

@@ -1,10 +1,13 @@
--- duetime 0016: unique jobs carry their priority (0014 and 0015 landed side by side).
+-- duetime 0017: unique jobs carry their priority (0015) and limit key (0016), which were
+-- added beside 0014's unique keys.
 --
--- duetime.enqueue_unique (JobStore.enqueue with a unique_key) inserts the priority the
--- caller gave, and a `replace` (debounce) gives the pending holder the new job's
--- priority along with its task, payload and run time: the replacing job is what should
--- run, at the urgency it was enqueued with. Plain-SQL producers set `priority` in their
--- INSERT; the claim trigger reads it from NEW like every other column.
+-- duetime.enqueue_unique (JobStore.enqueue with a unique_key) inserts the priority and
+-- limit key the caller gave. A `replace` (debounce) gives the pending holder the new
+-- job's priority along with its task, payload and run time: the replacing job is what
+-- should run, at the urgency it was enqueued with. It keeps the holder's limit key: that
+-- key names whose work it is (a tenant), which a debounce of the same unique key in the
+-- same producer's scope does not change. Plain-SQL producers set both columns in their
+-- INSERT; the claim trigger reads NEW like every other column.
 
 CREATE OR REPLACE FUNCTION duetime.unique_claim() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
@@ -127,7 +130,7 @@ DROP FUNCTION duetime.enqueue_unique(text, jsonb, timestamptz, text, integer, te
 CREATE FUNCTION duetime.enqueue_unique(
         new_task text, new_payload jsonb, new_due_at timestamptz, new_queue text,
         new_max_attempts integer, new_idempotency_key text, new_priority smallint,
-        new_unique_key text,
+        new_limit_key text, new_unique_key text,
         on_conflict text, unique_for text)
     RETURNS TABLE (outcome text, holder_id bigint, job duetime.jobs)
     LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -141,9 +144,10 @@ BEGIN
     IF on_conflict = 'error' THEN
         BEGIN
             INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts,
-                                      idempotency_key, priority, unique_key)
+                                      idempotency_key, priority, limit_key, unique_key)
             VALUES (new_task, new_payload, coalesce(new_due_at, now()), new_queue,
-                    new_max_attempts, new_idempotency_key, new_priority, new_unique_key)
+                    new_max_attempts, new_idempotency_key, new_priority, new_limit_key,
+                    new_unique_key)
             RETURNING * INTO inserted;
         EXCEPTION WHEN unique_violation THEN
             GET STACKED DIAGNOSTICS failed = CONSTRAINT_NAME,
@@ -156,9 +160,10 @@ BEGIN
         END;
     ELSE
         INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts,
-                                  idempotency_key, priority, unique_key)
+                                  idempotency_key, priority, limit_key, unique_key)
         VALUES (new_task, new_payload, coalesce(new_due_at, now()), new_queue,
-                new_max_attempts, new_idempotency_key, new_priority, new_unique_key)
+                new_max_attempts, new_idempotency_key, new_priority, new_limit_key,
+                    new_unique_key)
         RETURNING * INTO inserted;
     END IF;
     IF outcome IS NULL THEN
