@@ -32,6 +32,14 @@ defence, not the guarantee: CLOCK_MONOTONIC stops while a VM is suspended, and a
 process can stall between checking ``is_leader`` and committing. The database fence
 (``leader_fence``) is what makes a zombie harmless.
 
+**Campaign with trust to spare.** A campaign needs at least half a renew interval of
+the window left (``campaign_floor``): enough to reach the next renewal. A lease granted
+late (the request held by a network that has just healed, or by an etcd that is
+restarting) earns a window measured from when it was *sent*, which may be nearly
+spent on arrival; the node refreshes it once before it campaigns. Without that, every
+node that came back from an outage would win a shard, lose it within milliseconds and
+register again, and leadership would change hands several times after each outage.
+
 **What to lead.** ``assignment`` decides from each read which shards to campaign for
 and which to hand over. The read is one range request over the prefix (members and
 shard keys at one revision), repeated every ``poll_interval`` and at once when a watch
@@ -197,6 +205,8 @@ class Elector:
         self.safety_margin = margin
         self.etcd_ttl = max(1, math.ceil(ttl))
         self.renew_interval = min(ttl / 3, (ttl - margin) / 2)
+        self.campaign_floor = self.renew_interval / 2
+        """The least trust a campaign starts with: enough to reach the next renewal."""
         self.call_timeout = call_timeout
         self.poll_interval = poll_interval
         self.handler_timeout = call_timeout if handler_timeout is None else handler_timeout
@@ -224,6 +234,7 @@ class Elector:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._lease_id: int | None = None
+        self._unrevoked: set[int] = set()  # leases given up while etcd was unreachable
         self._deadline: LeaseDeadline | None = None
         self._terms: dict[str, ShardTerm] = {}
         self._seen: dict[str, Any] = {}  # shard -> its key as the last read showed it
@@ -382,6 +393,8 @@ class Elector:
     async def _round(self) -> None:
         if self._lease_id is None or not self._trusted():
             await self._register()
+        elif self._unrevoked:
+            await self._revoke_given_up()
         view, revision = await self._read()
         if self.node_id not in view.members and self._lease_id is not None:
             lease_id = self._lease_id  # our member key was deleted: others must see us
@@ -409,7 +422,8 @@ class Elector:
         old, self._lease_id, self._deadline = self._lease_id, None, None
         await self._lose_all("lease_unconfirmed")
         if old is not None:
-            await self._revoke_quietly(old)
+            self._unrevoked.add(old)
+        await self._revoke_given_up()
         sent_at = self._clock.monotonic()
         lease = await self._kv.call(lambda c: c.lease(self.etcd_ttl))
         try:
@@ -421,8 +435,34 @@ class Elector:
             raise
         deadline = LeaseDeadline(self.ttl, self.safety_margin)
         deadline.renewed(sent_at, lease.ttl)
+        if deadline.remaining(self._clock.monotonic()) < self.campaign_floor:
+            # The grant was held up (a partition that just healed delivers it late): the
+            # window it earned is nearly spent, and a node that campaigned on it would win
+            # a shard and lose it again within milliseconds, handing leadership around
+            # after every outage. One refresh sent now earns a whole window first.
+            try:
+                await self._confirm(lease.id, deadline)
+            except BaseException:
+                await self._revoke_quietly(lease.id)
+                raise
         self._lease_id, self._deadline = lease.id, deadline
         self._log.info("member_registered", lease_id=lease.id, granted_ttl=lease.ttl)
+
+    async def _revoke_given_up(self) -> None:
+        """Revoke every lease given up while etcd could not be told (tried again each
+        round until etcd confirms): a restarted etcd renews the leases it kept, so our
+        old keys would otherwise block their shards for another TTL after it is back."""
+        for stale in sorted(self._unrevoked):
+            if await self._revoke_quietly(stale):
+                self._unrevoked.discard(stale)
+
+    async def _confirm(self, lease_id: int, deadline: LeaseDeadline) -> None:
+        """One refresh of a lease this node just registered, renewing ``deadline``."""
+        sent_at = self._clock.monotonic()
+        reply = await self._kv.call(lambda c: c.refresh_lease(lease_id))
+        if reply is None or reply.TTL <= 0:
+            raise aetcd.ClientError(f"lease {lease_id:x} expired before it was confirmed")
+        deadline.renewed(sent_at, int(reply.TTL))
 
     async def _read(self) -> tuple[View, int]:
         start = f"{self.prefix}/".encode()
@@ -462,9 +502,11 @@ class Elector:
                 self._wake.set()
 
     async def _acquire(self, shard: str) -> bool:
-        lease_id, key = self._lease_id, self._shard_keys[shard]
-        if lease_id is None or not self._trusted():
+        lease_id, key, deadline = self._lease_id, self._shard_keys[shard], self._deadline
+        if lease_id is None or deadline is None:
             return False
+        if deadline.remaining(self._clock.monotonic()) < self.campaign_floor:
+            return False  # a term that would end before the next renewal: wait for it
         won, responses = await self._kv.call(
             lambda c: c.transaction(
                 compare=[c.transactions.create(key) == 0],
@@ -610,11 +652,16 @@ class Elector:
             if not refresh.done():
                 refresh.cancel()
 
-    async def _revoke_quietly(self, lease_id: int) -> None:
+    async def _revoke_quietly(self, lease_id: int) -> bool:
+        """Revoke ``lease_id``; False unless etcd confirmed it gone (revoked, or "not
+        found": expired already)."""
         try:
             await self._kv.call(lambda c: c.revoke_lease(lease_id))
-        except ETCD_ERRORS as exc:  # "not found" included: gone either way
+        except ETCD_ERRORS as exc:
             self._log.info("lease_revoke_failed", lease_id=lease_id, error=describe(exc))
+            return "not found" in str(exc)
+        self._log.info("lease_revoked", lease_id=lease_id)
+        return True
 
     # -- the watch: wake the loop on any change -----------------------------------------
 

@@ -201,16 +201,6 @@ async def test_paused_leader_is_fenced_and_becomes_a_standby(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "known regression of the one-leadership-stack merge (issue 22, open): after etcd "
-        "comes back, leadership can change hands more than once within a TTL (audit "
-        "epochs {7, 10}, or a second node leading right after the first), where the old "
-        "single-key elector settled on one leader; the leader still stops acting within "
-        "the TTL and fencing keeps every write to one epoch at a time"
-    ),
-)
 @pytest.mark.parametrize("fault", ["partition", "crash"])
 async def test_etcd_unreachable_leader_stops_acting_then_one_leader_again(
     tmp_path: Path,

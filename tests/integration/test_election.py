@@ -20,7 +20,9 @@ import aetcd
 import pytest
 import pytest_asyncio
 
+from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.errors import LeadershipLost, ServiceUnavailable
+from scheduler.leadership.elector import Elector, ShardEvent
 from tests.support.election import SingleKey, Term
 from tests.support.etcd import PrivateEtcd, free_port
 from tests.support.proxy import FaultProxy
@@ -392,3 +394,84 @@ async def test_frozen_etcd_leader_steps_down_and_standby_wins_after_thaw(
         assert notice < TTL
         assert second.epoch > first.epoch
         assert await b.current_leader() == ("node-b", second.epoch)
+
+
+async def test_lease_granted_late_is_confirmed_before_campaigning(
+    etcd: PrivateEtcd, prefix: str
+) -> None:
+    """A grant held by a partition arrives with its window nearly spent (the window counts
+    from when the request was sent). The node must not win on that remnant: it would lose
+    the shard within milliseconds and leadership would change hands again after every
+    outage. It confirms the lease first, wins once and keeps leading."""
+    gained: list[tuple[int, float]] = []
+    elector: Elector | None = None
+
+    async def handler(event: ShardEvent) -> None:
+        if event.kind == "gained":
+            assert elector is not None
+            until = elector.valid_until()
+            gained.append((event.term.epoch, (until or 0.0) - time.monotonic()))
+
+    async with FaultProxy.for_endpoint(etcd.endpoint) as proxy:
+        proxy.blackhole(True)  # the first grant is held, as during a partition
+        elector = Elector(
+            [proxy.endpoint], prefix, "node-a", [DEFAULT_SHARD], ttl=TTL,
+            call_timeout=3.0, handler=handler,
+        )  # fmt: skip
+        await elector.start()
+        try:
+            # Heal when the held grant has ~0.2 s of its 1.6 s window left.
+            await asyncio.sleep(TTL - elector.safety_margin - 0.2)
+            proxy.heal()
+            await wait_for(lambda: gained, timeout=5, message="gained after the heal")
+            await asyncio.sleep(TTL * 1.5)  # observation window: it must still lead
+            assert len(gained) == 1, gained
+            epoch, left = gained[0]
+            assert left >= elector.renew_interval / 2, f"won with {left:.3f}s of trust left"
+            assert elector.is_leader(DEFAULT_SHARD)
+            term = elector.term(DEFAULT_SHARD)
+            assert term is not None and term.epoch == epoch
+        finally:
+            await elector.stop()
+
+
+async def test_lease_given_up_during_an_outage_is_revoked_once_etcd_is_back(
+    prefix: str,
+) -> None:
+    """A restarted etcd renews the leases it kept, so the key of a node that lost its
+    lease during the outage would block the shard for a whole TTL after etcd is back.
+    The node revokes that lease as soon as etcd answers: it leads again well before the
+    old lease could have expired."""
+    ttl = 6.0
+    async with PrivateEtcd() as server:
+        gained: list[float] = []
+
+        async def handler(event: ShardEvent) -> None:
+            if event.kind == "gained":
+                gained.append(time.monotonic())
+
+        elector = Elector(
+            server.endpoints, prefix, "node-a", [DEFAULT_SHARD], ttl=ttl,
+            call_timeout=CALL_TIMEOUT, handler=handler,
+        )  # fmt: skip
+        await elector.start()
+        try:
+            await wait_for(lambda: gained, timeout=10, message="first term")
+            first = elector.term(DEFAULT_SHARD)
+            assert first is not None
+            await server.stop()
+            await wait_for(
+                lambda: not elector.is_leader(DEFAULT_SHARD), timeout=ttl + 1,
+                message="term lost while etcd is down",
+            )  # fmt: skip
+            await server.start()
+            back = time.monotonic()
+            await wait_for(lambda: len(gained) == 2, timeout=ttl * 3, message="leads again")
+            took = gained[1] - back
+            print(f"\nMEASURE lead_again_after_etcd_restart={took:.3f}s")
+            assert took < ttl - 1.0, f"waited {took:.3f}s: the old lease was left to expire"
+            term = elector.term(DEFAULT_SHARD)
+            assert term is not None and term.epoch > first.epoch
+            assert term.lease_id != first.lease_id
+        finally:
+            await elector.stop()
