@@ -41,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BulkPreview",
     "ConfigError",
+    "DeclaredSchedule",
     "DuetimeError",
     "DuplicateTask",
     "Fail",
@@ -57,6 +58,8 @@ __all__ = [
     "RetryPolicy",
     "RoutedJob",
     "Schedule",
+    "ScheduleConflict",
+    "ScheduleDeclaration",
     "ScheduleNotFound",
     "ScheduleSpec",
     "ScheduleStore",
@@ -79,6 +82,7 @@ if TYPE_CHECKING:
     from scheduler import (
         BulkPreview,
         ConfigError,
+        DeclaredSchedule,
         DuetimeError,
         InvalidInput,
         InvalidTransition,
@@ -89,6 +93,8 @@ if TYPE_CHECKING:
         JobStore,
         RoutedJob,
         Schedule,
+        ScheduleConflict,
+        ScheduleDeclaration,
         ScheduleNotFound,
         ScheduleSpec,
         ScheduleStore,

@@ -45,6 +45,9 @@ _EXPORTS: dict[str, str] = {
     "ScheduleSpec": "scheduler.planning",
     "Schedule": "scheduler.planning",
     "ScheduleNotFound": "scheduler.planning",
+    "ScheduleDeclaration": "scheduler.planning.declared",
+    "DeclaredSchedule": "scheduler.planning.declared",
+    "ScheduleConflict": "scheduler.store.schedules",
     # errors (the tree is drawn in scheduler/errors.py)
     "DuetimeError": "scheduler.errors",
     "ConfigError": "scheduler.errors",
@@ -58,6 +61,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "BulkPreview",
     "ConfigError",
+    "DeclaredSchedule",
     "DuetimeError",
     "InvalidInput",
     "InvalidTransition",
@@ -68,6 +72,8 @@ __all__ = [
     "JobStore",
     "RoutedJob",
     "Schedule",
+    "ScheduleConflict",
+    "ScheduleDeclaration",
     "ScheduleNotFound",
     "ScheduleSpec",
     "ScheduleStore",
@@ -95,10 +101,11 @@ if TYPE_CHECKING:
     )
     from scheduler.jobspec import JobSpec
     from scheduler.planning import Schedule, ScheduleNotFound, ScheduleSpec
+    from scheduler.planning.declared import DeclaredSchedule, ScheduleDeclaration
     from scheduler.shards.router import RoutedJob, ShardRouter
     from scheduler.store.jobs import BulkPreview, JobFilter, JobStore
     from scheduler.store.rows import Job
-    from scheduler.store.schedules import ScheduleStore
+    from scheduler.store.schedules import ScheduleConflict, ScheduleStore
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""``duetime schedules add|list|show|pause|resume|remove|trigger``.
+"""``duetime schedules add|apply|list|show|pause|resume|remove|trigger``.
 
 Every value is checked before the database is touched (a bad cron expression, time
 zone, interval or policy exits 2 with one ``duetime: error:`` line naming it), so these
@@ -8,8 +8,11 @@ options are parsed here rather than by argparse types, whose errors look differe
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -33,10 +36,12 @@ from scheduler.planning import (
     DEFAULT_MISFIRE_CAP,
     Schedule,
     ScheduleSpec,
+    format_duration,
     upcoming_fire_times,
 )
+from scheduler.planning.declared import SOURCE_PATTERN, Change, parse_declaration
 from scheduler.store.rows import Job
-from scheduler.store.schedules import ScheduleStore
+from scheduler.store.schedules import ScheduleConflict, ScheduleStore
 
 LIST_COLUMNS = (
     "id", "name", "task", "every", "timezone", "next_fire_at", "paused", "fired_count",
@@ -107,6 +112,34 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     show.add_argument("--json", action="store_true")
     add_shard_option(show)
     show.set_defaults(func=run_show)
+
+    apply = ssub.add_parser(
+        "apply",
+        parents=[common],
+        help="create or update the schedules a TOML file declares",
+        description="Make the schedules agree with FILE (schedules as code): create the "
+        "missing, redefine the changed (their jobs planned ahead are cancelled and they are "
+        "planned again from now), leave the rest alone; idempotent and safe to run from "
+        "every deploy at once. A schedule made by hand is never changed or removed unless "
+        "--adopt. See docs/api.md 'Schedules as code'.",
+    )
+    apply.add_argument("file", help="the declaration (TOML)")
+    apply.add_argument("--dry-run", action="store_true", help="print the changes, write nothing")
+    apply.add_argument(
+        "--prune", action="store_true",
+        help="remove this source's schedules the file no longer declares",
+    )  # fmt: skip
+    apply.add_argument(
+        "--adopt", action="store_true",
+        help="manage same-named schedules made by hand or by another source from this file",
+    )  # fmt: skip
+    apply.add_argument(
+        "--source", metavar="NAME",
+        help="who owns these schedules (overrides the file's 'source'; default: its name)",
+    )  # fmt: skip
+    apply.add_argument("--json", action="store_true")
+    add_shard_option(apply)
+    apply.set_defaults(func=run_apply)
 
     actions = (
         ("pause", "stop planning (jobs planned ahead are cancelled)", run_pause),
@@ -272,6 +305,73 @@ async def _cancelling_planned(
         {"schedule": schedule.to_dict(), "cancelled_jobs": cancelled},
         text.format(schedule.id, schedule.name, cancelled),
     )
+
+
+async def run_apply(args: argparse.Namespace, settings: Settings) -> int:
+    path = Path(args.file)
+    try:
+        text = await asyncio.to_thread(path.read_text, encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"cannot read {args.file}: {exc}") from None
+    declaration = parse_declaration(text, origin=str(path), default_source=path.name)
+    if args.source is not None:
+        if SOURCE_PATTERN.fullmatch(args.source) is None:
+            raise InvalidInput(
+                f"--source must be 1-200 characters [A-Za-z0-9_.:/-] (got {args.source!r})"
+            )
+        declaration = dataclasses.replace(declaration, source=args.source)
+    async with opened(settings, ScheduleStore, shard=args.shard) as store:
+        try:
+            result = await store.apply(
+                declaration, prune=args.prune, adopt=args.adopt, dry_run=args.dry_run
+            )
+        except ScheduleConflict as exc:
+            raise InvalidInput(f"{exc} (--adopt takes them over)") from None
+    if args.json:
+        print_json(
+            {
+                "source": result.source,
+                "dry_run": result.dry_run,
+                "changes": [c.to_dict() for c in result.changes],
+                "cancelled_jobs": result.cancelled,
+            }
+        )
+        return 0
+    verb = "would apply (dry run, nothing written)" if result.dry_run else "applied"
+    counts = ", ".join(
+        f"{result.count(kind)} {label}"
+        for kind, label in (
+            ("create", "created"), ("update", "updated"), ("unchanged", "unchanged"),
+            ("remove", "removed"), ("undeclared", "undeclared"),
+        )
+        if result.count(kind)
+    )  # fmt: skip
+    say(f"{verb} {path} (source {result.source!r}): {counts or 'nothing declared'}")
+    for change in result.changes:
+        line = _change_line(change, result.cancelled.get(change.name, 0))
+        if line:
+            say(line)
+    return 0
+
+
+def _change_line(change: Change, cancelled: int) -> str | None:
+    planned = f" ({cancelled} planned job(s) cancelled)" if cancelled else ""
+    if change.kind == "create":
+        assert change.declared is not None
+        spec = change.declared.spec
+        timing = f"cron {spec.cron!r} in {spec.timezone}" if spec.cron else (
+            f"every {format_duration(spec.interval)}"
+            if isinstance(spec.interval, timedelta) else "")  # fmt: skip
+        paused = " (paused)" if change.declared.paused else ""
+        return f"+ {change.name}: {spec.task}, {timing}{paused}"
+    if change.kind == "update":
+        fields = "; ".join(f"{k} {a} -> {b}" for k, (a, b) in change.fields.items())
+        return f"~ {change.name}: {fields}{planned}"
+    if change.kind == "remove":
+        return f"- {change.name}: removed{planned}"
+    if change.kind == "undeclared":
+        return f"? {change.name}: no longer declared, kept (--prune removes it)"
+    return None
 
 
 async def run_trigger(args: argparse.Namespace, settings: Settings) -> int:

@@ -187,12 +187,16 @@ class Schedule:
     created_at: datetime
     updated_at: datetime
     finished: bool = False  # no fire time left before end_at
+    managed_by: str | None = None  # the declaration that owns it (schedules as code)
 
     @classmethod
     def from_record(cls, record: Any) -> Schedule:
         """From an asyncpg Record (or any mapping) of ``SELECT *, ... AS finished``."""
-        values = {name: record[name] for name in cls.__slots__ if name != "finished"}
-        return cls(**values, finished=bool(record.get("finished")))
+        optional = ("finished", "managed_by")
+        values = {name: record[name] for name in cls.__slots__ if name not in optional}
+        return cls(
+            **values, finished=bool(record.get("finished")), managed_by=record.get("managed_by")
+        )
 
     @property
     def anchor(self) -> datetime:

@@ -176,3 +176,42 @@ RETURNING s.id, coalesce(l.n, 0)::integer AS fired;
 SELECT extract(epoch FROM min(coalesce(plan_at, '-infinity'::timestamptz)))::float8
   FROM duetime.schedules
  WHERE NOT paused;
+
+-- Schedules as code (ScheduleStore.apply, scheduler/planning/declared.py) ---------------
+
+-- name: apply_lock
+-- Serialises applies, so every deploy may run one at once: the second sees what the
+-- first wrote and has nothing left to do. One constant key of the bigint form, apart
+-- from the attempt guard's two-int4 keys (0012).
+SELECT pg_advisory_xact_lock(hashtextextended('duetime:schedules:apply', 0));
+
+-- name: declared_or_managed
+-- The schedules an apply compares with: those named by the declaration and those its
+-- source owns.
+SELECT *, plan_at = 'infinity' AS finished
+  FROM duetime.schedules
+ WHERE name = ANY ($1::text[]) OR managed_by = $2
+ ORDER BY id;
+
+-- name: insert_managed
+INSERT INTO duetime.schedules (name, task, payload, queue, max_attempts, cron, interval,
+                               timezone, start_at, end_at, paused, misfire_policy,
+                               misfire_cap, overlap_policy, jitter, managed_by)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+RETURNING *, plan_at = 'infinity' AS finished;
+
+-- name: reset_cancelled
+-- Between two changes of one apply: the next planned_cancelled counts only its own.
+SELECT set_config('duetime.planned_jobs_cancelled', '0', true);
+
+-- name: redefine
+-- A declaration's new definition, after `pause` cancelled the jobs planned ahead under
+-- the old one: planned again from now (next_fire_at and plan_at NULL), the old error
+-- cleared. The before-update trigger keeps updated_at.
+UPDATE duetime.schedules
+   SET task = $2, payload = $3, queue = $4, max_attempts = $5, cron = $6, interval = $7,
+       timezone = $8, start_at = $9, end_at = $10, paused = $11, misfire_policy = $12,
+       misfire_cap = $13, overlap_policy = $14, jitter = $15, managed_by = $16,
+       last_error = NULL, next_fire_at = NULL, plan_at = NULL
+ WHERE id = $1
+RETURNING *, plan_at = 'infinity' AS finished;

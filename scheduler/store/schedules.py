@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
@@ -18,12 +19,13 @@ import asyncpg
 from scheduler.errors import InvalidInput
 from scheduler.log import get_logger
 from scheduler.planning import PlanDecision, Schedule, ScheduleNotFound, ScheduleSpec
+from scheduler.planning.declared import Change, ScheduleDeclaration, diff
 from scheduler.sql import compose, fragment, load
 from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.jobs import NOTIFY_HORIZON
 from scheduler.store.rows import UNREADABLE, ClaimedSchedule, Job
 
-__all__ = ["NOTIFY_CHANNEL", "ClaimedSchedule", "ScheduleStore"]
+__all__ = ["NOTIFY_CHANNEL", "ApplyResult", "ClaimedSchedule", "ScheduleConflict", "ScheduleStore"]
 
 Q = load("schedules")
 CLAIMED = fragment("schedules", "claimed_columns")
@@ -139,6 +141,78 @@ class ScheduleStore(PooledStore):
             raise ScheduleNotFound(ref)
         return Job.from_record(record)
 
+    async def apply(
+        self,
+        declaration: ScheduleDeclaration,
+        *,
+        prune: bool = False,
+        adopt: bool = False,
+        dry_run: bool = False,
+    ) -> ApplyResult:
+        """Make the stored schedules agree with ``declaration`` (schedules as code,
+        :mod:`scheduler.planning.declared`), in one transaction.
+
+        Creates what is missing, redefines what differs (jobs planned ahead under the old
+        definition and not yet due are cancelled, and it is planned again from now),
+        leaves what agrees untouched (no write: applying twice changes nothing), and with
+        ``prune`` removes the schedules of the declaration's source it no longer names.
+        A name already used by a schedule made by hand or by another source is a
+        conflict: nothing is written and ``ScheduleConflict`` is raised, unless ``adopt``.
+        Concurrent applies are serialised, so every deploy may run one at once.
+        ``dry_run`` computes the same changes and writes nothing."""
+        names = sorted(declaration.names)
+        async with self._db.acquire() as c, c.transaction():
+            await c.execute(Q["apply_lock"])
+            records = await c.fetch(Q["declared_or_managed"], names, declaration.source)
+            changes = diff(
+                declaration, [Schedule.from_record(r) for r in records], prune=prune, adopt=adopt
+            )
+            conflicts = [ch for ch in changes if ch.kind == "conflict"]
+            if conflicts:
+                raise ScheduleConflict(conflicts)
+            cancelled: dict[str, int] = {}
+            if not dry_run:
+                for change in changes:
+                    if change.writes:
+                        cancelled[change.name] = await self._write(c, change, declaration.source)
+        return ApplyResult(declaration.source, changes, cancelled, dry_run)
+
+    async def _write(self, c: Conn, change: Change, source: str) -> int:
+        """One change of an apply; returns how many planned jobs it cancelled."""
+        if change.kind == "create":
+            assert change.declared is not None
+            spec = change.declared.spec
+            paused = bool(change.declared.paused)
+            try:
+                await c.fetchrow(Q["insert_managed"], *_columns(spec), paused,
+                                 *_policies(spec), source)  # fmt: skip
+            except asyncpg.CheckViolationError as exc:
+                raise InvalidInput(
+                    f"schedule {spec.name!r}: the database refused it "
+                    f"({exc.constraint_name}): {exc}"
+                ) from None
+            return 0
+        assert change.stored is not None
+        schedule_id = change.stored.id
+        await c.fetchval(Q["lock"], schedule_id)
+        await c.fetchrow(Q["pause" if change.kind == "update" else "delete"], schedule_id)
+        cancelled = int(await c.fetchval(Q["planned_cancelled"]))
+        await c.execute(Q["reset_cancelled"])
+        if change.kind == "update":
+            assert change.declared is not None
+            spec = change.declared.spec
+            declared = change.declared.paused
+            paused = change.stored.paused if declared is None else declared
+            try:
+                await c.fetchrow(Q["redefine"], schedule_id, *_columns(spec)[1:], paused,
+                                 *_policies(spec), source)  # fmt: skip
+            except asyncpg.CheckViolationError as exc:
+                raise InvalidInput(
+                    f"schedule {spec.name!r}: the database refused it "
+                    f"({exc.constraint_name}): {exc}"
+                ) from None
+        return cancelled
+
     async def recent_runs(self, schedule_id: int, limit: int = 10) -> builtins.list[Job]:
         async with self._db.acquire() as c:
             records = await c.fetch(Q["recent_runs"], schedule_id, limit)
@@ -225,3 +299,36 @@ class ScheduleStore(PooledStore):
         async with self._db.acquire() as conn:
             value = await conn.fetchval(Q["next_plan_at"])
         return None if value is None else float(value)
+
+
+def _columns(spec: ScheduleSpec) -> tuple[object, ...]:
+    """name .. end_at, in the order of the insert statements."""
+    return (spec.name, spec.task, spec.payload, spec.queue, spec.max_attempts, spec.cron,
+            spec.interval, spec.timezone, spec.start_at, spec.end_at)  # fmt: skip
+
+
+def _policies(spec: ScheduleSpec) -> tuple[object, ...]:
+    return (spec.misfire_policy, spec.misfire_cap, spec.overlap_policy, spec.jitter)
+
+
+class ScheduleConflict(InvalidInput):
+    """A declaration names schedules made by hand or by another source."""
+
+    def __init__(self, conflicts: Sequence[Change]) -> None:
+        shown = "; ".join(f"{c.name!r} {c.reason}" for c in conflicts[:3])
+        more = f" (and {len(conflicts) - 3} more)" if len(conflicts) > 3 else ""
+        super().__init__(f"{len(conflicts)} conflict(s), nothing applied: {shown}{more}")
+        self.conflicts = list(conflicts)
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What an apply did (or, ``dry_run``, would do)."""
+
+    source: str
+    changes: builtins.list[Change]
+    cancelled: dict[str, int]  # name -> planned jobs cancelled by its redefinition/removal
+    dry_run: bool
+
+    def count(self, kind: str) -> int:
+        return sum(1 for c in self.changes if c.kind == kind)

@@ -15,6 +15,10 @@ from typing import Any
 import pytest
 from playwright.async_api import expect
 
+from scheduler import db
+from scheduler.planning import ScheduleSpec
+from scheduler.planning.declared import ScheduleDeclaration
+from scheduler.store.schedules import ScheduleStore
 from tests.dashboard.conftest import Cluster, free_port
 from tests.support.procs import Processes, duetime_argv
 from tests.support.wait import wait_for
@@ -79,3 +83,21 @@ async def test_sigterm_stops_gracefully(cluster: Cluster) -> None:
     assert "dashboard_stopped" in served.process.output()
     status, _ = await asyncio.to_thread(get, served.url + "/healthz")
     assert status == 0
+
+
+async def test_schedule_page_says_which_declaration_manages_it(
+    cluster: Cluster, migrated_dsn: str
+) -> None:
+    pool = await db.create_pool(migrated_dsn, max_size=2)
+    try:
+        store = ScheduleStore(pool)
+        spec = ScheduleSpec(name="declared-one", task="tick", interval="1m")
+        await store.apply(ScheduleDeclaration.of("billing", [spec]))
+        await store.add(ScheduleSpec(name="by-hand", task="tick", interval="1m"))
+    finally:
+        await pool.close()
+    served = await cluster.start_dashboard(env={"DUETIME_DATABASE_URL": migrated_dsn})
+    status, body = await asyncio.to_thread(get, served.url + "/schedules/declared-one")
+    assert status == 200 and "<code>billing</code> (schedules as code" in body
+    status, body = await asyncio.to_thread(get, served.url + "/schedules/by-hand")
+    assert status == 200 and "hand (CLI, API or SQL)" in body

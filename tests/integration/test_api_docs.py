@@ -53,6 +53,7 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "bulk_enqueue",
         "schedules.add(",
         "schedules.pause(",
+        "schedules.apply(",
         "ctx.db",
         "raise Retry(",
         "raise Fail(",
@@ -220,6 +221,10 @@ async def check_effects(conn: asyncpg.Connection) -> None:
     assert nightly["misfire_policy"] == "fire_once"
     hourly = await conn.fetchrow("SELECT * FROM duetime.schedules WHERE name = 'sync-prices'")
     assert hourly["paused"] and hourly["interval"].total_seconds() == 3600
+    declared = await conn.fetch(
+        "SELECT name, paused FROM duetime.schedules WHERE managed_by = 'billing' ORDER BY name"
+    )
+    assert [tuple(r) for r in declared] == [("invoice-retries", True), ("nightly-invoices", False)]
 
     # the worker ran the jobs of the first example too; the duplicate key was settled by
     # the ledger without a second receipt
