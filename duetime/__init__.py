@@ -39,6 +39,7 @@ __version__ = "0.1.0"
 
 #: ``scheduler``'s names (producer side) and ``workers``' names (worker side)
 __all__ = [
+    "AttemptAbandoned",
     "BulkPreview",
     "ConfigError",
     "DuetimeError",
@@ -63,6 +64,7 @@ __all__ = [
     "ServiceUnavailable",
     "Settings",
     "ShardRouter",
+    "SyncJobContext",
     "TaskSpec",
     "UniqueKeyTaken",
     "Worker",
@@ -102,12 +104,14 @@ if TYPE_CHECKING:
         pool_from_settings,
     )
     from workers import (
+        AttemptAbandoned,
         DuplicateTask,
         Fail,
         JobContext,
         Registry,
         Retry,
         RetryPolicy,
+        SyncJobContext,
         TaskSpec,
         Worker,
         default_registry,

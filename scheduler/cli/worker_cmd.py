@@ -62,6 +62,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="handlers run at once = prefetch (env DUETIME_WORKER_CONCURRENCY; default 16)",
     )
     parser.add_argument(
+        "--threads",
+        dest="worker_threads",
+        type=positive_int,
+        action=SettingOverride,
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="threads for plain def handlers (env DUETIME_WORKER_THREADS; default: concurrency)",
+    )
+    parser.add_argument(
         "--grace-period",
         dest="worker_grace_period",
         action=SettingOverride,

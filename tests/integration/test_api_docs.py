@@ -56,6 +56,7 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "ctx.db",
         "raise Retry(",
         "raise Fail(",
+        "def archive_receipt(ctx: SyncJobContext",
         "from duetime.testing import run_task",
         "run_task(",
         "ShardRouter.open(settings",
@@ -125,6 +126,7 @@ async def test_every_example_runs_and_has_its_effect(
             await conn.close()
             await procs.stop_all()
     assert "handler test passed" in outputs[-2]
+    assert any("plain def handler test passed" in out for out in outputs), outputs
     # without DUETIME_SHARDS the router's one shard is the database itself
     assert any("on shard main" in out and "bulk {'main': 4}" in out for out in outputs), outputs
 
