@@ -4,6 +4,7 @@ Producers::
 
     from duetime import JobStore, ScheduleSpec, ScheduleStore, create_pool, load_settings
     from duetime import ShardRouter  # one store per shard, jobs routed by key
+    from duetime import enqueue  # from psycopg / SQLAlchemy / Django, in their transaction
 
 Handlers and workers::
 
@@ -68,9 +69,12 @@ __all__ = [
     "TaskSpec",
     "UniqueKeyTaken",
     "Worker",
+    "bulk_enqueue",
     "connect",
     "create_pool",
     "default_registry",
+    "enqueue",
+    "enqueue_async",
     "load_settings",
     "pool_from_settings",
     "run_worker",
@@ -98,8 +102,11 @@ if TYPE_CHECKING:
         Settings,
         ShardRouter,
         UniqueKeyTaken,
+        bulk_enqueue,
         connect,
         create_pool,
+        enqueue,
+        enqueue_async,
         load_settings,
         pool_from_settings,
     )
