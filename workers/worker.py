@@ -232,8 +232,11 @@ class Worker:
     async def run(self) -> int:
         """Run until SIGTERM/SIGINT, then stop gracefully; exit status 0. Too many
         abandoned handler threads (``workers.threads``) stop it the same way, with exit
-        status ``RESTART_EXIT_STATUS``."""
+        status ``RESTART_EXIT_STATUS`` (not when they were abandoned by the stop itself:
+        handlers cancelled after the grace period)."""
         from scheduler.service import Service
+
+        restart = False
 
         async with Service(
             "worker",
@@ -248,9 +251,11 @@ class Worker:
                 service.ready()
                 service.status(f"consuming {', '.join(self.queues)}")
                 await _first(service.stop_event, self.restart_requested)
+                # asked to stop (SIGTERM) first: a normal stop, whatever happens after
+                restart = not service.stop_event.is_set()
             finally:
                 await self.stop()
-        if self.restart_requested.is_set():
+        if restart:
             log.error("worker_exit_for_restart", exit_status=RESTART_EXIT_STATUS)
             return RESTART_EXIT_STATUS
         return 0

@@ -124,3 +124,55 @@ async def test_a_child_that_cannot_start_fails_the_command(
     gave_up = _events(out, "worker_processes_giving_up")
     assert gave_up and gave_up[0]["index"] == 1, supervisor.tail()
     assert len([e for e in _events(out, "worker_process_exited") if e["index"] == 1]) == 5
+
+
+async def test_too_many_abandoned_threads_restart_the_worker_process(
+    procs: Processes,
+    test_env: dict[str, str],
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    unique: str,
+) -> None:
+    """``DUETIME_WORKER_MAX_ABANDONED_THREADS=0``: the first plain def handler that
+    overruns its timeout (its thread still blocked) makes the worker stop gracefully and
+    exit 75; under ``--processes`` the supervisor starts it again, and the job was
+    settled as a failed attempt with its write rolled back."""
+    argv = duetime_argv(
+        "worker", "--import", TASKS, "--queue", queue, "--concurrency", "2",
+        "--processes", "2", "--grace-period", "2",
+    )  # fmt: skip
+    env = {
+        **test_env,
+        "DUETIME_NODE_ID": f"ab-{unique}",
+        "DUETIME_LOG_LEVEL": "info",
+        "DUETIME_WORKER_MAX_ABANDONED_THREADS": "0",
+    }
+    supervisor = procs.spawn(argv, name="supervisor", env=env)
+
+    async def consumers(n: int) -> bool:
+        return (await queue_depth(channel, queue))[1] == n
+
+    await wait_for(lambda: consumers(2), timeout=30, message=supervisor.tail())
+    job = await dispatched_job(db_pool, "fixtures.sync_stuck", {"block": 30}, queue=queue)
+    await publish(channel, queue, job.message(1))
+
+    def exited_75() -> bool:
+        return any(
+            e["exit_status"] == 75 for e in _events(supervisor.output(), "worker_process_exited")
+        )
+
+    await wait_for(exited_75, timeout=30, message=supervisor.tail())
+    out = supervisor.output()
+    assert _events(out, "worker_abandoned_threads_exceeded"), supervisor.tail()
+    assert _events(out, "worker_exit_for_restart"), supervisor.tail()
+    row = await job_row(db_pool, job)
+    assert (row["status"], row["attempt"]) == ("pending", 2), dict(row)
+    assert "exceeded its timeout of 0.5s" in row["last_error"]
+    assert (
+        await db_pool.fetchval("SELECT count(*) FROM worker_test_effects WHERE job_id = $1", job.id)
+        == 0
+    )
+    await wait_for(lambda: consumers(2), timeout=30, message=supervisor.tail())  # restarted
+    supervisor.sigterm()
+    assert await supervisor.wait(timeout=40) == 0, supervisor.tail()
