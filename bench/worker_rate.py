@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from workers import JobContext, task
+from workers import JobContext, SyncJobContext, task
 
 REPO = Path(__file__).resolve().parents[1]
 EFFECTS_TABLE = "bench_worker_effects"
@@ -60,6 +60,35 @@ HANDLERS = (
     ("insert", "bench.insert"),
     ("insert_shared", "bench.insert_shared"),
 )
+
+
+@task("bench.sync_sleep")
+def sync_sleep(ctx: SyncJobContext, payload: dict[str, Any]) -> None:
+    """A plain def handler blocked 200 ms (a synchronous API call): runs on a thread."""
+    time.sleep(IO_SECONDS)
+
+
+@task("bench.sync_insert")
+def sync_insert(ctx: SyncJobContext, payload: dict[str, Any]) -> None:
+    """``bench.insert`` as a plain def: the INSERT through the synchronous ctx.db."""
+    ctx.db.execute(f"INSERT INTO {EFFECTS_TABLE} (job_id) VALUES ($1)", ctx.job_id)
+
+
+#: Iterations of ``burn``: about 40-60 ms of one core in CPython 3.11.
+CPU_ITERATIONS = 1_000_000
+
+
+def burn(iterations: int = CPU_ITERATIONS) -> int:
+    total = 0
+    for i in range(iterations):
+        total += i * i
+    return total
+
+
+@task("bench.cpu")
+def cpu_bound(ctx: SyncJobContext, payload: dict[str, Any]) -> None:
+    """CPU-bound pure Python (holds the GIL): only more processes make it faster."""
+    burn()
 
 
 @task("bench.io")
@@ -153,6 +182,7 @@ async def _drain(
     concurrency: int,
     *,
     trace_to: Path | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     from scheduler import db
 
@@ -167,6 +197,8 @@ async def _drain(
         str(Path(sys.executable).parent / "duetime"), "worker", "--import", "bench.worker_rate",
         "--queue", queue, "--concurrency", str(concurrency),
     ]  # fmt: skip
+    if processes > 1:  # the supervisor: the CPU figure below is its own, not the workers'
+        argv += ["--processes", str(processes)]
     conn = await db.connect(dsn)
     started = time.monotonic()
     quiet = "BENCH_WORKER_LOG_LEVEL" not in os.environ
@@ -222,6 +254,7 @@ async def _drain(
     return {
         "jobs": jobs,
         "concurrency": concurrency,
+        "processes": processes,
         "worker_cpu_ms_per_job": cpu_ms,
         "jobs_per_s": round((jobs - 1) / span, 1) if span else None,
         "drain_s": round(span, 3),
@@ -250,13 +283,24 @@ async def measure(
     concurrency: int,
     *,
     trace_to: Path | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
-    """One drain of ``jobs`` pre-published jobs of ``task_name`` by one worker process,
-    on an already migrated database ``dsn``."""
+    """One drain of ``jobs`` pre-published jobs of ``task_name`` by one worker process
+    (or ``processes`` under ``duetime worker --processes``), on an already migrated
+    database ``dsn``."""
     queue = f"bench-{label}-{uuid.uuid4().hex[:6]}"
     await _prepare(dsn, amqp_url, queue, task_name, jobs)
     try:
-        return await _drain(dsn, amqp_url, queue, task_name, jobs, concurrency, trace_to=trace_to)
+        return await _drain(
+            dsn,
+            amqp_url,
+            queue,
+            task_name,
+            jobs,
+            concurrency,
+            trace_to=trace_to,
+            processes=processes,
+        )
     finally:
         await _delete_queue(amqp_url, queue)
 

@@ -4,6 +4,7 @@ Producers::
 
     from duetime import JobStore, ScheduleSpec, ScheduleStore, create_pool, load_settings
     from duetime import ShardRouter  # one store per shard, jobs routed by key
+    from duetime import enqueue  # from psycopg / SQLAlchemy / Django, in their transaction
 
 Handlers and workers::
 
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 #: ``scheduler``'s names (producer side) and ``workers``' names (worker side)
 __all__ = [
+    "AttemptAbandoned",
     "BulkPreview",
     "ConfigError",
     "DeclaredSchedule",
@@ -66,12 +68,16 @@ __all__ = [
     "ServiceUnavailable",
     "Settings",
     "ShardRouter",
+    "SyncJobContext",
     "TaskSpec",
     "UniqueKeyTaken",
     "Worker",
+    "bulk_enqueue",
     "connect",
     "create_pool",
     "default_registry",
+    "enqueue",
+    "enqueue_async",
     "load_settings",
     "pool_from_settings",
     "run_worker",
@@ -102,18 +108,23 @@ if TYPE_CHECKING:
         Settings,
         ShardRouter,
         UniqueKeyTaken,
+        bulk_enqueue,
         connect,
         create_pool,
+        enqueue,
+        enqueue_async,
         load_settings,
         pool_from_settings,
     )
     from workers import (
+        AttemptAbandoned,
         DuplicateTask,
         Fail,
         JobContext,
         Registry,
         Retry,
         RetryPolicy,
+        SyncJobContext,
         TaskSpec,
         Worker,
         default_registry,

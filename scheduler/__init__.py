@@ -37,6 +37,10 @@ _EXPORTS: dict[str, str] = {
     "BulkPreview": "scheduler.store.jobs",
     "JobSpec": "scheduler.jobspec",
     "Job": "scheduler.store.rows",
+    # enqueue in the caller's transaction from psycopg, SQLAlchemy, Django (and asyncpg)
+    "enqueue": "scheduler.store.sync_jobs",
+    "bulk_enqueue": "scheduler.store.sync_jobs",
+    "enqueue_async": "scheduler.store.sync_jobs",
     # producers on several shards (one shard, "main", when none are configured)
     "ShardRouter": "scheduler.shards.router",
     "RoutedJob": "scheduler.shards.router",
@@ -81,8 +85,11 @@ __all__ = [
     "Settings",
     "ShardRouter",
     "UniqueKeyTaken",
+    "bulk_enqueue",
     "connect",
     "create_pool",
+    "enqueue",
+    "enqueue_async",
     "load_settings",
     "pool_from_settings",
 ]
@@ -106,6 +113,7 @@ if TYPE_CHECKING:
     from scheduler.store.jobs import BulkPreview, JobFilter, JobStore
     from scheduler.store.rows import Job
     from scheduler.store.schedules import ScheduleConflict, ScheduleStore
+    from scheduler.store.sync_jobs import bulk_enqueue, enqueue, enqueue_async
 
 
 def __getattr__(name: str) -> Any:

@@ -100,6 +100,14 @@ UNIQUE_CONFLICTS = Counter(
 JOB_DURATION = Histogram(
     "duetime_job_duration_seconds", "handler run time", ["shard", "task"], buckets=LAG_BUCKETS
 )
+THREADS_ABANDONED = Counter(
+    "duetime_worker_threads_abandoned_total",
+    "plain def handlers whose attempt timed out or was stopped while their thread ran on",
+)
+THREADS_ABANDONED_ALIVE = Gauge(
+    "duetime_worker_abandoned_threads",
+    "abandoned handler threads still running (past max_abandoned_threads the worker restarts)",
+)
 RECONCILED = Counter("duetime_reconciled_total", "stalled dispatched jobs re-published", ["shard"])
 JOBS_PARKED = Counter(
     "duetime_jobs_parked_total",

@@ -14,6 +14,10 @@ Write tasks::
         await mailer.send(..., idempotency_key=ctx.idempotency_key)
         await ctx.db.execute("UPDATE users SET emailed_at = now() WHERE id = $1", ...)
 
+    @task("resize")                                 # a plain def: runs on a handler thread
+    def resize(ctx: SyncJobContext, payload: dict) -> None:
+        ctx.db.execute("UPDATE images SET done = true WHERE id = $1", payload["id"])
+
 and run them: ``duetime worker --import myapp.tasks --queue default --concurrency 64``,
 or from Python with ``Worker`` / ``run_worker``. The names below are the whole worker
 API (``docs/api.md``, spelled ``from duetime import ...``); ``duetime.testing`` runs one
@@ -27,15 +31,18 @@ once (they commit in the same transaction as the idempotency-ledger row and the 
 from workers.context import JobContext
 from workers.registry import DuplicateTask, Registry, TaskSpec, default_registry, task
 from workers.retry import Fail, Retry, RetryPolicy
+from workers.sync_db import AttemptAbandoned, SyncJobContext
 from workers.worker import Worker, run_worker
 
 __all__ = [
+    "AttemptAbandoned",
     "DuplicateTask",
     "Fail",
     "JobContext",
     "Registry",
     "Retry",
     "RetryPolicy",
+    "SyncJobContext",
     "TaskSpec",
     "Worker",
     "default_registry",

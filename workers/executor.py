@@ -15,7 +15,8 @@ A delivery's way through the worker (DESIGN §6)::
                                                       deploys), dead when attempts run out
     commit     chosen once, before the handler runs: its own transaction, or a share of
                a transaction group (``_groupable``); no ctx.db means a batched commit
-    handler(ctx, payload)   under the task's timeout (else the worker's task_timeout)
+    handler(ctx, payload)   under the task's timeout (else the worker's task_timeout);
+                            a plain ``def`` on a handler thread (``workers.threads``)
       used ctx.db   → in that transaction, the attempt's own: UPDATE succeeded +
                       INSERT ledger (``duetime.finish_attempt``) sent with the COMMIT in
                       one round trip — effects, ledger row and status, all or nothing;
@@ -78,6 +79,7 @@ import asyncio
 import random
 from dataclasses import dataclass
 from datetime import datetime
+from typing import cast
 
 import asyncpg
 from structlog.contextvars import bind_contextvars, reset_contextvars
@@ -101,8 +103,9 @@ from workers.errors import CONNECTION_ERRORS, AttemptRunningElsewhere, DatabaseU
 from workers.groups import Groups
 from workers.heartbeat import Heartbeat
 from workers.lazydb import LazyTransaction
-from workers.registry import Registry, TaskSpec
+from workers.registry import AsyncHandler, Registry, TaskSpec
 from workers.settlement import Attempt, Settler, UnknownTask
+from workers.threads import ThreadRunner
 from workers.verdicts import Outcome, Verdict
 
 __all__ = ["Executor", "Outcome", "UnknownTask", "Unreadable"]
@@ -122,6 +125,8 @@ RUNNING_ELSEWHERE_REQUEUE = 1.0
 GROUP_MAX_HANDLER_SECONDS = 0.02
 #: Weight of the newest run in a task's moving average of handler run time.
 DURATION_WEIGHT = 0.2
+#: Handler threads of an executor built without a ``ThreadRunner`` (tests, embedding).
+DEFAULT_THREADS = 16
 #: Default bound on a handler's run time when its task sets none (``task_timeout``).
 DEFAULT_TASK_TIMEOUT = 1800.0
 
@@ -168,7 +173,9 @@ class Executor:
 
     ``shard`` names the database ``pool`` is (``main`` unsharded): the label of every
     metric the executor records, so a worker with several shards counts each apart.
-    ``clock`` times handlers and fire lag (tests drive it).
+    ``clock`` times handlers and fire lag (tests drive it). ``threads`` runs the plain
+    ``def`` handlers (``workers.threads``; the worker shares one across its shards);
+    without it the executor makes its own of ``DEFAULT_THREADS`` on first use.
     """
 
     def __init__(
@@ -185,6 +192,7 @@ class Executor:
         rng: random.Random | None = None,
         shard: str = DEFAULT_SHARD,
         clock: Clock = SYSTEM_CLOCK,
+        threads: ThreadRunner | None = None,
     ) -> None:
         self.shard = shard
         # a 0 sample from the start, so the first mismatch shows as an increase
@@ -197,6 +205,8 @@ class Executor:
         self._acquire_timeout = acquire_timeout
         self._task_timeout = task_timeout
         self._clock = clock
+        self._threads = threads
+        self._own_threads: ThreadRunner | None = None
         self._durations: dict[str, float] = {}  # task -> moving average of run time
         # the pointers of the deliveries being executed: a copy is skipped (execute)
         self._running: set[tuple[int, datetime, int, int]] = set()
@@ -228,6 +238,11 @@ class Executor:
         typical = self._durations.get(spec.name)
         return typical is None or typical < GROUP_MAX_HANDLER_SECONDS
 
+    def _thread_runner(self) -> ThreadRunner:
+        if self._threads is None:
+            self._threads = self._own_threads = ThreadRunner(DEFAULT_THREADS)
+        return self._threads
+
     def _learn(self, task: str, seconds: float) -> None:
         """A moving average of each task's handler run time (``_groupable``)."""
         previous = self._durations.get(task)
@@ -248,6 +263,8 @@ class Executor:
         }
 
     async def close(self) -> None:
+        if self._own_threads is not None:
+            self._own_threads.close()
         await self._begins.close()
         await self._settler.close()
         if self._groups is not None:
@@ -477,7 +494,12 @@ class Executor:
         heartbeat.start()
         try:
             async with asyncio.timeout(timeout) as deadline:
-                await spec.handler(ctx, job.payload)
+                if spec.sync:  # a plain def: on a handler thread, same ctx.db transaction
+                    await self._thread_runner().run_handler(
+                        spec.handler, ctx, job.payload, timeout=timeout
+                    )
+                else:
+                    await cast(AsyncHandler, spec.handler)(ctx, job.payload)
         except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():
                 return TimeoutError(f"handler exceeded its timeout of {timeout:g}s")

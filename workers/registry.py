@@ -1,12 +1,15 @@
 """The task registry: the only way a message's ``task`` name becomes code.
 
-``@task("send_email")`` puts an ``async def handler(ctx, payload)`` in a ``Registry``
-(the module-level ``default_registry`` unless told otherwise). A worker runs only what
+``@task("send_email")`` puts a ``handler(ctx, payload)`` in a ``Registry`` (the
+module-level ``default_registry`` unless told otherwise): an ``async def`` one runs on
+the worker's event loop, a plain ``def`` one on its handler threads (``workers.threads``)
+with a synchronous ``ctx`` (``workers.sync_db.SyncJobContext``). A worker runs only what
 its registry holds: nothing in a payload is imported, evaluated or unpickled, and the
 modules that fill the registry come only from the worker's command line (``--import``).
 
 Mistakes fail at import time, when the worker starts, not when the first job arrives:
-a name registered twice, a handler that is not ``async def``, a bad timeout or budget.
+a name registered twice, a handler that is not a function (or is a generator), a bad
+timeout or budget.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from workers.retry import DEFAULT_RETRY, RetryPolicy
 
 if TYPE_CHECKING:
     from workers.context import JobContext
+    from workers.sync_db import SyncJobContext
 
-Handler = Callable[["JobContext", dict[str, Any]], Awaitable[Any]]
+AsyncHandler = Callable[["JobContext", dict[str, Any]], Awaitable[Any]]
+SyncHandler = Callable[["SyncJobContext", dict[str, Any]], Any]
+Handler = AsyncHandler | SyncHandler
 H = TypeVar("H", bound=Handler)
 
 
@@ -48,6 +54,7 @@ class TaskSpec:
       others back and runs their handlers again. Only for handlers whose ``ctx.db``
       work is independent writes and that make no external calls. The default (False)
       is one transaction per attempt (DESIGN §15).
+    - ``sync``: a plain ``def`` handler, run on a handler thread (``workers.threads``).
     """
 
     name: str
@@ -56,6 +63,7 @@ class TaskSpec:
     max_attempts: int | None = None
     retry: RetryPolicy = DEFAULT_RETRY
     share_transaction: bool = False
+    sync: bool = False
 
     def attempts_allowed(self, row_max_attempts: int) -> int:
         return self.max_attempts if self.max_attempts is not None else row_max_attempts
@@ -110,6 +118,24 @@ def _where(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
+def _is_sync(name: str, handler: Any) -> bool:
+    """False for an ``async def`` handler, True for a plain ``def`` one; a generator (its
+    body would never run) or anything not callable is refused."""
+    if inspect.iscoroutinefunction(handler):
+        return False
+    if (
+        not callable(handler)
+        or inspect.isclass(handler)
+        or inspect.isgeneratorfunction(handler)
+        or inspect.isasyncgenfunction(handler)
+    ):
+        raise InvalidInput(
+            f"task {name!r}: handler {_where(handler)} must be an 'async def' or a plain "
+            "'def' function taking (ctx, payload)"
+        )
+    return True
+
+
 class Registry:
     """Task name → ``TaskSpec``. Iterating yields names in sorted order."""
 
@@ -129,11 +155,7 @@ class Registry:
     ) -> TaskSpec:
         name = _validate_name(name)
         shared = _validate_sharing(name, share_transaction, isolated)
-        if not inspect.iscoroutinefunction(handler):
-            raise InvalidInput(
-                f"task {name!r}: handler {_where(handler)} must be an 'async def' function "
-                "taking (ctx, payload)"
-            )
+        sync = _is_sync(name, handler)
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise InvalidInput(f"task {name!r}: retry must be a RetryPolicy, not {retry!r}")
         existing = self._tasks.get(name)
@@ -151,6 +173,7 @@ class Registry:
             max_attempts=_validate_attempts(max_attempts),
             retry=retry or DEFAULT_RETRY,
             share_transaction=shared,
+            sync=sync,
         )
         self._tasks[name] = spec
         return spec
@@ -222,7 +245,9 @@ def task(
     isolated: bool | None = None,
     registry: Registry | None = None,
 ) -> Callable[[H], H]:
-    """Register ``async def handler(ctx: JobContext, payload: dict)`` as task ``name``.
+    """Register ``async def handler(ctx: JobContext, payload: dict)`` as task ``name``,
+    or a plain ``def handler(ctx: SyncJobContext, payload: dict)``, which runs on a
+    handler thread with a synchronous ``ctx.db`` in the same transaction.
 
     ``timeout`` (seconds or timedelta) bounds each run; ``max_attempts`` replaces the
     job row's budget; ``retry`` sets the back-off. Registering a name twice raises

@@ -47,6 +47,7 @@ from scheduler.store.execution import (
 )
 from workers.executor import Executor, Outcome
 from workers.registry import Registry
+from workers.threads import ThreadRunner
 
 __all__ = [
     "STORE_CONNECTIONS",
@@ -144,9 +145,11 @@ async def open_shard(
     *,
     registry: Registry,
     sizes: PoolSizes,
+    threads: ThreadRunner | None = None,
 ) -> WorkerShard:
     """Open one shard's pools (their warm connections, statements prepared) and its
-    executor. Raises after closing whatever it opened."""
+    executor (``threads``: the worker's handler threads, shared by its shards). Raises
+    after closing whatever it opened."""
     shard_settings = dataclasses.replace(settings, database_url=url)
     pool = await db.pool_from_settings(
         shard_settings,
@@ -182,6 +185,7 @@ async def open_shard(
         task_timeout=settings.task_timeout,
         store=ExecutionStore(store_pool, timeout=settings.db_timeout, budgets=registry.budgets()),
         shard=name,
+        threads=threads,
     )
     return WorkerShard(name, pool, store_pool, executor)
 

@@ -13,6 +13,10 @@ rolls back::
         finally:
             await tx.rollback()
 
+A plain ``def`` handler runs on a thread with the synchronous ``ctx``
+(``SyncJobContext``) it gets in the worker, its ``ctx.db`` calls sent to ``db`` on the
+test's event loop.
+
 It does not exercise the ledger, retries or acks (the integration tests do); it lets a
 task's own logic be tested in milliseconds.
 """
@@ -22,11 +26,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from scheduler.clock import SYSTEM_CLOCK
 from workers.context import JobContext
-from workers.registry import Registry, default_registry
+from workers.registry import AsyncHandler, Registry, SyncHandler, default_registry
+from workers.sync_db import Bridge, SyncJobContext
 
 
 async def _alive() -> bool:
@@ -78,5 +83,15 @@ async def run_task(
     if spec is None:
         raise LookupError(source.unknown_message(name))
     ctx = make_context(db=db, task=name, **context)
-    async with asyncio.timeout(spec.timeout):
-        return await spec.handler(ctx, {} if payload is None else payload)
+    body = {} if payload is None else payload
+    if not spec.sync:
+        async with asyncio.timeout(spec.timeout):
+            return await cast(AsyncHandler, spec.handler)(ctx, body)
+    bridge = Bridge(asyncio.get_running_loop(), timeout=spec.timeout)
+    try:
+        async with asyncio.timeout(spec.timeout):
+            return await asyncio.to_thread(
+                cast(SyncHandler, spec.handler), SyncJobContext(ctx, bridge), body
+            )
+    finally:
+        bridge.close()

@@ -63,6 +63,7 @@ from workers.shards import (
     open_shard,
     pool_sizes,
 )
+from workers.threads import RESTART_EXIT_STATUS, ThreadRunner
 
 __all__ = ["STORE_CONNECTIONS", "Worker", "run_worker"]
 
@@ -83,6 +84,7 @@ class Worker:
         registry: Registry | None = None,
         concurrency: int | None = None,
         grace_period: float | None = None,
+        threads: int | None = None,
     ) -> None:
         if not queues:
             raise ValueError("a worker needs at least one queue")
@@ -91,6 +93,12 @@ class Worker:
         self.registry = registry if registry is not None else default_registry
         self.concurrency = concurrency or settings.worker_concurrency
         self.grace_period = settings.worker_grace_period if grace_period is None else grace_period
+        #: threads for plain ``def`` handlers (``workers.threads``), shared by the shards
+        self.threads = threads or settings.worker_threads or self.concurrency
+        self.thread_runner: ThreadRunner | None = None
+        #: set when too many handler threads were abandoned: ``run()`` stops and exits
+        #: with ``RESTART_EXIT_STATUS`` for the supervisor to start a fresh process
+        self.restart_requested = asyncio.Event()
         #: name -> pools and executor of each shard, in configured order (set by start)
         self.shards: dict[str, WorkerShard] = {}
         self.executors: ShardExecutors | None = None
@@ -144,10 +152,15 @@ class Worker:
         s = self.settings
         urls = s.shard_urls
         sizes = pool_sizes(len(urls), self.concurrency)
+        self.thread_runner = ThreadRunner(
+            self.threads,
+            max_abandoned=s.worker_max_abandoned_threads,
+            on_exhausted=self.restart_requested.set,
+        )
         try:
             for name, url in urls.items():
                 self.shards[name] = await open_shard(
-                    s, name, url, registry=self.registry, sizes=sizes
+                    s, name, url, registry=self.registry, sizes=sizes, threads=self.thread_runner
                 )
             self.executors = ShardExecutors({n: sh.executor for n, sh in self.shards.items()})
             self.consumer = Consumer(
@@ -173,6 +186,7 @@ class Worker:
             "worker_started",
             queues=self.queues,
             concurrency=self.concurrency,
+            threads=self.threads,
             tasks=self.registry.names(),
             node_id=s.node_id,
             shards=list(self.shards),
@@ -200,6 +214,9 @@ class Worker:
         self.executors = None
         for shard in shards.values():
             await shard.executor.close()
+        runner, self.thread_runner = self.thread_runner, None
+        if runner is not None:
+            runner.close()
         channel, self.channel = self.channel, None
         connection, self.connection = self.connection, None
         if channel is not None:  # bounded: the broker may be unreachable (broker.py)
@@ -213,8 +230,13 @@ class Worker:
         await close_pools(pools, self.settings.db_timeout)
 
     async def run(self) -> int:
-        """Run until SIGTERM/SIGINT, then stop gracefully; exit status 0."""
+        """Run until SIGTERM/SIGINT, then stop gracefully; exit status 0. Too many
+        abandoned handler threads (``workers.threads``) stop it the same way, with exit
+        status ``RESTART_EXIT_STATUS`` (not when they were abandoned by the stop itself:
+        handlers cancelled after the grace period)."""
         from scheduler.service import Service
+
+        restart = False
 
         async with Service(
             "worker",
@@ -228,9 +250,14 @@ class Worker:
                     return 0
                 service.ready()
                 service.status(f"consuming {', '.join(self.queues)}")
-                await service.stop_event.wait()
+                await _first(service.stop_event, self.restart_requested)
+                # asked to stop (SIGTERM) first: a normal stop, whatever happens after
+                restart = not service.stop_event.is_set()
             finally:
                 await self.stop()
+        if restart:
+            log.error("worker_exit_for_restart", exit_status=RESTART_EXIT_STATUS)
+            return RESTART_EXIT_STATUS
         return 0
 
     async def __aenter__(self) -> Worker:
@@ -239,6 +266,17 @@ class Worker:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.stop()
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Wait until any of ``events`` is set."""
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
 
 async def run_worker(settings: Settings, **options: Any) -> int:

@@ -1,4 +1,8 @@
-"""``duetime worker --import mod[,mod…] --queue q[,q…] --concurrency N [--grace-period S]``.
+"""``duetime worker --import mod[,mod…] --queue q[,q…] --concurrency N [--threads N]
+[--processes N] [--grace-period S]``.
+
+``--processes N`` runs N worker processes under this one command
+(``scheduler.cli.worker_processes``).
 
 The ``--import`` modules are the only code a worker loads: importing them runs their
 ``@task`` decorators, which fill the registry. Nothing named in a message is ever
@@ -19,6 +23,7 @@ import asyncpg
 
 from scheduler import db
 from scheduler.cli._util import SettingOverride, add_command, positive_int
+from scheduler.cli.worker_processes import SUPERVISED_ENV, supervise
 from scheduler.config import Settings
 from scheduler.errors import DuetimeError, InvalidInput
 from scheduler.jobspec import validate_queue
@@ -60,6 +65,23 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         metavar="N",
         help="handlers run at once = prefetch (env DUETIME_WORKER_CONCURRENCY; default 16)",
+    )
+    parser.add_argument(
+        "--threads",
+        dest="worker_threads",
+        type=positive_int,
+        action=SettingOverride,
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="threads for plain def handlers (env DUETIME_WORKER_THREADS; default: concurrency)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="run N worker processes under this command, restarted when they die "
+        "(for CPU-bound handlers; default 1)",
     )
     parser.add_argument(
         "--grace-period",
@@ -104,6 +126,9 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
             f"--import {','.join(modules)} registered no tasks (use @workers.task(...))"
         )
     await warn_undeclared(settings, queues)
+    if args.processes > 1 and SUPERVISED_ENV not in os.environ:
+        # the modules imported above proved the command line; each child imports them again
+        return await supervise(args.processes, settings)
     return await run_worker(settings, queues=queues, registry=default_registry)
 
 

@@ -80,6 +80,8 @@ class Settings:
     retention_days: float = 7.0
     worker_concurrency: int = 16
     worker_grace_period: float = 30.0
+    worker_threads: int = 0
+    worker_max_abandoned_threads: int = 8
     task_timeout: float = 1800.0
     delivery_limit: int = 20
     scheduler_statement_timeout: float | None = None
@@ -250,6 +252,16 @@ FIELDS: dict[str, Field] = {
             "worker_grace_period",
             p.number(float, minimum=0.0),
             "seconds in-flight handlers get after SIGTERM",
+        ),
+        Field(
+            "worker_threads",
+            p.number(int, minimum=0),
+            "threads for plain def handlers (0: as many as worker_concurrency)",
+        ),
+        Field(
+            "worker_max_abandoned_threads",
+            p.number(int, minimum=0),
+            "timed-out handler threads still running a worker tolerates before it restarts",
         ),
         Field(
             "task_timeout",

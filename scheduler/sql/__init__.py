@@ -61,6 +61,22 @@ def compose(group: str, name: str, **parts: str) -> str:
     return "\n".join(lines)
 
 
+_PLACEHOLDER = re.compile(r"\$(\d+)")
+
+
+def format_paramstyle(sql: str) -> tuple[str, tuple[int, ...]]:
+    """A ``$1``-style statement (asyncpg's, as every file here writes them) for DB-API
+    drivers' ``format`` paramstyle (psycopg, Django, SQLAlchemy's ``exec_driver_sql``):
+    comment lines dropped (a ``$n`` or ``%`` in a comment would count as a parameter),
+    every literal ``%`` doubled, and every ``$n`` made ``%s``. Returns the text and,
+    for each ``%s`` in order, the 0-based index of the ``$n`` argument it stands for, so
+    the same statement serves both kinds of driver and is written once."""
+    lines = [line for line in sql.splitlines() if not line.lstrip().startswith("--")]
+    text = "\n".join(lines).replace("%", "%%")
+    order = tuple(int(m.group(1)) - 1 for m in _PLACEHOLDER.finditer(text))
+    return _PLACEHOLDER.sub("%s", text), order
+
+
 def migrations() -> list[tuple[int, str, str]]:
     """All shipped migrations as (version, name, sql), ordered by version."""
     folder = resources.files(__package__).joinpath("migrations")

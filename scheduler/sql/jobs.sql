@@ -98,6 +98,12 @@ SELECT id
  LIMIT $9
    FOR UPDATE;
 
+-- name: copy_jobs
+-- bulk_enqueue from a synchronous driver (scheduler.store.sync_jobs): the columns of
+-- jobs.BULK_COLUMNS, rows in text format (asyncpg's copy_to_table builds the same).
+COPY duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key)
+FROM STDIN (FORMAT text);
+
 -- name: notify
 SELECT pg_notify('duetime_jobs', '');
 

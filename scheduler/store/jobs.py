@@ -127,70 +127,26 @@ class JobStore(PooledStore):
 
         ``limit_key``: the key per-key limits count this job under (``duetime limits``;
         docs/api.md "Limits"); a replaced holder keeps its own."""
-        when = resolve_due(due_at=due_at, delay=delay, now=self._clock.now())
-        spec = JobSpec(
-            task=task,
-            payload={} if payload is None else payload,
-            due_at=when,
+        call = plan_enqueue(
+            task,
+            payload,
+            now=self._clock.now(),
+            due_at=due_at,
+            delay=delay,
             queue=queue,
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
+            unique_key=unique_key,
+            on_conflict=on_conflict,
+            unique_for=unique_for,
+            priority=priority,
+            limit_key=limit_key,
         )
-        args = (
-            spec.task,
-            spec.payload,
-            spec.due_at,
-            spec.queue,
-            spec.max_attempts,
-            spec.idempotency_key,
-            priority,
-        )
-        if limit_key is not None:
-            validate_limit_key(limit_key)
         async with self._db.conn(conn) as c:
-            if unique_key is None:
-                if on_conflict != "skip" or unique_for is not None:
-                    raise InvalidInput("on_conflict and unique_for need a unique_key")
-                job = Job.from_record(await c.fetchrow(Q["insert"], *args, limit_key))
-            else:
-                job = await self._enqueue_unique(
-                    c, (*args, limit_key), unique_key, on_conflict, unique_for
-                )
-            if job.next_run_at <= self._clock.now() + NOTIFY_HORIZON:
+            job = call.job(await c.fetchrow(Q[call.statement], *call.args))
+            if wakes(job, self._clock.now()):
                 await c.execute(Q["notify"])
         return job
-
-    async def _enqueue_unique(
-        self,
-        c: Conn,
-        args: tuple[Any, ...],
-        unique_key: str,
-        on_conflict: str,
-        unique_for: timedelta | None,
-    ) -> Job:
-        """One call of ``duetime.enqueue_unique``: the trigger's verdict lives in
-        transaction-local settings, which the function reads inside the statement, so no
-        transaction of our own is needed, and an ``"error"`` refusal comes back as an
-        outcome without aborting the caller's transaction."""
-        validate_unique_key(unique_key)
-        if on_conflict not in ON_CONFLICT:
-            raise InvalidInput(f"on_conflict must be one of {', '.join(ON_CONFLICT)}")
-        window = ""
-        if unique_for is not None:
-            if not isinstance(unique_for, timedelta) or not (
-                timedelta(0) <= unique_for <= MAX_UNIQUE_FOR
-            ):
-                raise InvalidInput(f"unique_for must be a timedelta from 0 to {MAX_UNIQUE_FOR}")
-            window = f"{unique_for.total_seconds()} seconds"
-        record = await c.fetchrow(Q["insert_unique"], *args, unique_key, on_conflict, window)
-        assert record is not None  # the function returns exactly one row
-        outcome = record["outcome"]
-        if outcome != "inserted":
-            UNIQUE_CONFLICTS.labels(outcome=outcome).inc()
-        if outcome == "refused" or record["id"] is None:
-            # refused, or the holder finished and retention removed it in its window
-            raise UniqueKeyTaken(args[3], unique_key, record["holder_id"])
-        return Job.from_record(record)
 
     async def bulk_enqueue(self, specs: Iterable[JobSpec], *, conn: Conn | None = None) -> int:
         """COPY many jobs in one statement (hundreds of thousands per second).
@@ -204,27 +160,7 @@ class JobStore(PooledStore):
         for type jsonb". Every row is encoded before the COPY starts, so a payload that
         is not JSON-serialisable is refused with ``InvalidInput`` and nothing is written.
         """
-        now = self._clock.now()
-        soon = now + NOTIFY_HORIZON
-        due_soon = False
-        lines: list[str] = []
-        for index, s in enumerate(specs):
-            due_soon = due_soon or s.due_at is None or s.due_at <= soon
-            try:
-                payload = json.dumps(
-                    s.payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")
-                )
-            except (TypeError, ValueError) as exc:
-                raise InvalidInput(f"job {index}: payload is not valid JSON: {exc}") from None
-            fields = (
-                s.task,
-                payload,
-                (s.due_at or now).isoformat(),
-                s.queue,
-                str(s.max_attempts),
-                s.idempotency_key,
-            )
-            lines.append("\t".join(map(_copy_field, fields)) + "\n")
+        lines, due_soon = copy_lines(specs, self._clock.now())
         if not lines:
             return 0
         async with self._db.conn(conn) as c:
@@ -423,6 +359,124 @@ def _bulk_source(action: str, where: JobFilter) -> str:
     if where.status not in (None, status):
         raise InvalidInput(f"{action} applies to {status} jobs, not {where.status}")
     return status
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueCall:
+    """One enqueue, validated and ready to run: the statement of ``jobs.sql`` it runs
+    (``insert`` or ``insert_unique``) with its arguments, and ``job()``, which reads its
+    one row. Every producer API builds it (``plan_enqueue``): ``JobStore.enqueue`` on
+    asyncpg, ``scheduler.store.sync_jobs`` on the synchronous drivers, so they validate
+    and answer alike."""
+
+    statement: str
+    args: tuple[Any, ...]
+
+    def job(self, record: Any) -> Job:
+        """The job the row describes; for a unique job, the holder of the key, or
+        ``UniqueKeyTaken`` (``on_conflict="error"``, or the holder gone)."""
+        if self.statement == "insert":
+            return Job.from_record(record)
+        assert record is not None  # the function returns exactly one row
+        outcome = record["outcome"]
+        if outcome != "inserted":
+            UNIQUE_CONFLICTS.labels(outcome=outcome).inc()
+        if outcome == "refused" or record["id"] is None:
+            # refused, or the holder finished and retention removed it in its window
+            raise UniqueKeyTaken(self.args[3], self.args[8], record["holder_id"])
+        return Job.from_record(record)
+
+
+def plan_enqueue(
+    task: str,
+    payload: dict[str, Any] | None,
+    *,
+    now: datetime,
+    due_at: datetime | None = None,
+    delay: timedelta | float | None = None,
+    queue: str = DEFAULT_QUEUE,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    idempotency_key: str | None = None,
+    unique_key: str | None = None,
+    on_conflict: OnConflict = "skip",
+    unique_for: timedelta | None = None,
+    priority: int = 0,
+    limit_key: str | None = None,
+) -> EnqueueCall:
+    """Validate one enqueue (``JobStore.enqueue`` documents the options) into the
+    statement that inserts it; ``now`` is the time ``delay`` counts from. Raises
+    ``InvalidInput`` before any database work. The unique statement's verdict lives in
+    transaction-local settings that the function reads inside the statement, so no
+    transaction of its own is needed, and an ``"error"`` refusal comes back as an
+    outcome without aborting the caller's transaction."""
+    when = resolve_due(due_at=due_at, delay=delay, now=now)
+    spec = JobSpec(
+        task=task,
+        payload={} if payload is None else payload,
+        due_at=when,
+        queue=queue,
+        max_attempts=max_attempts,
+        idempotency_key=idempotency_key,
+    )
+    if limit_key is not None:
+        validate_limit_key(limit_key)
+    args = (
+        spec.task,
+        spec.payload,
+        spec.due_at,
+        spec.queue,
+        spec.max_attempts,
+        spec.idempotency_key,
+        priority,
+        limit_key,
+    )
+    if unique_key is None:
+        if on_conflict != "skip" or unique_for is not None:
+            raise InvalidInput("on_conflict and unique_for need a unique_key")
+        return EnqueueCall("insert", args)
+    validate_unique_key(unique_key)
+    if on_conflict not in ON_CONFLICT:
+        raise InvalidInput(f"on_conflict must be one of {', '.join(ON_CONFLICT)}")
+    window = ""
+    if unique_for is not None:
+        if not isinstance(unique_for, timedelta) or not (
+            timedelta(0) <= unique_for <= MAX_UNIQUE_FOR
+        ):
+            raise InvalidInput(f"unique_for must be a timedelta from 0 to {MAX_UNIQUE_FOR}")
+        window = f"{unique_for.total_seconds()} seconds"
+    return EnqueueCall("insert_unique", (*args, unique_key, on_conflict, window))
+
+
+def wakes(job: Job, now: datetime) -> bool:
+    """Whether ``job`` is due soon enough to NOTIFY the dispatcher (``NOTIFY_HORIZON``)."""
+    return job.next_run_at <= now + NOTIFY_HORIZON
+
+
+def copy_lines(specs: Iterable[JobSpec], now: datetime) -> tuple[list[str], bool]:
+    """``specs`` as lines of COPY text format for ``BULK_COLUMNS`` (jobs without
+    ``due_at`` due ``now``), and whether any is due within ``NOTIFY_HORIZON``. A payload
+    that is not JSON is ``InvalidInput`` before anything is written."""
+    soon = now + NOTIFY_HORIZON
+    due_soon = False
+    lines: list[str] = []
+    for index, s in enumerate(specs):
+        due_soon = due_soon or s.due_at is None or s.due_at <= soon
+        try:
+            payload = json.dumps(
+                s.payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"job {index}: payload is not valid JSON: {exc}") from None
+        fields = (
+            s.task,
+            payload,
+            (s.due_at or now).isoformat(),
+            s.queue,
+            str(s.max_attempts),
+            s.idempotency_key,
+        )
+        lines.append("\t".join(map(_copy_field, fields)) + "\n")
+    return lines, due_soon
 
 
 def _copy_field(value: str | None) -> str:

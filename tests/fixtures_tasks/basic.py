@@ -4,16 +4,18 @@
 run counted, whichever process), writes one row to ``worker_test_effects`` through
 ``ctx.db`` (so it commits exactly once, with the ledger row), then optionally heartbeats (the test's
 signal that the handler is running), waits while a file exists (the test decides when
-it may finish), and sleeps.
+it may finish), and sleeps. ``fixtures.sync_stuck`` is a plain def that overruns its
+timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
-from workers import JobContext, task
+from workers import JobContext, SyncJobContext, task
 
 EFFECTS_TABLE = "worker_test_effects"
 EFFECTS_DDL = f"""
@@ -52,3 +54,15 @@ async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
 @task("fixtures.fail")
 async def fail(ctx: JobContext, payload: dict[str, Any]) -> None:
     raise ValueError(f"boom on attempt {ctx.attempt}")
+
+
+@task("fixtures.sync_stuck", timeout=0.5)
+def sync_stuck(ctx: SyncJobContext, payload: dict[str, Any]) -> None:
+    """A plain def handler that overruns its timeout: writes, then blocks its thread for
+    ``block`` seconds (default 30), which no timeout can interrupt."""
+    ctx.db.execute(
+        f"INSERT INTO {EFFECTS_TABLE} (job_id, attempt, tag) VALUES ($1, $2, 'stuck')",
+        ctx.job_id,
+        ctx.attempt,
+    )
+    time.sleep(float(payload.get("block", 30)))

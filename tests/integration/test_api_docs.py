@@ -57,10 +57,15 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "ctx.db",
         "raise Retry(",
         "raise Fail(",
+        "def archive_receipt(ctx: SyncJobContext",
         "from duetime.testing import run_task",
         "run_task(",
         "ShardRouter.open(settings",
         "Worker(",
+        "duetime.enqueue(conn,",
+        "duetime.enqueue(session,",
+        "duetime.enqueue(task=",
+        "duetime.bulk_enqueue(session,",
     ):
         assert needle in text, f"docs/api.md has no example using {needle}"
 
@@ -126,6 +131,7 @@ async def test_every_example_runs_and_has_its_effect(
             await conn.close()
             await procs.stop_all()
     assert "handler test passed" in outputs[-2]
+    assert any("plain def handler test passed" in out for out in outputs), outputs
     # without DUETIME_SHARDS the router's one shard is the database itself
     assert any("on shard main" in out and "bulk {'main': 4}" in out for out in outputs), outputs
 
@@ -228,14 +234,17 @@ async def check_effects(conn: asyncpg.Connection) -> None:
 
     # the worker ran the jobs of the first example too; the duplicate key was settled by
     # the ledger without a second receipt
+    # (and those enqueued from psycopg, SQLAlchemy and Django: order 8's rolled back)
     done = await conn.fetch(
         "SELECT id, status FROM duetime.jobs WHERE task = 'send_receipt'"
-        " AND (payload->>'order_id')::int IN (1, 2, 6)"
+        " AND (payload->>'order_id')::int IN (1, 2, 6, 7, 9, 10)"
     )
     assert {r["status"] for r in done} == {"succeeded"}, done
-    assert len(done) == 4
+    assert len(done) == 7
+    assert await conn.fetchval("SELECT count(*) FROM orders WHERE id = 8") == 0
+    assert not [j for j in receipt_jobs if j["payload"]["order_id"] == 8]
     receipts = await conn.fetch("SELECT order_id, sent_with FROM receipts ORDER BY order_id")
-    assert [r["order_id"] for r in receipts] == [1, 2, 6]
+    assert [r["order_id"] for r in receipts] == [1, 2, 6, 7, 9, 10]
     # the producer's key scoped by the role that inserted it (migration 0007)
     scoped = await conn.fetchval(
         "SELECT 'key:' || length(current_user) || ':' || current_user || ':receipt:2'"

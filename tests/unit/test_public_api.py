@@ -69,3 +69,22 @@ def test_a_producer_routes_through_the_exported_router() -> None:
 
     assert duetime.ShardRouter is ShardRouter
     assert duetime.RoutedJob is RoutedJob
+
+
+def test_importing_duetime_and_its_enqueue_loads_no_optional_driver() -> None:
+    """psycopg, SQLAlchemy and Django are optional extras: neither ``import duetime``
+    nor resolving ``duetime.enqueue`` (nor the worker package) may import them; only a
+    call given one of their connections touches them (and Django's default connection
+    is imported only when none is given)."""
+    code = (
+        "import sys, duetime, workers.worker\n"
+        "duetime.enqueue, duetime.bulk_enqueue, duetime.enqueue_async, duetime.Worker\n"
+        "import scheduler.cli\n"
+        "optional = sorted(m for m in sys.modules if m.split('.')[0] in"
+        " ('psycopg', 'psycopg2', 'sqlalchemy', 'django', 'opentelemetry'))\n"
+        "print(','.join(optional))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == ""

@@ -52,12 +52,25 @@ def test_registering_a_name_twice_is_an_error_naming_both_handlers() -> None:
     registry.register("dup", handler)  # the very same function again is harmless
 
 
-def test_handler_must_be_async() -> None:
+def test_plain_def_handlers_register_as_sync_and_generators_are_refused() -> None:
+    """Plain ``def`` handlers run on the handler threads (they used to be refused);
+    what cannot be a handler still fails at import time."""
+
     def sync(ctx: Any, payload: dict[str, Any]) -> None:
         return None
 
-    with pytest.raises(InvalidInput, match="must be an 'async def' function"):
-        Registry().register("s", sync)  # type: ignore[arg-type]
+    def gen(ctx: Any, payload: dict[str, Any]) -> Any:
+        yield None
+
+    async def agen(ctx: Any, payload: dict[str, Any]) -> Any:
+        yield None
+
+    registry = Registry()
+    assert registry.register("s", sync).sync is True
+    assert registry.register("a", handler).sync is False
+    for bad in (gen, agen, "not callable", dict):
+        with pytest.raises(InvalidInput, match="must be an 'async def' or a plain 'def'"):
+            registry.register(f"bad.{bad!r}", bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -99,12 +112,14 @@ def test_task_max_attempts_replaces_the_row_budget_only_when_set() -> None:
 
 def test_public_api_is_exported_and_does_not_drift() -> None:
     assert sorted(workers.__all__) == [
+        "AttemptAbandoned",
         "DuplicateTask",
         "Fail",
         "JobContext",
         "Registry",
         "Retry",
         "RetryPolicy",
+        "SyncJobContext",
         "TaskSpec",
         "Worker",
         "default_registry",

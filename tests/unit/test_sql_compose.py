@@ -37,3 +37,17 @@ def test_comments_are_left_as_written() -> None:
     comments = [line for line in sql.splitlines() if line.startswith("--")]
     original = [line for line in load("dispatch")["claim"].splitlines() if line.startswith("--")]
     assert comments == original
+
+
+def test_format_paramstyle_serves_dbapi_drivers_from_the_same_text() -> None:
+    """The sync producers (scheduler.store.sync_jobs) run jobs.sql's own statements:
+    comments (which name $n) dropped, % doubled, $n made %s with the argument order."""
+    from scheduler.sql import format_paramstyle, load
+
+    text, order = format_paramstyle("-- $9 is a comment, 50%\nSELECT $2, '5%', $1, $2")
+    assert text == "SELECT %s, '5%%', %s, %s" and order == (1, 0, 1)
+    insert, order = format_paramstyle(load("jobs")["insert"])
+    assert "$" not in insert and "--" not in insert and insert.count("%s") == 8
+    assert order == tuple(range(8))
+    unique, order = format_paramstyle(load("jobs")["insert_unique"])
+    assert order == tuple(range(11)) and "duetime.enqueue_unique(" in unique
