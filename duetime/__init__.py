@@ -69,6 +69,8 @@ __all__ = [
     "TaskSpec",
     "UniqueKeyTaken",
     "Worker",
+    "WorkerStartupFailed",
+    "WorkerState",
     "connect",
     "create_pool",
     "default_registry",
@@ -76,6 +78,8 @@ __all__ = [
     "pool_from_settings",
     "run_worker",
     "task",
+    "worker_shutdown",
+    "worker_startup",
 ]
 
 if TYPE_CHECKING:
@@ -116,9 +120,13 @@ if TYPE_CHECKING:
         RetryPolicy,
         TaskSpec,
         Worker,
+        WorkerStartupFailed,
+        WorkerState,
         default_registry,
         run_worker,
         task,
+        worker_shutdown,
+        worker_startup,
     )
 
 
