@@ -72,6 +72,8 @@ __all__ = [
     "TaskSpec",
     "UniqueKeyTaken",
     "Worker",
+    "WorkerStartupFailed",
+    "WorkerState",
     "bulk_enqueue",
     "connect",
     "create_pool",
@@ -82,6 +84,8 @@ __all__ = [
     "pool_from_settings",
     "run_worker",
     "task",
+    "worker_shutdown",
+    "worker_startup",
 ]
 
 if TYPE_CHECKING:
@@ -127,9 +131,13 @@ if TYPE_CHECKING:
         SyncJobContext,
         TaskSpec,
         Worker,
+        WorkerStartupFailed,
+        WorkerState,
         default_registry,
         run_worker,
         task,
+        worker_shutdown,
+        worker_startup,
     )
 
 

@@ -29,7 +29,16 @@ once (they commit in the same transaction as the idempotency-ledger row and the 
 """
 
 from workers.context import JobContext
-from workers.registry import DuplicateTask, Registry, TaskSpec, default_registry, task
+from workers.lifecycle import WorkerStartupFailed, WorkerState
+from workers.registry import (
+    DuplicateTask,
+    Registry,
+    TaskSpec,
+    default_registry,
+    task,
+    worker_shutdown,
+    worker_startup,
+)
 from workers.retry import Fail, Retry, RetryPolicy
 from workers.sync_db import AttemptAbandoned, SyncJobContext
 from workers.worker import Worker, run_worker
@@ -45,7 +54,11 @@ __all__ = [
     "SyncJobContext",
     "TaskSpec",
     "Worker",
+    "WorkerStartupFailed",
+    "WorkerState",
     "default_registry",
     "run_worker",
     "task",
+    "worker_shutdown",
+    "worker_startup",
 ]

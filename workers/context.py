@@ -18,6 +18,7 @@ from typing import Any
 from scheduler.log import get_logger
 from scheduler.store.conn import Conn
 from workers.lazydb import LazyTransaction
+from workers.lifecycle import WorkerState
 
 
 class JobContext:
@@ -40,6 +41,7 @@ class JobContext:
         "job_id",
         "max_attempts",
         "queue",
+        "state",
         "task",
     )
 
@@ -55,6 +57,7 @@ class JobContext:
         idempotency_key: str,
         db: LazyTransaction | Conn,
         beat: Callable[[], Awaitable[bool]],
+        state: WorkerState | None = None,
     ) -> None:
         self.job_id = job_id
         self.attempt = attempt
@@ -66,6 +69,8 @@ class JobContext:
         self.db = db
         self._beat = beat
         self._log: Any = None
+        self.state = state if state is not None else WorkerState()
+        """What this worker's startup hooks opened for handlers (``workers.lifecycle``)."""
 
     @property
     def log(self) -> Any:

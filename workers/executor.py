@@ -485,6 +485,7 @@ class Executor:
             idempotency_key=job.key,
             db=db,
             beat=heartbeat.beat,
+            state=self._registry.lifecycle.state,
         )
         clock = self._clock
         fire_lag = (clock.now() - job.run_time).total_seconds()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from scheduler.errors import InvalidInput
 from scheduler.jobspec import MAX_ATTEMPTS_LIMIT, MAX_TASK_LENGTH
+from workers.lifecycle import Lifecycle
 from workers.retry import DEFAULT_RETRY, RetryPolicy
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ AsyncHandler = Callable[["JobContext", dict[str, Any]], Awaitable[Any]]
 SyncHandler = Callable[["SyncJobContext", dict[str, Any]], Any]
 Handler = AsyncHandler | SyncHandler
 H = TypeVar("H", bound=Handler)
+K = TypeVar("K", bound=Callable[..., Any])
 
 
 class DuplicateTask(InvalidInput):
@@ -141,6 +143,16 @@ class Registry:
 
     def __init__(self) -> None:
         self._tasks: dict[str, TaskSpec] = {}
+        self.lifecycle = Lifecycle()
+        """Startup/shutdown hooks and the state they share (``workers.lifecycle``)."""
+
+    def on_startup(self, hook: K) -> K:
+        """Run ``hook(state)`` once before the worker consumes (decorator form too)."""
+        return self.lifecycle.on_startup(hook)
+
+    def on_shutdown(self, hook: K) -> K:
+        """Run ``hook(state)`` once after the worker's last job (decorator form too)."""
+        return self.lifecycle.on_shutdown(hook)
 
     def register(
         self,
@@ -264,3 +276,25 @@ def task(
         share_transaction=share_transaction,
         isolated=isolated,
     )
+
+
+def worker_startup(hook: K | None = None, *, registry: Registry | None = None) -> Any:
+    """``@worker_startup``: run ``hook(state)`` once per worker process before it
+    consumes; what it sets on ``state`` handlers read as ``ctx.state``. A failing hook
+    stops the worker before it consumes anything (``workers.lifecycle``)."""
+    target = registry if registry is not None else default_registry
+
+    def decorate(fn: K) -> K:
+        return target.on_startup(fn)
+
+    return decorate if hook is None else decorate(hook)
+
+
+def worker_shutdown(hook: K | None = None, *, registry: Registry | None = None) -> Any:
+    """``@worker_shutdown``: run ``hook(state)`` once after the worker's last job."""
+    target = registry if registry is not None else default_registry
+
+    def decorate(fn: K) -> K:
+        return target.on_shutdown(fn)
+
+    return decorate if hook is None else decorate(hook)

@@ -158,6 +158,12 @@ class SyncJobContext:
         return self._ctx.due_at
 
     @property
+    def state(self) -> Any:
+        """What the worker's startup hooks opened for handlers (``workers.lifecycle``);
+        share only thread-safe things with plain ``def`` handlers."""
+        return self._ctx.state
+
+    @property
     def log(self) -> Any:
         """A structlog logger bound with job_id, attempt and task."""
         return self._ctx.log

@@ -30,6 +30,7 @@ from typing import Any, cast
 
 from scheduler.clock import SYSTEM_CLOCK
 from workers.context import JobContext
+from workers.lifecycle import WorkerState
 from workers.registry import AsyncHandler, Registry, SyncHandler, default_registry
 from workers.sync_db import Bridge, SyncJobContext
 
@@ -49,6 +50,7 @@ def make_context(
     due_at: datetime | None = None,
     idempotency_key: str | None = None,
     heartbeat: Callable[[], Awaitable[bool]] | None = None,
+    state: WorkerState | None = None,
 ) -> JobContext:
     """A ``JobContext`` with test defaults; ``heartbeat()`` answers True unless given."""
     return JobContext(
@@ -63,6 +65,7 @@ def make_context(
         idempotency_key=idempotency_key or f"job:{job_id}",
         db=db,
         beat=heartbeat or _alive,
+        state=state,
     )
 
 
@@ -77,11 +80,14 @@ async def run_task(
     """Run registered task ``name`` once under its timeout; return what it returns.
 
     Exceptions (``Retry``, ``Fail``, ``TimeoutError``, anything) propagate to the test.
+    ``ctx.state`` is the registry's worker state (what its startup hooks set, if the
+    test ran them with ``await registry.lifecycle.start()``) unless ``state=`` is given.
     """
     source = registry if registry is not None else default_registry
     spec = source.get(name)
     if spec is None:
         raise LookupError(source.unknown_message(name))
+    context.setdefault("state", source.lifecycle.state)
     ctx = make_context(db=db, task=name, **context)
     body = {} if payload is None else payload
     if not spec.sync:

@@ -54,6 +54,7 @@ from scheduler.observability import broker_connected
 from scheduler.startup import start_with_retry
 from workers.consumer import Consumer
 from workers.executor import Executor
+from workers.lifecycle import WorkerStartupFailed
 from workers.registry import Registry, default_registry
 from workers.shards import (
     STORE_CONNECTIONS,
@@ -105,6 +106,7 @@ class Worker:
         self.connection: AbstractRobustConnection | None = None
         self.channel: AbstractChannel | None = None
         self.consumer: Consumer | None = None
+        self._hooks_started = False
         self._stopped = False
 
     # The first shard's pools and executor: with one shard (the default), the worker's.
@@ -175,11 +177,18 @@ class Worker:
                 reconnect_interval=1.0,
             )
             self.channel = await asyncio.wait_for(self.connection.channel(), s.amqp_timeout)
+            # What handlers share is opened before the first delivery can arrive; a
+            # failing hook raises here, and nothing was consumed.
+            self._hooks_started = True
+            await self.registry.lifecycle.start()
             await self.consumer.start(self.channel, self.queues, delivery_limit=s.delivery_limit)
-        except BaseException:
+        except BaseException as exc:
             consumer, self.consumer = self.consumer, None
             if consumer is not None:
                 await consumer.abort()
+            if self._hooks_started and not isinstance(exc, WorkerStartupFailed):
+                await self.registry.lifecycle.stop()  # a later step failed: close theirs
+            self._hooks_started = False
             await self._close()
             raise
         log.info(
@@ -206,6 +215,9 @@ class Worker:
         # one shard: its counters as before; several: one dict per shard
         batching = next(iter(per_shard.values())) if len(per_shard) == 1 else {"shards": per_shard}
         acks = self.consumer.ack_frames if self.consumer is not None else 0
+        if self._hooks_started:  # after the last job, before the pools close
+            self._hooks_started = False
+            await self.registry.lifecycle.stop()
         await self._close()
         log.info("worker_stopped", cancelled=cancelled, ack_frames=acks, **batching)
 

@@ -122,9 +122,13 @@ def test_public_api_is_exported_and_does_not_drift() -> None:
         "SyncJobContext",
         "TaskSpec",
         "Worker",
+        "WorkerStartupFailed",
+        "WorkerState",
         "default_registry",
         "run_worker",
         "task",
+        "worker_shutdown",
+        "worker_startup",
     ]
     for name in workers.__all__:
         assert getattr(workers, name) is not None
