@@ -141,3 +141,23 @@ async def test_the_command_exits_1_with_one_line_when_a_startup_hook_fails(
         "RuntimeError: payments API unreachable"
     ], child.tail()
     assert sys.executable  # the child ran with this interpreter (duetime_argv)
+
+
+async def test_plain_def_handlers_read_the_state_too() -> None:
+    from duetime.testing import run_task
+
+    registry = Registry()
+
+    @registry.on_startup
+    def open_rates(state: WorkerState) -> None:
+        state.rates = {"USD": 2.0}
+
+    @registry.task("t.convert")
+    def convert(ctx: Any, payload: dict[str, Any]) -> float:
+        return float(payload["amount"] * ctx.state.rates["USD"])
+
+    await registry.lifecycle.start()
+    try:
+        assert await run_task("t.convert", {"amount": 3}, db=None, registry=registry) == 6.0
+    finally:
+        await registry.lifecycle.stop()
