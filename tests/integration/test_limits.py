@@ -249,13 +249,17 @@ async def test_limit_key_is_checked_and_passed_through(env: Env) -> None:
         )
     assert caught.value.constraint_name == "limits_max_running_positive"
     for values, name in [
-        ("('task:x', NULL, false, false)", "limits_rule_missing"),
-        ("('task:x', 1, false, true)", "limits_fair_queue_only"),
-        ("('queue:q', NULL, true, true)", "limits_per_key_needs_max"),
+        ("('task:x', NULL, false, false, 5, 7)", "limits_rate_invalid"),
+        ("('task:x', NULL, false, false, 5, NULL)", "limits_rate_invalid"),
+        ("('task:x', NULL, false, false, 0, 1)", "limits_rate_invalid"),
+        ("('task:x', NULL, false, false, NULL, NULL)", "limits_rule_missing"),
+        ("('task:x', 1, false, true, NULL, NULL)", "limits_fair_queue_only"),
+        ("('queue:q', NULL, true, true, NULL, NULL)", "limits_per_key_needs_max"),
     ]:
         with pytest.raises(asyncpg.CheckViolationError) as caught:
             await env.pool.execute(
-                f"INSERT INTO duetime.limits (target, max_running, per_key, fair) VALUES {values}"
+                "INSERT INTO duetime.limits (target, max_running, per_key, fair, rate_count,"
+                f" rate_period) VALUES {values}"
             )
         assert caught.value.constraint_name == name
 
@@ -276,6 +280,15 @@ async def test_cli_sets_lists_removes_and_errors_in_one_line(
     rows = {r["target"]: r for r in cast(list[dict[str, Any]], listed.json())}
     assert rows["task:send_email"]["max_running"] == 5
     assert rows[f"queue:{env.queue}"]["per_key"] is True
+    done = await run_duetime(
+        cli, "limits", "set", "task:call_api", "--rate", "100/min", "--per-key"
+    )
+    assert done.code == 0, done.err
+    assert done.out.strip() == "limit task:call_api: at most 100 starts per minute per limit_key"
+    listed = await run_duetime(cli, "limits", "list")
+    assert listed.code == 0, listed.err
+    [line] = [x for x in listed.out.splitlines() if "task:call_api" in x]
+    assert "100/min" in line
     assert (await run_duetime(cli, "limits", "remove", "task:send_email")).code == 0
     for args, says in [
         (("set", "send_email", "--max-running", "5"), "task:NAME or queue:NAME"),
@@ -283,7 +296,9 @@ async def test_cli_sets_lists_removes_and_errors_in_one_line(
         (("set", "task:x", "--max-running", "0"), "between 1 and"),
         (("set", "task:x", "--max-running", "lots"), "not a whole number"),
         (("remove", "task:send_email"), "no limit on task:send_email"),
-        (("set", "task:x"), "--max-running N, or --fair"),
+        (("set", "task:x"), "--max-running N or --rate N/s, or --fair"),
+        (("set", "task:x", "--rate", "5/day"), "N/s, N/min or N/h"),
+        (("set", "task:x", "--rate", "0/s"), "between 1 and"),
         (("set", "task:x", "--fair"), "--fair applies to a queue"),
         (("set", "queue:q", "--fair", "--per-key"), "--per-key needs --max-running"),
     ]:
@@ -306,3 +321,108 @@ async def test_a_unique_job_carries_its_limit_key(env: Env) -> None:
     assert held.id == first.id
     key = await env.pool.fetchval("SELECT limit_key FROM duetime.jobs WHERE id = $1", first.id)
     assert key == "tenant-7"
+
+
+# -- rate limits (migration 0018) -------------------------------------------------------
+
+
+def busiest_window(stamps: list[Any], seconds: float = 1.0) -> int:
+    """The most of ``stamps`` (datetimes, with counts) in any ``seconds``-long window."""
+    points = sorted(stamps)
+    most = 0
+    for i, (start, _) in enumerate(points):
+        most = max(
+            most,
+            sum(n for at, n in points[i:] if (at - start).total_seconds() < seconds),
+        )
+    return most
+
+
+async def starts_from_rows(pool: asyncpg.Pool) -> tuple[list[Any], list[Any]]:
+    """(dispatched_at of every dispatched job, the start log), each as (time, count)."""
+    jobs = await pool.fetch(
+        "SELECT dispatched_at FROM duetime.jobs WHERE dispatched_at IS NOT NULL"
+    )
+    log = await pool.fetch("SELECT started_at, starts FROM duetime.limit_starts")
+    return [(r["dispatched_at"], 1) for r in jobs], [(r["started_at"], r["starts"]) for r in log]
+
+
+async def dispatched(pool: asyncpg.Pool) -> int:
+    return int(await pool.fetchval("SELECT count(*) FROM duetime.jobs WHERE status = 'dispatched'"))
+
+
+async def test_a_rate_limit_is_never_exceeded_in_any_second(env: Env) -> None:
+    await insert(env.pool, env.queue, 50)  # pending before the limit exists
+    await LimitStore(env.pool).set(f"task:{TASK}", None, rate="10/s")
+    async with dispatching(env):  # no worker: a start is the dispatch
+
+        async def all_dispatched() -> bool:
+            return await dispatched(env.pool) == 50
+
+        await wait_for(all_dispatched, timeout=30, message="all dispatched")
+    jobs, log = await starts_from_rows(env.pool)
+    assert sum(n for _, n in log) == 50  # every start logged, once
+    assert busiest_window(jobs) == 10  # reached, never passed (50 without the limit)
+    assert busiest_window(log) == 10
+    first, last = min(at for at, _ in jobs), max(at for at, _ in jobs)
+    rate = 40 / (last - first).total_seconds()  # 4 windows after the first start
+    assert 7.5 <= rate <= 10.0, rate  # measured 8.9: the window is freed on time
+    [row] = await LimitStore(env.pool).list()
+    assert row.limit.rate == "10/s" and row.due == 0
+
+
+async def test_a_new_dispatcher_reads_the_rate_budget_from_the_rows(env: Env) -> None:
+    """A leader that dispatched its second's budget is replaced at once: the new one
+    (no memory of its own) must not start more in that second."""
+    await LimitStore(env.pool).set(f"task:{TASK}", None, rate="10/s")
+    await insert(env.pool, env.queue, 40)
+    async with dispatching(env, epoch=1):
+
+        async def first_budget_spent() -> bool:
+            return await dispatched(env.pool) >= 10
+
+        await wait_for(first_budget_spent, timeout=10, message="first second dispatched")
+    assert await FenceStore(env.pool).advance(2, "test-node-2")
+    async with dispatching(env, epoch=2):
+
+        async def all_dispatched() -> bool:
+            return await dispatched(env.pool) == 40
+
+        await wait_for(all_dispatched, timeout=30, message="all dispatched")
+    jobs, log = await starts_from_rows(env.pool)
+    epochs = await env.pool.fetch(
+        "SELECT dispatch_epoch, count(*) AS n FROM duetime.jobs GROUP BY 1 ORDER BY 1"
+    )
+    assert {r["dispatch_epoch"]: r["n"] for r in epochs} == {1: 10, 2: 30}
+    assert busiest_window(jobs) == 10  # no burst when the new leader takes over
+    assert busiest_window(log) == 10
+
+
+async def test_a_per_key_rate_limits_each_key_apart(env: Env) -> None:
+    await LimitStore(env.pool).set(f"queue:{env.queue}", None, rate="5/s", per_key=True)
+    for key in ("a", "b"):
+        await insert(env.pool, env.queue, 10, key=key)
+    async with dispatching(env):
+
+        async def all_dispatched() -> bool:
+            return await dispatched(env.pool) == 20
+
+        await wait_for(all_dispatched, timeout=30, message="all dispatched")
+    for key in ("a", "b"):
+        rows = await env.pool.fetch(
+            "SELECT dispatched_at FROM duetime.jobs WHERE limit_key = $1", key
+        )
+        assert busiest_window([(r["dispatched_at"], 1) for r in rows]) == 5
+    jobs, _ = await starts_from_rows(env.pool)
+    assert busiest_window(jobs) == 10  # the keys start side by side
+
+
+async def test_rate_and_max_running_hold_together(env: Env) -> None:
+    """A rate with a cap: the cap binds first without workers (2 dispatched, none end)."""
+    await LimitStore(env.pool).set(f"task:{TASK}", 2, rate="100/s")
+    await insert(env.pool, env.queue, 10)
+    async with dispatching(env):
+        await asyncio.sleep(1.0)
+        assert await dispatched(env.pool) == 2
+    [row] = await LimitStore(env.pool).list()
+    assert (row.running, row.started, row.due) == (2, 2, 8)
