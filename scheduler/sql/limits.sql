@@ -193,3 +193,35 @@ SELECT s.target, s.limit_key, sum(s.starts)::bigint AS started,
 INSERT INTO duetime.limit_starts (target, limit_key, started_at, starts)
 SELECT target, limit_key, statement_timestamp(), starts
   FROM unnest($1::text[], $2::text[], $3::int[]) AS s(target, limit_key, starts);
+
+-- name: busiest_keys
+-- The keys of the per-key limits, at most $1 per limit, those with the most due jobs
+-- first: per (target, key) its dispatched and due pending jobs and its starts in the
+-- rate's window now. The dashboard's Limits page only; one grouped pass over the live
+-- rows of the per-key targets, like `list`.
+WITH live AS (
+    SELECT l.target, coalesce(j.limit_key, '') AS limit_key,
+           count(*) FILTER (WHERE j.status = 'dispatched') AS running,
+           count(*) FILTER (WHERE j.status = 'pending'
+                              AND coalesce(j.run_at, j.due_at) <= now()) AS due
+      FROM duetime.limits AS l
+      JOIN duetime.jobs AS j
+        ON j.status IN ('pending', 'dispatched')
+       AND (l.target = 'task:' || j.task OR l.target = 'queue:' || j.queue)
+     WHERE l.per_key
+     GROUP BY 1, 2
+), ranked AS (
+    SELECT v.*, row_number() OVER (PARTITION BY v.target
+                                   ORDER BY v.due DESC, v.running DESC, v.limit_key) AS n
+      FROM live AS v
+)
+SELECT r.target, r.limit_key, r.running, r.due,
+       (SELECT coalesce(sum(s.starts), 0)::bigint
+          FROM duetime.limit_starts AS s
+         WHERE s.target = r.target AND s.limit_key = r.limit_key
+           AND s.started_at > statement_timestamp() - make_interval(secs => l.rate_period))
+           AS started
+  FROM ranked AS r
+  JOIN duetime.limits AS l ON l.target = r.target
+ WHERE r.n <= $1
+ ORDER BY r.target, r.n;

@@ -86,6 +86,17 @@ class LimitRow:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyUse:
+    """One key of a per-key limit with its use now (the dashboard's Limits page)."""
+
+    target: str
+    limit_key: str  # '' for jobs without a key
+    running: int
+    due: int
+    started: int  # in the rate's window now (0 without a rate)
+
+
+@dataclass(frozen=True, slots=True)
 class Running:
     """Dispatched jobs of one (task, queue, limit key); key '' is none."""
 
@@ -281,6 +292,15 @@ class LimitStore(PooledStore):
         ]
 
     # -- operator, read ----------------------------------------------------------
+
+    async def busiest_keys(self, per_limit: int = 20) -> list[KeyUse]:
+        """The keys of the per-key limits, the ``per_limit`` with most due jobs each."""
+        async with self._db.acquire() as conn:
+            records = await conn.fetch(Q["busiest_keys"], per_limit)
+        return [
+            KeyUse(r["target"], r["limit_key"], int(r["running"]), int(r["due"]), int(r["started"]))
+            for r in records
+        ]
 
     async def list(self) -> list[LimitRow]:
         async with self._db.acquire() as conn:
