@@ -442,9 +442,16 @@ class Dispatcher:
         capped = [lim for lim in self._limits if not lim.fair]
         fair = [lim.name for lim in self._limits if lim.fair]  # the fair claim's
         found = []
-        if capped:
+        bound = allowance.bound(capped)
+        if capped and bound != 0:
+            # lock only as many candidates as the limits may admit (a 50/s rate takes
+            # 50, not a batch of 500 row locks to leave 450 pending)
             found = await self.limits.claim(
-                conn, capped, allowance.closed(), limit, held=[*held, *fair]
+                conn,
+                capped,
+                allowance.closed(),
+                limit if bound is None else min(limit, bound),
+                held=[*held, *fair],
             )
         seen = {job.job.id for job in found}
         for queue in allowance.fair_queues:

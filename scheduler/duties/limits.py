@@ -143,6 +143,18 @@ class Allowance:
             not lim.per_key and not lim.fair and self.room(lim) == 0 for lim in self.limits.values()
         )
 
+    def bound(self, limits: Iterable[Limit]) -> int | None:
+        """At most how many jobs of ``limits``' targets may start now: the sum of their
+        rooms (a job needs room in every limit it falls under), or None when a per-key
+        limit makes it unknown (a key not seen yet has room). The limited claim locks no
+        more candidates than this."""
+        total = 0
+        for lim in limits:
+            if lim.per_key:
+                return None
+            total += self.room(lim)
+        return total
+
     def free_in(self) -> float | None:
         """Seconds until a start leaves the window of a rate that has no room left (the
         soonest such), or None when no rate holds anything back."""

@@ -15,6 +15,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import asyncpg
@@ -426,3 +427,67 @@ async def test_rate_and_max_running_hold_together(env: Env) -> None:
         assert await dispatched(env.pool) == 2
     [row] = await LimitStore(env.pool).list()
     assert (row.running, row.started, row.due) == (2, 2, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_rate_50_per_second_on_2000_jobs_across_a_change_of_leader(env: Env) -> None:
+    """Issue 23's rate target, with the production intervals: every 1-second window
+    holds at most 50 dispatches (from the rows, exact), the change of leader in the
+    middle bursts nothing, and the mean stays near the rate. Printed for
+    docs/benchmarks.md, with the busiest second of handler starts: the window admits a
+    period's budget at once, so a worker that falls behind for a moment starts two
+    budgets close together; that is printed, not asserted (docs/architecture.md,
+    "Rate limits")."""
+    await LimitStore(env.pool).set(f"task:{TASK}", None, rate="50/s")
+    await insert(env.pool, env.queue, 2000)
+    started: list[float] = []
+    registry = Registry()
+
+    @registry.task(TASK)
+    async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
+        started.append(asyncio.get_running_loop().time())
+
+    worker = Worker(
+        env.settings, queues=[env.queue], registry=registry, concurrency=16, grace_period=5
+    )
+    await worker.start()
+    config = config_from_settings(DispatcherConfig, env.settings)
+
+    async def lead(epoch: int, until: int) -> None:
+        dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), config=config)
+        dispatcher.loop.start(LeaderTerm(epoch=epoch, node_id=f"test-node-{epoch}"))
+        try:
+
+            async def reached() -> bool:
+                return await dispatched_ever(env.pool) >= until
+
+            await wait_for(reached, timeout=90, message=f"{until} dispatched")
+        finally:
+            await dispatcher.loop.stop()
+
+    try:
+        await lead(1, 1000)
+        assert await FenceStore(env.pool).advance(2, "test-node-2")
+        await lead(2, 2000)
+        await wait_for(lambda: len(started) >= 2000, timeout=30, message="all started")
+    finally:
+        await worker.stop()
+    jobs, log = await starts_from_rows(env.pool)
+    first, last = min(at for at, _ in jobs), max(at for at, _ in jobs)
+    mean = 1950 / (last - first).total_seconds()  # 39 windows after the first start
+    handler = [(datetime.fromtimestamp(t, UTC), 1) for t in started]
+    print(
+        f"\n[rate] 50/s on 2000 jobs across a change of leader: busiest second "
+        f"{busiest_window(jobs)} dispatched, {busiest_window(handler)} handler starts; "
+        f"mean {mean:.1f}/s over {(last - first).total_seconds():.1f} s"
+    )
+    assert busiest_window(jobs) == 50
+    assert busiest_window(log) == 50
+    assert 40.0 <= mean <= 50.0, mean  # 44.1 measured on a loaded 2-core box
+
+
+async def dispatched_ever(pool: asyncpg.Pool) -> int:
+    return int(
+        await pool.fetchval("SELECT count(*) FROM duetime.jobs WHERE dispatched_at IS NOT NULL")
+    )

@@ -138,3 +138,11 @@ def test_rate_text_round_trips() -> None:
     assert rate("task:x", 100).rate == "100/s"
     assert Limit("task:x", None, rate_count=5, rate_period=60).rate == "5/min"
     assert Limit("task:x", 3).rate is None
+
+
+def test_bound_is_the_sum_of_the_rooms_unless_a_limit_is_per_key() -> None:
+    limits = [Limit("task:mail", 5), rate("queue:q", 10)]
+    a = Allowance(limits, [Running("mail", "q", "", 2)], [Started("queue:q", "", 4, 0.5)])
+    assert a.bound(limits) == 3 + 6
+    assert a.bound([limits[0]]) == 3
+    assert a.bound([*limits, Limit("task:x", 1, per_key=True)]) is None
