@@ -143,17 +143,14 @@ class Allowance:
             not lim.per_key and not lim.fair and self.room(lim) == 0 for lim in self.limits.values()
         )
 
-    def bound(self, limits: Iterable[Limit]) -> int | None:
-        """At most how many jobs of ``limits``' targets may start now: the sum of their
-        rooms (a job needs room in every limit it falls under), or None when a per-key
-        limit makes it unknown (a key not seen yet has room). The limited claim locks no
-        more candidates than this."""
-        total = 0
-        for lim in limits:
-            if lim.per_key:
-                return None
-            total += self.room(lim)
-        return total
+    def bound(self, limits: Sequence[Limit]) -> int | None:
+        """At most how many jobs the limited claim should lock for ``limits``: the room
+        of a single limit that is not per key, else None (no bound). With several
+        limits a bound would be unfair: candidates of one target, first by priority,
+        could fill it while another target with room got none, pass after pass."""
+        if len(limits) != 1 or limits[0].per_key:
+            return None
+        return self.room(limits[0])
 
     def free_in(self) -> float | None:
         """Seconds until a start leaves the window of a rate that has no room left (the

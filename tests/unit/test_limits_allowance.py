@@ -140,9 +140,11 @@ def test_rate_text_round_trips() -> None:
     assert Limit("task:x", 3).rate is None
 
 
-def test_bound_is_the_sum_of_the_rooms_unless_a_limit_is_per_key() -> None:
+def test_bound_is_the_room_of_a_single_limit_only() -> None:
     limits = [Limit("task:mail", 5), rate("queue:q", 10)]
     a = Allowance(limits, [Running("mail", "q", "", 2)], [Started("queue:q", "", 4, 0.5)])
-    assert a.bound(limits) == 3 + 6
     assert a.bound([limits[0]]) == 3
-    assert a.bound([*limits, Limit("task:x", 1, per_key=True)]) is None
+    assert a.bound([limits[1]]) == 6
+    # two limits: a bound filled by one target's jobs could starve the other's
+    assert a.bound(limits) is None
+    assert a.bound([Limit("task:x", 1, per_key=True)]) is None
