@@ -259,7 +259,8 @@ class Dispatcher:
     async def run_once(self) -> float:
         """Dispatch what is due; return how long to sleep (wake() cuts it short)."""
         await self._ensure_listener()
-        await self._read_limits()
+        if not await self._read_limits():
+            return self.config.limits_poll  # fail closed: a limit must not be skipped
         if self.pacing.backlog_sample_due():
             with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
                 BACKLOG.labels(self.shard).set(await self.store.backlog())
@@ -411,15 +412,28 @@ class Dispatcher:
             seconds=result.seconds + after.seconds,
         )
 
-    async def _read_limits(self) -> None:
+    async def _read_limits(self) -> bool:
         """Refresh the cached limits every ``limits_interval`` (a failed read keeps the
-        last ones: the counts, not this list, are what keeps a limit exact)."""
+        last ones: the counts, not this list, are what keeps a limit exact). False while
+        they have not been read once in this term: then nothing may be claimed, since
+        an empty list would let the general claim start every limited job at once (a
+        new leader whose first read meets a full connection table did exactly that)."""
         now = self.clock.monotonic()
         if now - self._limits_read_at < self.config.limits_interval:
-            return
-        with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
+            return True
+        try:
             self._limits = await self.limits.all()
-            self._limits_read_at = now
+        except (asyncpg.PostgresError, TimeoutError) as exc:
+            if self._limits_read_at == float("-inf"):
+                self.loop.log.warning(
+                    "limits_unread",
+                    error=f"{type(exc).__name__}: {exc}",
+                    outcome="nothing claimed until the limits are read",
+                )
+                return False
+            return True
+        self._limits_read_at = now
+        return True
 
     async def _claim_limited(self, conn: Conn, limit: int, held: list[str]) -> list[ClaimedJob]:
         """The due jobs of limited targets that their limits admit now (none without

@@ -193,6 +193,29 @@ async def test_a_queue_limit_holds_jobs_pending_and_counts_dispatched_ones(env: 
     assert line.message == f"limit queue:{env.queue} holds 8 due jobs: 2 of 2 running"
 
 
+async def test_a_leader_that_cannot_read_the_limits_claims_nothing(env: Env) -> None:
+    """Fail closed: a new term whose first read of the limits fails (here the table is
+    renamed away; in the chaos run a full connection table did it) must not dispatch
+    the limited jobs unlimited, as it did when a failed read left an empty list."""
+    await LimitStore(env.pool).set(f"queue:{env.queue}", 2)
+    await insert(env.pool, env.queue, 10)
+    await env.pool.execute("ALTER TABLE duetime.limits RENAME TO limits_away")
+    try:
+        async with dispatching(env):
+            await asyncio.sleep(1.0)
+            assert await dispatched(env.pool) == 0  # 10 before the fix
+            await env.pool.execute("ALTER TABLE duetime.limits_away RENAME TO limits")
+
+            async def two() -> bool:
+                return await dispatched(env.pool) == 2
+
+            await wait_for(two, timeout=10, message="the limit read and applied")
+            await asyncio.sleep(0.5)
+            assert await dispatched(env.pool) == 2
+    finally:
+        await env.pool.execute("ALTER TABLE IF EXISTS duetime.limits_away RENAME TO limits")
+
+
 async def test_per_key_limit_caps_each_key_apart(env: Env) -> None:
     await LimitStore(env.pool).set(f"task:{TASK}", 1, per_key=True)
     for key in ("a", "b", "c"):
