@@ -21,6 +21,12 @@ MAX_TASK_LENGTH = 200
 MAX_KEY_LENGTH = 500
 MAX_UNIQUE_KEY_LENGTH = 200
 MAX_ATTEMPTS_LIMIT = 1000
+
+#: Largest rate count of a limit (CHECK limits_rate_invalid, migration 0018).
+MAX_RATE_COUNT = 1_000_000
+
+#: A limit's rate periods in seconds by unit (CHECK limits_rate_invalid allows these).
+RATE_PERIODS = {"s": 1, "min": 60, "h": 3600}
 DEFAULT_QUEUE = "default"
 DEFAULT_MAX_ATTEMPTS = 5
 # asyncpg sends datetime.min/max as -infinity/infinity, which the jobs_due_at_not_finite
@@ -85,6 +91,20 @@ def parse_limit_target(target: str) -> tuple[str, str]:
         if any(unicodedata.category(ch) == "Cc" for ch in name):
             raise InvalidInput("a limited task name must not contain control characters")
     return kind, name
+
+
+def parse_rate(text: str) -> tuple[int, int]:
+    """``N/s``, ``N/min`` or ``N/h`` (also ``sec``, ``second``, ``m``, ``minute``,
+    ``hour``) as (count, period seconds), by the rule of CHECK limits_rate_invalid."""
+    count, sep, unit = text.partition("/") if isinstance(text, str) else ("", "", "")
+    count, unit = count.strip(), unit.strip().lower()
+    unit = {"sec": "s", "second": "s", "m": "min", "minute": "min", "hour": "h"}.get(unit, unit)
+    if not sep or unit not in RATE_PERIODS or not (count.isascii() and count.isdigit()):
+        raise InvalidInput(f"a rate is N/s, N/min or N/h (got {text!r})")
+    n = int(count)
+    if not 1 <= n <= MAX_RATE_COUNT:
+        raise InvalidInput(f"a rate's count must be between 1 and {MAX_RATE_COUNT}")
+    return n, RATE_PERIODS[unit]
 
 
 def validate_queue(queue: str) -> str:

@@ -130,6 +130,12 @@ LIMIT_HELD = Gauge(
     "due pending jobs of a limited task or queue, held back by its limit (duetime limits)",
     ["shard", "limit"],
 )
+LIMIT_STARTS = Counter(
+    "duetime_limit_starts_total",
+    "jobs of a rate-limited task or queue started (dispatched), as logged for its window "
+    "(duetime limits --rate)",
+    ["shard", "limit"],
+)
 DISPATCH_CREDIT = Gauge(
     "duetime_dispatch_credit",
     "messages the dispatcher may still publish to a queue before its broker buffer is full "

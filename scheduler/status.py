@@ -323,22 +323,33 @@ def evaluate(
 
 
 def limits_holding(limits: Sequence[LimitRow]) -> list[Finding]:
-    """A line per concurrency limit that is full while due jobs of its target wait: the
-    jobs it holds back (a warning: holding back is what a limit is for)."""
+    """A line per limit that is full (its running cap, or its rate's window) while due
+    jobs of its target wait: the jobs it holds back (a warning: holding back is what a
+    limit is for)."""
     found = []
     for row in limits:
-        cap = row.limit.max_running
-        if cap is None or row.due == 0 or row.running < cap:
+        lim, cap, rate = row.limit, row.limit.max_running, row.limit.rate_count
+        capped = cap is not None and row.running >= cap
+        rated = rate is not None and row.started >= rate
+        if row.due == 0 or not (capped or rated):
             continue
-        if row.limit.per_key:  # `due` spans every key; some may still have room
+        if lim.per_key:  # `due` spans every key; some may still have room
+            use = []
+            if capped:
+                use.append(f"runs {row.running} of {cap}")
+            if rated:
+                use.append(f"started {row.started} of {lim.rate}")
             text = (
-                f"limit {row.limit.target}: its busiest key runs {row.running} of {cap}; "
+                f"limit {lim.target}: its busiest key {' and '.join(use)}; "
                 f"{row.due} due jobs of the target wait"
             )
         else:
-            text = (
-                f"limit {row.limit.target} holds {row.due} due jobs: {row.running} of {cap} running"
-            )
+            use = []
+            if capped:
+                use.append(f"{row.running} of {cap} running")
+            if rated:
+                use.append(f"{row.started} of {lim.rate} started")
+            text = f"limit {lim.target} holds {row.due} due jobs: {', '.join(use)}"
         found.append(Finding("limit_holding", text))
     return found
 

@@ -87,6 +87,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "--priority", type=priority, default=0, help="-100..100, higher first (default 0)"
     )
     add.add_argument(
+        "--limit-key",
+        metavar="KEY",
+        help="what per-key limits and fair queues count the job under (a tenant, a host)",
+    )
+    add.add_argument(
         "--shard",
         metavar="NAME",
         help="shard to write to (default: by --unique-key, else --key, else round-robin)",
@@ -149,6 +154,7 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
             on_conflict=on_conflict,
             unique_for=unique_for,
             priority=args.priority,
+            limit_key=args.limit_key,
         )
 
     try:

@@ -236,6 +236,7 @@ def create_app(dash: Dashboard) -> Starlette:
         Route("/schedules", bind(pages.schedules)),
         Route("/schedules/action", bind(actions.schedule_action), methods=["POST"]),
         Route("/schedules/{name:path}", bind(pages.schedule)),
+        Route("/limits", bind(pages.limits)),
         Route("/cluster", bind(pages.cluster)),
         Mount("/static", app=StaticFiles(directory=str(static)), name="static"),
     ]

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 from zoneinfo import ZoneInfo
 
+import asyncpg
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
@@ -28,7 +29,13 @@ from scheduler.errors import InvalidInput
 from scheduler.log import get_logger, scrub
 from scheduler.planning import upcoming_fire_times
 from scheduler.shards.status import Member
-from scheduler.status import STALE_RENEWALS, EtcdView, evaluate, read_election_key
+from scheduler.status import (
+    STALE_RENEWALS,
+    EtcdView,
+    evaluate,
+    limits_holding,
+    read_election_key,
+)
 from scheduler.store import JobFilter
 from scheduler.store.dashboard import LAG_SAMPLE, MINUTE_SAMPLE
 from scheduler.store.rows import JOB_STATUSES, Job, OverviewData
@@ -240,6 +247,30 @@ async def schedule(dash: Dashboard, request: Request) -> Response:
     return dash.render(
         request, "schedule.html", schedule=found, upcoming=upcoming, problem=problem,
         runs=run_rows, planned=planned,
+    )  # fmt: skip
+
+
+#: Keys shown per per-key limit on the Limits page (the most due jobs first).
+KEYS_SHOWN = 20
+
+
+async def limits(dash: Dashboard, request: Request) -> Response:
+    """Each limit with its use now (running, started in its rate's window, due jobs it
+    holds back, with a ``limit_holding`` note when full) and each per-key limit's
+    busiest keys."""
+    store = dash.site(request).limits
+    try:
+        rows = await store.list()
+        keys = await store.busiest_keys(KEYS_SHOWN)
+    except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError):
+        rows, keys = [], []  # a schema from before the limits' migrations
+    holding = {row.limit.target: f.message for row in rows for f in limits_holding([row])}
+    by_target: dict[str, list[Any]] = {}
+    for key in keys:
+        by_target.setdefault(key.target, []).append(key)
+    return dash.render(
+        request, "limits.html", limits=rows, keys=by_target, holding=holding,
+        keys_shown=KEYS_SHOWN,
     )  # fmt: skip
 
 

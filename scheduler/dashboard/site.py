@@ -39,6 +39,7 @@ from scheduler.dashboard.auth import Auth, split_listen
 from scheduler.dashboard.hosts import Hosts
 from scheduler.errors import DuetimeError
 from scheduler.store import DashboardStore, JobStore, ScheduleStore
+from scheduler.store.limits import LimitStore
 from scheduler.store.status import StatusStore
 
 __all__ = [
@@ -59,7 +60,7 @@ STATEMENT_TIMEOUT_MS = 5000
 FLASH_COOKIE = "duetime_flash"
 #: Where the shard picker leads from a page: the same section, since an id or a
 #: schedule name of one shard means nothing on another.
-SECTIONS = ("/jobs", "/schedules", "/cluster")
+SECTIONS = ("/jobs", "/schedules", "/limits", "/cluster")
 
 
 class UnknownShard(DuetimeError):
@@ -109,6 +110,10 @@ class ShardSite:
     @property
     def views(self) -> DashboardStore:
         return DashboardStore(self.pool)
+
+    @property
+    def limits(self) -> LimitStore:
+        return LimitStore(self.pool)
 
     @property
     def status(self) -> StatusStore:

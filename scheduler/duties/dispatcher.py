@@ -66,7 +66,14 @@ while any exist each claim transaction counts the dispatched jobs of the limited
 far as the remaining allowance goes (``scheduler.duties.limits``), and the general claim
 skips the limited tasks and queues. A job held by a limit stays ``pending``; while a
 limit holds jobs the loop re-counts every ``limits_poll`` (a worker's outcome does not
-wake it).
+wake it), or sooner when a rate's window frees a start before that.
+
+Rate limits (``--rate N/s``, migration 0018) are decided in the same transaction: the
+starts of each rate's sliding window are summed from the start log
+(``LimitStore.starts``) with the counts, the allowance keeps no more than the rest, and
+the starts of the jobs marked dispatched are logged (``record_starts``) before the
+commit, so a dispatch and its start become visible together or not at all, and a new
+leader reads the same window (docs/architecture.md, "Rate limits").
 
 Only declared queues (``duetime.queues``, migration 0008) are claimed, probed and so
 published: a producer's new ``queue`` value cannot make the broker create a queue. Jobs
@@ -102,6 +109,7 @@ from scheduler.metrics import (
     JOBS_HELD,
     JOBS_PUBLISHED,
     LIMIT_HELD,
+    LIMIT_STARTS,
     PUBLISH_FAILURES,
 )
 from scheduler.publisher import (
@@ -113,7 +121,7 @@ from scheduler.publisher import (
 from scheduler.store.conn import Conn
 from scheduler.store.dispatch import NOTIFY_CHANNEL as JOBS_CHANNEL
 from scheduler.store.dispatch import DispatchStore
-from scheduler.store.limits import Limit, LimitStore
+from scheduler.store.limits import Limit, LimitedJob, LimitStore
 from scheduler.store.rows import UNREADABLE, ClaimedJob, HeldQueues
 
 __all__ = ["RETRYABLE", "BatchReport", "Dispatcher", "DispatcherConfig"]
@@ -191,6 +199,9 @@ class Dispatcher:
         self._limits: list[Limit] = []
         self._limits_read_at = float("-inf")
         self._limits_holding = False  # the last claim left jobs pending for a limit
+        self._rate_free_in: float | None = None  # when a full rate's window frees a start
+        # the last limited claim's allowance and kept jobs: their starts are logged
+        self._rated: tuple[Allowance, list[LimitedJob]] | None = None
         self._limit_series: set[str] = set()  # targets LIMIT_HELD has a series for
         self.out = PublisherAndGate(
             ctx.settings,
@@ -248,7 +259,8 @@ class Dispatcher:
     async def run_once(self) -> float:
         """Dispatch what is due; return how long to sleep (wake() cuts it short)."""
         await self._ensure_listener()
-        await self._read_limits()
+        if not await self._read_limits():
+            return self.config.limits_poll  # fail closed: a limit must not be skipped
         if self.pacing.backlog_sample_due():
             with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
                 BACKLOG.labels(self.shard).set(await self.store.backlog())
@@ -272,7 +284,10 @@ class Dispatcher:
             return self.pacing.after_conflict()
         delay = self.pacing.after_batch(report, probed=probed)
         if self._limits_holding and not report.failed and report.claimed < report.limit:
-            # due jobs wait for a slot, which a worker's outcome frees without a wake-up
+            # due jobs wait for a slot, which a worker's outcome frees without a wake-up,
+            # or for a start to leave a rate's window (known to the millisecond)
+            if self._rate_free_in is not None:
+                return max(0.001, min(self.config.limits_poll, self._rate_free_in))
             return self.config.limits_poll
         if report.held and not report.failed and report.claimed < report.limit:
             # queues with due jobs may be waiting for room in their broker buffer: read
@@ -305,6 +320,7 @@ class Dispatcher:
         later: list[ClaimedJob] = []
         result: PublishResult | None = None
         lags: dict[int, float] = {}
+        starts: dict[tuple[str, str], int] = {}
         held = self.credit.held()
         limit = self.credit.limit(self.config.batch_size)
         try:
@@ -322,6 +338,7 @@ class Dispatcher:
                 result = await self.publisher.publish(fresh, epoch)
                 published_at = self.clock.monotonic()
                 lags = await self.store.mark_dispatched(conn, [*result.confirmed, *later], epoch)
+                starts = await self._record_starts(conn, lags)
         except BaseException as exc:
             if result is not None and result.confirmed:
                 # published but not committed: the rows stay pending and are claimed
@@ -343,6 +360,8 @@ class Dispatcher:
             raise
         committed_at = self.clock.monotonic()
         assert result is not None
+        for (target, _key), count in starts.items():
+            LIMIT_STARTS.labels(self.shard, target).inc(count)
         later = [job for job in later if job.id in lags]  # marked by this commit
         if later:
             result = await self._publish_after_commit(later, result, epoch)
@@ -393,23 +412,43 @@ class Dispatcher:
             seconds=result.seconds + after.seconds,
         )
 
-    async def _read_limits(self) -> None:
+    async def _read_limits(self) -> bool:
         """Refresh the cached limits every ``limits_interval`` (a failed read keeps the
-        last ones: the counts, not this list, are what keeps a limit exact)."""
+        last ones: the counts, not this list, are what keeps a limit exact). False while
+        they have not been read once in this term: then nothing may be claimed, since
+        an empty list would let the general claim start every limited job at once (a
+        new leader whose first read meets a full connection table did exactly that)."""
         now = self.clock.monotonic()
         if now - self._limits_read_at < self.config.limits_interval:
-            return
-        with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
+            return True
+        try:
             self._limits = await self.limits.all()
-            self._limits_read_at = now
+        except (asyncpg.PostgresError, TimeoutError) as exc:
+            if self._limits_read_at == float("-inf"):
+                self.loop.log.warning(
+                    "limits_unread",
+                    error=f"{type(exc).__name__}: {exc}",
+                    outcome="nothing claimed until the limits are read",
+                )
+                return False
+            return True
+        self._limits_read_at = now
+        return True
 
     async def _claim_limited(self, conn: Conn, limit: int, held: list[str]) -> list[ClaimedJob]:
         """The due jobs of limited targets that their limits admit now (none without
         limits: then this costs nothing)."""
         self._limits_holding = False
+        self._rate_free_in = None
+        self._rated = None
         if not self._limits:
             return []
-        allowance = Allowance(self._limits, await self.limits.counts(conn, self._limits))
+        allowance = Allowance(
+            self._limits,
+            await self.limits.counts(conn, self._limits),
+            await self.limits.starts(conn, self._limits),
+        )
+        self._rate_free_in = allowance.free_in()
         if allowance.all_closed():
             # every target is full: its claim would only step over their due rows
             self._limits_holding = True
@@ -417,9 +456,16 @@ class Dispatcher:
         capped = [lim for lim in self._limits if not lim.fair]
         fair = [lim.name for lim in self._limits if lim.fair]  # the fair claim's
         found = []
-        if capped:
+        bound = allowance.bound(capped)
+        if capped and bound != 0:
+            # lock only as many candidates as the limits may admit (a 50/s rate takes
+            # 50, not a batch of 500 row locks to leave 450 pending)
             found = await self.limits.claim(
-                conn, capped, allowance.closed(), limit, held=[*held, *fair]
+                conn,
+                capped,
+                allowance.closed(),
+                limit if bound is None else min(limit, bound),
+                held=[*held, *fair],
             )
         seen = {job.job.id for job in found}
         for queue in allowance.fair_queues:
@@ -429,7 +475,22 @@ class Dispatcher:
                 seen.update(job.job.id for job in more)
         kept, left = allowance.take(found, limit)  # the others stay pending
         self._limits_holding = allowance.holding() or bool(left)
+        if allowance.rated and kept:
+            self._rated = (allowance, kept)
         return [job.job for job in kept]
+
+    async def _record_starts(
+        self, conn: Conn, lags: dict[int, float]
+    ) -> dict[tuple[str, str], int]:
+        """Log the starts the rate-limited jobs marked dispatched by this transaction
+        make (``lags``: the marked ids), before its commit; returns them."""
+        if self._rated is None:
+            return {}
+        allowance, kept = self._rated
+        self._rated = None
+        starts = allowance.rate_starts(job for job in kept if job.job.id in lags)
+        await self.limits.record_starts(conn, starts)
+        return starts
 
     async def _claim(self, conn: Conn, limit: int, held: list[str]) -> list[ClaimedJob]:
         """The batch's general claim (without the limited tasks and queues); row by row,

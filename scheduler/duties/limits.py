@@ -1,17 +1,22 @@
-"""Concurrency limits: how many more jobs of each limited target may start now (pure).
+"""Concurrency and rate limits: how many more jobs of each limited target may start now
+(pure).
 
 A limit caps the jobs of a target (``task:NAME`` or ``queue:NAME``) that are
-``dispatched`` at once; ``per_key`` caps each ``limit_key`` of the target instead (jobs
+``dispatched`` at once (``max_running``) and those that start in any ``rate_period``
+seconds (``rate_count``); ``per_key`` caps each ``limit_key`` of the target instead (jobs
 without a key share one slot pool, key ''). The dispatcher builds an ``Allowance`` in
-its fenced transaction from the limits and the dispatched counts read there
-(``LimitStore.counts``), then:
+its fenced transaction from the limits, the dispatched counts (``LimitStore.counts``)
+and the starts in each rate's window (``LimitStore.starts``) read there; a slot's room is
+the smaller of what both leave. Then:
 
 - the general claim skips every limited task and queue (``skip_tasks``/``skip_queues``);
 - the limited claim skips what is ``closed`` (no allowance left) and locks a bounded
   candidate set of the rest, which ``take`` walks in claim order, keeping a job only if
   every limit it falls under has room and charging each of them.
 
-A job under both a task limit and a queue limit is charged to both. A ``fair`` queue's
+A job under both a task limit and a queue limit is charged to both. After marking the
+kept jobs dispatched, the dispatcher logs their starts (``rate_starts``) in the same
+transaction, which is what the next claim's window sums. A ``fair`` queue's
 jobs are claimed by the fair claim instead (round-robin between keys) and go through
 ``take`` the same way; a fair queue without ``max_running`` caps nothing. Jobs ``take``
 leaves out stay pending (their row locks end at the commit). Synchronous, no I/O.
@@ -19,10 +24,11 @@ leaves out stay pending (their row locks end at the commit). Synchronous, no I/O
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeVar
 
-from scheduler.store.limits import Closed, Limit, Running
+from scheduler.store.limits import Closed, Limit, Running, Started
 
 __all__ = ["Allowance"]
 
@@ -47,13 +53,32 @@ J = TypeVar("J", bound=_Limited)
 class Allowance:
     """Remaining room per limit (and per key of a per-key limit)."""
 
-    def __init__(self, limits: Sequence[Limit], running: Iterable[Running]) -> None:
+    def __init__(
+        self,
+        limits: Sequence[Limit],
+        running: Iterable[Running],
+        started: Iterable[Started] = (),
+    ) -> None:
         self.limits = {lim.target: lim for lim in limits}
         self._used: dict[tuple[str, str], int] = {}  # (target, key or '') -> dispatched
+        self._started: dict[tuple[str, str], int] = {}  # (target, key or '') -> in window
+        self._free_in: dict[tuple[str, str], float] = {}  # when the oldest start leaves
         for row in running:
             for lim in self._matching(row.task, row.queue):
                 slot = self._slot(lim, row.limit_key)
                 self._used[slot] = self._used.get(slot, 0) + row.count
+        for start in started:
+            rated = self.limits.get(start.target)
+            if rated is None or rated.rate_count is None:
+                continue  # a rate removed since: its old starts bind nothing
+            slot = self._slot(rated, start.limit_key)
+            self._started[slot] = self._started.get(slot, 0) + start.count
+            self._free_in[slot] = min(self._free_in.get(slot, start.free_in), start.free_in)
+
+    @property
+    def rated(self) -> bool:
+        """Whether some limit has a rate (its starts must be logged)."""
+        return any(lim.rate_count is not None for lim in self.limits.values())
 
     @property
     def skip_tasks(self) -> tuple[str, ...]:
@@ -68,8 +93,8 @@ class Allowance:
         found = []
         for target in (f"task:{task}", f"queue:{queue}"):
             lim = self.limits.get(target)
-            if lim is not None and lim.max_running is not None:  # fair only: no cap
-                found.append(lim)
+            if lim is not None and (lim.max_running is not None or lim.rate_count is not None):
+                found.append(lim)  # a fair-only queue caps nothing
         return found
 
     @staticmethod
@@ -77,10 +102,15 @@ class Allowance:
         return (lim.target, key if lim.per_key else "")
 
     def room(self, lim: Limit, key: str = "") -> int:
-        """Jobs of ``lim``'s target (of ``key``, for a per-key limit) that may start."""
-        if lim.max_running is None:
-            return MAX_ROOM
-        return max(0, lim.max_running - self._used.get(self._slot(lim, key), 0))
+        """Jobs of ``lim``'s target (of ``key``, for a per-key limit) that may start:
+        what its cap on running jobs and its rate both leave."""
+        slot = self._slot(lim, key)
+        room = MAX_ROOM
+        if lim.max_running is not None:
+            room = min(room, lim.max_running - self._used.get(slot, 0))
+        if lim.rate_count is not None:
+            room = min(room, lim.rate_count - self._started.get(slot, 0))
+        return max(0, room)
 
     def closed(self) -> Closed:
         """Targets with no room, and the keys of per-key limits with none: the limited
@@ -95,8 +125,9 @@ class Allowance:
                 if self.room(lim) == 0:
                     (tasks if lim.kind == "task" else queues).append(lim.name)
                 continue
-            for (target, key), used in self._used.items():
-                if target == lim.target and lim.max_running is not None and used >= lim.max_running:
+            keys = {key for target, key in (*self._used, *self._started) if target == lim.target}
+            for key in sorted(keys):
+                if self.room(lim, key) == 0:
                     (task_keys if lim.kind == "task" else queue_keys).append((lim.name, key))
         return Closed(tuple(tasks), tuple(queues), tuple(task_keys), tuple(queue_keys))
 
@@ -111,6 +142,35 @@ class Allowance:
         return all(
             not lim.per_key and not lim.fair and self.room(lim) == 0 for lim in self.limits.values()
         )
+
+    def bound(self, limits: Sequence[Limit]) -> int | None:
+        """At most how many jobs the limited claim should lock for ``limits``: the room
+        of a single limit that is not per key, else None (no bound). With several
+        limits a bound would be unfair: candidates of one target, first by priority,
+        could fill it while another target with room got none, pass after pass."""
+        if len(limits) != 1 or limits[0].per_key:
+            return None
+        return self.room(limits[0])
+
+    def free_in(self) -> float | None:
+        """Seconds until a start leaves the window of a rate that has no room left (the
+        soonest such), or None when no rate holds anything back."""
+        waits = [
+            wait
+            for (target, key), wait in self._free_in.items()
+            if self.room(self.limits[target], key) == 0
+        ]
+        return max(0.0, min(waits)) if waits else None
+
+    def rate_starts(self, jobs: Iterable[J]) -> dict[tuple[str, str], int]:
+        """The starts ``jobs`` (kept and dispatched) make, per rate-limited (target,
+        key) slot, to log (``LimitStore.record_starts``)."""
+        starts: Counter[tuple[str, str]] = Counter()
+        for job in jobs:
+            for lim in self._matching(job.task, job.queue):
+                if lim.rate_count is not None:
+                    starts[self._slot(lim, job.limit_key)] += 1
+        return dict(starts)
 
     @property
     def fair_queues(self) -> tuple[str, ...]:
@@ -136,5 +196,7 @@ class Allowance:
             for lim in lims:
                 slot = self._slot(lim, job.limit_key)
                 self._used[slot] = self._used.get(slot, 0) + 1
+                if lim.rate_count is not None:
+                    self._started[slot] = self._started.get(slot, 0) + 1
             kept.append(job)
         return kept, left

@@ -19,12 +19,14 @@ One pass (every ``interval``, 10 min by default; the first at once on leadership
    transaction, at most ``max_batches`` per table per pass; a pass that stops early
    comes back in ``resume_interval``): ``job_ledger`` by ``completed_at``,
    ``schedule_fires`` by ``fire_time`` (only once the schedule's ``next_fire_at`` is past
-   it, so deduplication keeps what it still needs), terminal rows in DEFAULT.
+   it, so deduplication keeps what it still needs), terminal rows in DEFAULT, and the
+   rate limits' start log past each rate's window (migration 0018).
 
 Every write runs in a fenced transaction (``Fenced`` ends the duty and the term) after a
 fail-closed lease check. One ``maintenance_pass`` event per pass with the same keys
 whatever happened (``created``, ``dropped``, ``kept_live``, ``deferred``,
-``ledger_pruned``, ``fires_pruned``, ``default_pruned``, ``duration_ms``, ``error``).
+``ledger_pruned``, ``fires_pruned``, ``default_pruned``, ``starts_pruned``,
+``duration_ms``, ``error``).
 
 **Claims are never stalled for long.** Claims (and producers, and workers holding a
 job ``FOR KEY SHARE``) lock the parent and every partition; ATTACH needs ACCESS
@@ -140,6 +142,7 @@ class MaintenanceReport:
     ledger_pruned: int = 0
     fires_pruned: int = 0
     default_pruned: int = 0
+    starts_pruned: int = 0
     more: bool = False  # pruning stopped at max_batches
 
     def fields(self) -> dict[str, object]:
@@ -155,6 +158,7 @@ class MaintenanceReport:
             "ledger_pruned": self.ledger_pruned,
             "fires_pruned": self.fires_pruned,
             "default_pruned": self.default_pruned,
+            "starts_pruned": self.starts_pruned,
             "more": self.more,
         }
 
@@ -261,6 +265,9 @@ class Maintainer:
         )
         report.default_pruned = await self._batches(
             report, partial(self.store.prune_default, retention=retention, limit=limit)
+        )
+        report.starts_pruned = await self._batches(
+            report, partial(self.store.prune_limit_starts, limit=limit)
         )
 
     # -- transactions ----------------------------------------------------------------

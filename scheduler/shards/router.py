@@ -171,10 +171,12 @@ class ShardRouter:
         on_conflict: OnConflict = "skip",
         unique_for: timedelta | None = None,
         priority: int = 0,
+        limit_key: str | None = None,
         conn: Conn | None = None,
     ) -> RoutedJob:
         """``JobStore.enqueue`` on the routed shard (``unique_key``, ``on_conflict``,
-        ``unique_for`` and ``priority`` mean what they mean there). ``conn`` (the
+        ``unique_for``, ``priority`` and ``limit_key`` mean what they mean there; a
+        limit is enforced per shard, on the rows of the shard the job lands in). ``conn`` (the
         caller's transaction) belongs to one database, so with several shards it needs
         ``shard=`` too; a pinned unique key is unique within that shard only."""
         if conn is not None and shard is None and len(self.names) > 1:
@@ -194,6 +196,7 @@ class ShardRouter:
             on_conflict=on_conflict,
             unique_for=unique_for,
             priority=priority,
+            limit_key=limit_key,
             conn=conn,
         )
         return RoutedJob(name, job)

@@ -46,7 +46,9 @@ from scheduler.status import (
     evaluate,
     jsonable,
     lease_remaining,
+    read_limits,
 )
+from scheduler.store.limits import LimitRow
 from scheduler.store.rows import DbSnapshot
 from scheduler.store.status import StatusStore
 
@@ -264,6 +266,15 @@ async def read_shard_keys(
 
 async def _snapshot(settings: Settings, name: str, url: str) -> DbSnapshot | str:
     """The shard's snapshot, or why it could not be read (scrubbed of passwords)."""
+    read = await _read_shard(settings, name, url)
+    return read if isinstance(read, str) else read[0]
+
+
+async def _read_shard(
+    settings: Settings, name: str, url: str
+) -> tuple[DbSnapshot, list[LimitRow]] | str:
+    """The shard's snapshot and its limits with their use (``duetime status`` judges
+    them as it does the single database's), or why they could not be read."""
     try:
         pool = await db.create_pool(
             url,
@@ -278,7 +289,8 @@ async def _snapshot(settings: Settings, name: str, url: str) -> DbSnapshot | str
         return scrub(str(exc))
     try:
         async with asyncio.timeout(settings.db_timeout * 3):
-            return await StatusStore(pool, acquire_timeout=settings.db_timeout).snapshot()
+            snap = await StatusStore(pool, acquire_timeout=settings.db_timeout).snapshot()
+            return snap, await read_limits(pool, settings.db_timeout)
     except Exception as exc:  # asyncpg errors, OSError, TimeoutError: report, never crash
         return scrub(f"shard {name}: {type(exc).__name__}: {exc}")[:500]
     finally:
@@ -301,13 +313,23 @@ async def collect_shard_status(
     """Read every shard's database and etcd concurrently and judge each shard.
 
     ``snapshot``: how a shard's database is read (default: a one-connection pool of its
-    own; a long-running process such as the dashboard passes one that uses its pools).
+    own, which reads the shard's limits too, judged like the single database's; a
+    long-running process such as the dashboard passes one that uses its pools, and
+    shows the limits on a page of their own).
     """
     urls = settings.shard_urls
     names = list(urls)
-    read = snapshot or _snapshot
     etcd_task = asyncio.create_task(read_shard_keys(settings, names, timeout=etcd_timeout))
-    snapshots = await asyncio.gather(*(read(settings, n, urls[n]) for n in names))
+    limits: dict[str, list[LimitRow]] = {}
+    if snapshot is None:
+        reads = await asyncio.gather(*(_read_shard(settings, n, urls[n]) for n in names))
+        snapshots: list[DbSnapshot | str] = []
+        for name, read in zip(names, reads, strict=True):
+            snapshots.append(read if isinstance(read, str) else read[0])
+            if not isinstance(read, str):
+                limits[name] = read[1]
+    else:
+        snapshots = list(await asyncio.gather(*(snapshot(settings, n, urls[n]) for n in names)))
     broker = await read_broker(
         settings,
         {q.queue for snap in snapshots if not isinstance(snap, str) for q in snap.queues},
@@ -329,6 +351,7 @@ async def collect_shard_status(
             max_backlog_age=max_backlog_age,
             broker=broker,
             max_unstarted_age=max_unstarted_age,
+            limits=limits.get(name, ()),
         )
         shards.append(ShardStatus(name, view, report=report))
     checked = [s.report.snapshot.db_now for s in shards if s.report is not None]

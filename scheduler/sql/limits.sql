@@ -4,13 +4,15 @@
 -- general claim (docs/architecture.md, "Limits").
 
 -- name: set
--- Insert or change one limit; the CHECKs of migration 0016 refuse a bad target or number
--- (the CLI validates first).
-INSERT INTO duetime.limits (target, max_running, per_key, fair)
-VALUES ($1, $2, $3, $4)
+-- Insert or change one limit; the CHECKs of migrations 0016 and 0018 refuse a bad target
+-- or number (the CLI validates first). $5/$6: the rate's count and period (seconds), or
+-- NULL.
+INSERT INTO duetime.limits (target, max_running, per_key, fair, rate_count, rate_period)
+VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (target) DO UPDATE
    SET max_running = excluded.max_running, per_key = excluded.per_key,
-       fair = excluded.fair, updated_at = now()
+       fair = excluded.fair, rate_count = excluded.rate_count,
+       rate_period = excluded.rate_period, updated_at = now()
 RETURNING target;
 
 -- name: remove
@@ -18,12 +20,14 @@ DELETE FROM duetime.limits WHERE target = $1 RETURNING target;
 
 -- name: all
 -- Every limit, as the dispatcher caches it.
-SELECT target, max_running, per_key, fair FROM duetime.limits ORDER BY target;
+SELECT target, max_running, per_key, fair, rate_count, rate_period
+  FROM duetime.limits ORDER BY target;
 
 -- name: list
 -- Every limit with its use now: dispatched jobs of its target (the largest per key for a
--- per-key limit) and due pending jobs of the target, held or not. One grouped pass over
--- the live rows of the limited tasks and queues; `duetime limits list` only.
+-- per-key limit), due pending jobs of the target, held or not, and for a rate its starts
+-- in the window now (the busiest key's for a per-key rate). One grouped pass over the
+-- live rows of the limited tasks and queues; `duetime limits list`, status, dashboard.
 WITH live AS (
     SELECT l.target, j.limit_key,
            count(*) FILTER (WHERE j.status = 'dispatched') AS running,
@@ -35,10 +39,19 @@ WITH live AS (
        AND (l.target = 'task:' || j.task OR l.target = 'queue:' || j.queue)
      GROUP BY l.target, j.limit_key
 )
-SELECT l.target, l.max_running, l.per_key, l.fair, l.created_at, l.updated_at,
+SELECT l.target, l.max_running, l.per_key, l.fair, l.rate_count, l.rate_period,
+       l.created_at, l.updated_at,
        coalesce(CASE WHEN l.per_key THEN max(v.running) ELSE sum(v.running) END, 0)::bigint
            AS running,
-       coalesce(sum(v.due), 0)::bigint AS due
+       coalesce(sum(v.due), 0)::bigint AS due,
+       (SELECT coalesce(max(w.n), 0)::bigint
+          FROM (SELECT sum(s.starts) AS n
+                  FROM duetime.limit_starts AS s
+                 WHERE s.target = l.target
+                   AND s.started_at > statement_timestamp()
+                                      - make_interval(secs => l.rate_period)
+                 GROUP BY CASE WHEN l.per_key THEN s.limit_key ELSE '' END) AS w)
+           AS started
   FROM duetime.limits AS l
   LEFT JOIN live AS v ON v.target = l.target
  GROUP BY l.target
@@ -155,3 +168,60 @@ SELECT id, task, queue, due_at, run_at, attempt, coalesce(limit_key, '') AS limi
    AND due_at >= $2 AND due_at <= $3
    AND status = 'pending'
    FOR UPDATE SKIP LOCKED;
+
+-- name: starts
+-- Starts in the window now of the rate-limited targets ($1, with their periods in
+-- seconds $2), per target and recorded key ('' unless the rate is per key), and the
+-- seconds until the oldest of them leaves the window. Inside the dispatcher's fenced
+-- transaction, before its claim: claim transactions of a shard never overlap, so this
+-- sees every start committed before (migration 0018). statement_timestamp(), not now():
+-- the window ends at this read, and `record_starts` stamps later than it.
+-- Reads limit_starts_window_idx, one range per target.
+SELECT s.target, s.limit_key, sum(s.starts)::bigint AS started,
+       extract(epoch FROM min(s.started_at) + make_interval(secs => p.period)
+                          - statement_timestamp())::float8 AS free_in
+  FROM unnest($1::text[], $2::int[]) AS p(target, period)
+  JOIN duetime.limit_starts AS s
+    ON s.target = p.target
+   AND s.started_at > statement_timestamp() - make_interval(secs => p.period)
+ GROUP BY s.target, s.limit_key, p.period;
+
+-- name: record_starts
+-- The starts of one claim transaction: $1 targets, $2 keys ('' unless per key), $3
+-- counts, stamped with this statement's time, after `mark_dispatched` (so at or after
+-- the jobs' dispatched_at) and before the commit that makes both visible together.
+INSERT INTO duetime.limit_starts (target, limit_key, started_at, starts)
+SELECT target, limit_key, statement_timestamp(), starts
+  FROM unnest($1::text[], $2::text[], $3::int[]) AS s(target, limit_key, starts);
+
+-- name: busiest_keys
+-- The keys of the per-key limits, at most $1 per limit, those with the most due jobs
+-- first: per (target, key) its dispatched and due pending jobs and its starts in the
+-- rate's window now. The dashboard's Limits page only; one grouped pass over the live
+-- rows of the per-key targets, like `list`.
+WITH live AS (
+    SELECT l.target, coalesce(j.limit_key, '') AS limit_key,
+           count(*) FILTER (WHERE j.status = 'dispatched') AS running,
+           count(*) FILTER (WHERE j.status = 'pending'
+                              AND coalesce(j.run_at, j.due_at) <= now()) AS due
+      FROM duetime.limits AS l
+      JOIN duetime.jobs AS j
+        ON j.status IN ('pending', 'dispatched')
+       AND (l.target = 'task:' || j.task OR l.target = 'queue:' || j.queue)
+     WHERE l.per_key
+     GROUP BY 1, 2
+), ranked AS (
+    SELECT v.*, row_number() OVER (PARTITION BY v.target
+                                   ORDER BY v.due DESC, v.running DESC, v.limit_key) AS n
+      FROM live AS v
+)
+SELECT r.target, r.limit_key, r.running, r.due,
+       (SELECT coalesce(sum(s.starts), 0)::bigint
+          FROM duetime.limit_starts AS s
+         WHERE s.target = r.target AND s.limit_key = r.limit_key
+           AND s.started_at > statement_timestamp() - make_interval(secs => l.rate_period))
+           AS started
+  FROM ranked AS r
+  JOIN duetime.limits AS l ON l.target = r.target
+ WHERE r.n <= $1
+ ORDER BY r.target, r.n;

@@ -96,3 +96,21 @@ SELECT count(*) FROM gone;
 -- otherwise stay forever. Pending and dispatched rows are never touched: they are
 -- claimed from DEFAULT. Returns how many went.
 SELECT duetime.prune_default($1::float8, $2::int);
+
+-- name: prune_limit_starts
+-- (fenced) One batch of at most $1 rows of the rate limits' start log (migration 0018)
+-- that left their target's window: older than its rate_period, or of a target without a
+-- rate now. The window sums read only the last period, so this only keeps the table small.
+WITH doomed AS (
+    SELECT s.ctid AS row_id
+      FROM duetime.limit_starts AS s
+      LEFT JOIN duetime.limits AS l ON l.target = s.target AND l.rate_period IS NOT NULL
+     WHERE s.started_at < now() - make_interval(secs => coalesce(l.rate_period, 0))
+     LIMIT $1
+), gone AS (
+    DELETE FROM duetime.limit_starts AS s
+     USING doomed AS d
+     WHERE s.ctid = d.row_id
+    RETURNING 1
+)
+SELECT count(*) FROM gone;

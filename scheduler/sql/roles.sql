@@ -128,6 +128,8 @@ GRANT SELECT ON duetime.queues TO "{scheduler}";
 -- The dispatcher enforces the limits (migration 0016); setting one is the owner's act
 -- (`duetime limits set`), as declaring a queue is.
 GRANT SELECT ON duetime.limits TO "{scheduler}";
+-- Rate limits (migration 0018): the dispatcher logs its starts, the maintainer prunes.
+GRANT SELECT, INSERT, DELETE ON duetime.limit_starts TO "{scheduler}";
 GRANT UPDATE (next_fire_at, plan_at, buffered_fire_at, paused, last_error, fired_count,
               skipped_count, missed_count, last_fired_at, last_job_id, last_job_due_at)
     ON duetime.schedules TO "{scheduler}";

@@ -67,3 +67,7 @@ class MaintenanceStore(PooledStore):
 
     async def prune_default(self, conn: Conn, retention: float, limit: int) -> int:
         return int(await conn.fetchval(Q["prune_default"], float(retention), limit))
+
+    async def prune_limit_starts(self, conn: Conn, limit: int) -> int:
+        """Delete at most ``limit`` logged starts that left their rate's window."""
+        return int(await conn.fetchval(Q["prune_limit_starts"], limit))

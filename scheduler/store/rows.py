@@ -61,6 +61,8 @@ class Job:
     unique_key: str | None = None
     #: -100..100, higher first among the due jobs of its queue (migration 0015)
     priority: int = 0
+    #: what per-key limits and fair queues count this job under (migration 0016), if any
+    limit_key: str | None = None
 
     @property
     def effective_key(self) -> str:

@@ -63,6 +63,7 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "from duetime.testing import run_task",
         "run_task(",
         "ShardRouter.open(settings",
+        "limit_key=",
         "Worker(",
         "duetime.enqueue(conn,",
         "duetime.enqueue(session,",
@@ -223,6 +224,13 @@ async def check_effects(conn: asyncpg.Connection) -> None:
     assert [(j["unique_key"], j["status"]) for j in digests] == [("digest:42", "cancelled")]
     synced = [j for j in jobs if j["task"] == "sync_customer"]
     assert [j["unique_key"] for j in synced] == ["customer:7"]
+
+    # limits: two calls of each host dispatched, the limit holds the other two of each
+    calls = [(j["limit_key"], j["status"]) for j in jobs if j["task"] == "call_api"]
+    assert sorted(calls) == sorted(
+        [(host, status) for host in ("api.example.com", "api.example.org")
+         for status in ("dispatched", "dispatched", "pending", "pending")]
+    )  # fmt: skip
 
     # schedules
     nightly = await conn.fetchrow("SELECT * FROM duetime.schedules WHERE name = 'nightly-report'")

@@ -107,6 +107,17 @@ async def test_show(env: dict[str, str]) -> None:
     assert fields["status"] == "pending"
     assert fields["run_at"] == "-"
     assert fields["priority"] == "0" and fields["unique_key"] == "-"
+    assert fields["limit_key"] == "-"
+
+
+async def test_add_limit_key(env: dict[str, str], pool: asyncpg.Pool) -> None:
+    job = await add(env, "call_api", "--limit-key", "api.example.com", "--in", "1h")
+    assert job["limit_key"] == "api.example.com"
+    stored = await pool.fetchval("SELECT limit_key FROM duetime.jobs WHERE id = $1", job["id"])
+    assert stored == "api.example.com"
+    plain = await duetime(env, "jobs", "show", str(job["id"]))
+    fields = {line.split(None, 1)[0]: line.split(None, 1)[1] for line in plain.out.splitlines()}
+    assert fields["limit_key"] == "api.example.com"
 
 
 async def test_add_unique_key_policies_and_priority(
@@ -279,6 +290,8 @@ async def test_retry_dead_then_retry_pending(env: dict[str, str], pool: asyncpg.
         (["add", "t", "--key", ""], "idempotency_key must be 1-500 characters"),
         (["add", "t", "--unique-key", ""], "unique_key must be 1-200 characters"),
         (["add", "t", "--unique-key", "a\tb"], "unique_key must not contain control characters"),
+        (["add", "t", "--limit-key", ""], "limit_key must be 1-200 characters"),
+        (["add", "t", "--limit-key", "a\tb"], "limit_key must not contain control characters"),
         (
             ["add", "t", "--on-conflict", "error"],
             "--on-conflict and --unique-for need --unique-key",

@@ -15,6 +15,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import asyncpg
@@ -77,9 +78,9 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
 
 
 @contextlib.asynccontextmanager
-async def dispatching(env: Env, *, epoch: int = 1) -> AsyncIterator[Dispatcher]:
+async def dispatching(env: Env, *, epoch: int = 1, **knobs: Any) -> AsyncIterator[Dispatcher]:
     config = config_from_settings(
-        DispatcherConfig, env.settings, limits_interval=0.2, backlog_interval=0.2
+        DispatcherConfig, env.settings, limits_interval=0.2, backlog_interval=0.2, **knobs
     )
     dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), config=config)
     dispatcher.loop.start(LeaderTerm(epoch=epoch, node_id=f"test-node-{epoch}"))
@@ -192,6 +193,29 @@ async def test_a_queue_limit_holds_jobs_pending_and_counts_dispatched_ones(env: 
     assert line.message == f"limit queue:{env.queue} holds 8 due jobs: 2 of 2 running"
 
 
+async def test_a_leader_that_cannot_read_the_limits_claims_nothing(env: Env) -> None:
+    """Fail closed: a new term whose first read of the limits fails (here the table is
+    renamed away; in the chaos run a full connection table did it) must not dispatch
+    the limited jobs unlimited, as it did when a failed read left an empty list."""
+    await LimitStore(env.pool).set(f"queue:{env.queue}", 2)
+    await insert(env.pool, env.queue, 10)
+    await env.pool.execute("ALTER TABLE duetime.limits RENAME TO limits_away")
+    try:
+        async with dispatching(env):
+            await asyncio.sleep(1.0)
+            assert await dispatched(env.pool) == 0  # 10 before the fix
+            await env.pool.execute("ALTER TABLE duetime.limits_away RENAME TO limits")
+
+            async def two() -> bool:
+                return await dispatched(env.pool) == 2
+
+            await wait_for(two, timeout=10, message="the limit read and applied")
+            await asyncio.sleep(0.5)
+            assert await dispatched(env.pool) == 2
+    finally:
+        await env.pool.execute("ALTER TABLE IF EXISTS duetime.limits_away RENAME TO limits")
+
+
 async def test_per_key_limit_caps_each_key_apart(env: Env) -> None:
     await LimitStore(env.pool).set(f"task:{TASK}", 1, per_key=True)
     for key in ("a", "b", "c"):
@@ -226,6 +250,58 @@ async def test_fair_queue_starts_round_robin_between_keys(env: Env) -> None:
     assert last_b < 30, running.started[:40]
 
 
+async def test_a_tenants_10_jobs_start_within_2_s_behind_another_tenants_10k(
+    env: Env,
+) -> None:
+    """Issue 23's fairness target on a --fair queue: tenant A has 10,000 due jobs being
+    worked off, tenant B then enqueues 10. By order (handlers' records): only the broker's
+    bounded buffer of A's jobs starts before B's last; B's latency is printed and
+    bounded loosely (the target is 2 s)."""
+    buffer, batch = 200, 100
+    await env.pool.execute(
+        "INSERT INTO duetime.jobs (task, payload, due_at, queue, limit_key) "
+        "SELECT $1, jsonb_build_object('key', 'A'), now() - interval '1 hour'"
+        "       + make_interval(secs => i * 0.0001), $2, 'A' FROM generate_series(1, 10000) i",
+        TASK,
+        env.queue,
+    )
+    await LimitStore(env.pool).set(f"queue:{env.queue}", None, fair=True)
+    starts: list[tuple[str, float]] = []
+    registry = Registry()
+
+    @registry.task(TASK)
+    async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
+        starts.append((payload["key"], asyncio.get_running_loop().time()))
+
+    worker = Worker(
+        env.settings, queues=[env.queue], registry=registry, concurrency=8, grace_period=5
+    )
+    await worker.start()
+    try:
+        async with dispatching(env, buffer=buffer, buffer_per_consumer=0, batch_size=batch):
+            await wait_for(lambda: len(starts) >= 1000, timeout=60, message="A's backlog moving")
+            before = len(starts)
+            inserted_at = asyncio.get_running_loop().time()
+            await insert(env.pool, env.queue, 10, key="B")
+
+            def b_started() -> bool:
+                return sum(1 for key, _ in starts if key == "B") == 10
+
+            await wait_for(b_started, timeout=30, message="B's 10 started")
+    finally:
+        await worker.stop()
+    after = starts[before:]
+    last_b = max(i for i, (key, _) in enumerate(after) if key == "B")
+    a_first = sum(1 for key, _ in after[:last_b] if key == "A")
+    latency = max(at - inserted_at for key, at in after if key == "B")
+    print(
+        f"\n[fair] B's 10 behind {10_000 - before} of A's due: {a_first} of A's started "
+        f"first (broker buffer {buffer}); B's last started {latency:.3f} s after its insert"
+    )
+    assert a_first <= buffer + batch + 8  # only what the broker already held
+    assert latency < 5.0  # the target is 2 s (printed above); bounded loosely here
+
+
 async def test_limit_key_is_checked_and_passed_through(env: Env) -> None:
     job = await JobStore(env.pool).enqueue(TASK, queue=env.queue, limit_key="tenant-1")
     key = await env.pool.fetchval("SELECT limit_key FROM duetime.jobs WHERE id = $1", job.id)
@@ -249,13 +325,17 @@ async def test_limit_key_is_checked_and_passed_through(env: Env) -> None:
         )
     assert caught.value.constraint_name == "limits_max_running_positive"
     for values, name in [
-        ("('task:x', NULL, false, false)", "limits_rule_missing"),
-        ("('task:x', 1, false, true)", "limits_fair_queue_only"),
-        ("('queue:q', NULL, true, true)", "limits_per_key_needs_max"),
+        ("('task:x', NULL, false, false, 5, 7)", "limits_rate_invalid"),
+        ("('task:x', NULL, false, false, 5, NULL)", "limits_rate_invalid"),
+        ("('task:x', NULL, false, false, 0, 1)", "limits_rate_invalid"),
+        ("('task:x', NULL, false, false, NULL, NULL)", "limits_rule_missing"),
+        ("('task:x', 1, false, true, NULL, NULL)", "limits_fair_queue_only"),
+        ("('queue:q', NULL, true, true, NULL, NULL)", "limits_per_key_needs_max"),
     ]:
         with pytest.raises(asyncpg.CheckViolationError) as caught:
             await env.pool.execute(
-                f"INSERT INTO duetime.limits (target, max_running, per_key, fair) VALUES {values}"
+                "INSERT INTO duetime.limits (target, max_running, per_key, fair, rate_count,"
+                f" rate_period) VALUES {values}"
             )
         assert caught.value.constraint_name == name
 
@@ -276,6 +356,15 @@ async def test_cli_sets_lists_removes_and_errors_in_one_line(
     rows = {r["target"]: r for r in cast(list[dict[str, Any]], listed.json())}
     assert rows["task:send_email"]["max_running"] == 5
     assert rows[f"queue:{env.queue}"]["per_key"] is True
+    done = await run_duetime(
+        cli, "limits", "set", "task:call_api", "--rate", "100/min", "--per-key"
+    )
+    assert done.code == 0, done.err
+    assert done.out.strip() == "limit task:call_api: at most 100 starts per minute per limit_key"
+    listed = await run_duetime(cli, "limits", "list")
+    assert listed.code == 0, listed.err
+    [line] = [x for x in listed.out.splitlines() if "task:call_api" in x]
+    assert "100/min" in line
     assert (await run_duetime(cli, "limits", "remove", "task:send_email")).code == 0
     for args, says in [
         (("set", "send_email", "--max-running", "5"), "task:NAME or queue:NAME"),
@@ -283,7 +372,9 @@ async def test_cli_sets_lists_removes_and_errors_in_one_line(
         (("set", "task:x", "--max-running", "0"), "between 1 and"),
         (("set", "task:x", "--max-running", "lots"), "not a whole number"),
         (("remove", "task:send_email"), "no limit on task:send_email"),
-        (("set", "task:x"), "--max-running N, or --fair"),
+        (("set", "task:x"), "--max-running N or --rate N/s, or --fair"),
+        (("set", "task:x", "--rate", "5/day"), "N/s, N/min or N/h"),
+        (("set", "task:x", "--rate", "0/s"), "between 1 and"),
         (("set", "task:x", "--fair"), "--fair applies to a queue"),
         (("set", "queue:q", "--fair", "--per-key"), "--per-key needs --max-running"),
     ]:
@@ -306,3 +397,172 @@ async def test_a_unique_job_carries_its_limit_key(env: Env) -> None:
     assert held.id == first.id
     key = await env.pool.fetchval("SELECT limit_key FROM duetime.jobs WHERE id = $1", first.id)
     assert key == "tenant-7"
+
+
+# -- rate limits (migration 0018) -------------------------------------------------------
+
+
+def busiest_window(stamps: list[Any], seconds: float = 1.0) -> int:
+    """The most of ``stamps`` (datetimes, with counts) in any ``seconds``-long window."""
+    points = sorted(stamps)
+    most = 0
+    for i, (start, _) in enumerate(points):
+        most = max(
+            most,
+            sum(n for at, n in points[i:] if (at - start).total_seconds() < seconds),
+        )
+    return most
+
+
+async def starts_from_rows(pool: asyncpg.Pool) -> tuple[list[Any], list[Any]]:
+    """(dispatched_at of every dispatched job, the start log), each as (time, count)."""
+    jobs = await pool.fetch(
+        "SELECT dispatched_at FROM duetime.jobs WHERE dispatched_at IS NOT NULL"
+    )
+    log = await pool.fetch("SELECT started_at, starts FROM duetime.limit_starts")
+    return [(r["dispatched_at"], 1) for r in jobs], [(r["started_at"], r["starts"]) for r in log]
+
+
+async def dispatched(pool: asyncpg.Pool) -> int:
+    return int(await pool.fetchval("SELECT count(*) FROM duetime.jobs WHERE status = 'dispatched'"))
+
+
+async def test_a_rate_limit_is_never_exceeded_in_any_second(env: Env) -> None:
+    await insert(env.pool, env.queue, 50)  # pending before the limit exists
+    await LimitStore(env.pool).set(f"task:{TASK}", None, rate="10/s")
+    async with dispatching(env):  # no worker: a start is the dispatch
+
+        async def all_dispatched() -> bool:
+            return await dispatched(env.pool) == 50
+
+        await wait_for(all_dispatched, timeout=30, message="all dispatched")
+    jobs, log = await starts_from_rows(env.pool)
+    assert sum(n for _, n in log) == 50  # every start logged, once
+    assert busiest_window(jobs) == 10  # reached, never passed (50 without the limit)
+    assert busiest_window(log) == 10
+    first, last = min(at for at, _ in jobs), max(at for at, _ in jobs)
+    rate = 40 / (last - first).total_seconds()  # 4 windows after the first start
+    assert 7.5 <= rate <= 10.0, rate  # measured 8.9: the window is freed on time
+    [row] = await LimitStore(env.pool).list()
+    assert row.limit.rate == "10/s" and row.due == 0
+
+
+async def test_a_new_dispatcher_reads_the_rate_budget_from_the_rows(env: Env) -> None:
+    """A leader that dispatched its second's budget is replaced at once: the new one
+    (no memory of its own) must not start more in that second."""
+    await LimitStore(env.pool).set(f"task:{TASK}", None, rate="10/s")
+    await insert(env.pool, env.queue, 40)
+    async with dispatching(env, epoch=1):
+
+        async def first_budget_spent() -> bool:
+            return await dispatched(env.pool) >= 10
+
+        await wait_for(first_budget_spent, timeout=10, message="first second dispatched")
+    assert await FenceStore(env.pool).advance(2, "test-node-2")
+    async with dispatching(env, epoch=2):
+
+        async def all_dispatched() -> bool:
+            return await dispatched(env.pool) == 40
+
+        await wait_for(all_dispatched, timeout=30, message="all dispatched")
+    jobs, log = await starts_from_rows(env.pool)
+    epochs = await env.pool.fetch(
+        "SELECT dispatch_epoch, count(*) AS n FROM duetime.jobs GROUP BY 1 ORDER BY 1"
+    )
+    assert {r["dispatch_epoch"]: r["n"] for r in epochs} == {1: 10, 2: 30}
+    assert busiest_window(jobs) == 10  # no burst when the new leader takes over
+    assert busiest_window(log) == 10
+
+
+async def test_a_per_key_rate_limits_each_key_apart(env: Env) -> None:
+    await LimitStore(env.pool).set(f"queue:{env.queue}", None, rate="5/s", per_key=True)
+    for key in ("a", "b"):
+        await insert(env.pool, env.queue, 10, key=key)
+    async with dispatching(env):
+
+        async def all_dispatched() -> bool:
+            return await dispatched(env.pool) == 20
+
+        await wait_for(all_dispatched, timeout=30, message="all dispatched")
+    for key in ("a", "b"):
+        rows = await env.pool.fetch(
+            "SELECT dispatched_at FROM duetime.jobs WHERE limit_key = $1", key
+        )
+        assert busiest_window([(r["dispatched_at"], 1) for r in rows]) == 5
+    jobs, _ = await starts_from_rows(env.pool)
+    assert busiest_window(jobs) == 10  # the keys start side by side
+
+
+async def test_rate_and_max_running_hold_together(env: Env) -> None:
+    """A rate with a cap: the cap binds first without workers (2 dispatched, none end)."""
+    await LimitStore(env.pool).set(f"task:{TASK}", 2, rate="100/s")
+    await insert(env.pool, env.queue, 10)
+    async with dispatching(env):
+        await asyncio.sleep(1.0)
+        assert await dispatched(env.pool) == 2
+    [row] = await LimitStore(env.pool).list()
+    assert (row.running, row.started, row.due) == (2, 2, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_rate_50_per_second_on_2000_jobs_across_a_change_of_leader(env: Env) -> None:
+    """Issue 23's rate target, with the production intervals: every 1-second window
+    holds at most 50 dispatches (from the rows, exact), the change of leader in the
+    middle bursts nothing, and the mean stays near the rate. Printed for
+    docs/benchmarks.md, with the busiest second of handler starts: the window admits a
+    period's budget at once, so a worker that falls behind for a moment starts two
+    budgets close together; that is printed, not asserted (docs/architecture.md,
+    "Rate limits")."""
+    await LimitStore(env.pool).set(f"task:{TASK}", None, rate="50/s")
+    await insert(env.pool, env.queue, 2000)
+    started: list[float] = []
+    registry = Registry()
+
+    @registry.task(TASK)
+    async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
+        started.append(asyncio.get_running_loop().time())
+
+    worker = Worker(
+        env.settings, queues=[env.queue], registry=registry, concurrency=16, grace_period=5
+    )
+    await worker.start()
+    config = config_from_settings(DispatcherConfig, env.settings)
+
+    async def lead(epoch: int, until: int) -> None:
+        dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), config=config)
+        dispatcher.loop.start(LeaderTerm(epoch=epoch, node_id=f"test-node-{epoch}"))
+        try:
+
+            async def reached() -> bool:
+                return await dispatched_ever(env.pool) >= until
+
+            await wait_for(reached, timeout=90, message=f"{until} dispatched")
+        finally:
+            await dispatcher.loop.stop()
+
+    try:
+        await lead(1, 1000)
+        assert await FenceStore(env.pool).advance(2, "test-node-2")
+        await lead(2, 2000)
+        await wait_for(lambda: len(started) >= 2000, timeout=30, message="all started")
+    finally:
+        await worker.stop()
+    jobs, log = await starts_from_rows(env.pool)
+    first, last = min(at for at, _ in jobs), max(at for at, _ in jobs)
+    mean = 1950 / (last - first).total_seconds()  # 39 windows after the first start
+    handler = [(datetime.fromtimestamp(t, UTC), 1) for t in started]
+    print(
+        f"\n[rate] 50/s on 2000 jobs across a change of leader: busiest second "
+        f"{busiest_window(jobs)} dispatched, {busiest_window(handler)} handler starts; "
+        f"mean {mean:.1f}/s over {(last - first).total_seconds():.1f} s"
+    )
+    assert busiest_window(jobs) == 50
+    assert busiest_window(log) == 50
+    assert 40.0 <= mean <= 50.0, mean  # 44.1 measured on a loaded 2-core box
+
+
+async def dispatched_ever(pool: asyncpg.Pool) -> int:
+    return int(
+        await pool.fetchval("SELECT count(*) FROM duetime.jobs WHERE dispatched_at IS NOT NULL")
+    )

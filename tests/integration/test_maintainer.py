@@ -251,6 +251,32 @@ async def test_prunes_ledger_and_fire_rows_in_batches(env: Env) -> None:
     assert await env.pool.fetchval("SELECT count(*) FROM duetime.job_ledger") == 15
 
 
+async def test_prunes_the_start_log_past_each_rates_window(env: Env) -> None:
+    """Migration 0018: a start stays while its rate's window may still count it."""
+    await env.pool.execute(
+        "INSERT INTO duetime.limits (target, rate_count, rate_period) "
+        "VALUES ('task:per_second', 5, 1), ('task:per_hour', 5, 3600)"
+    )
+    await env.pool.execute(
+        "INSERT INTO duetime.limit_starts (target, started_at, starts) VALUES "
+        " ('task:per_second', now() - interval '2 seconds', 3),"  # out of its window
+        " ('task:per_second', now() + interval '1 minute', 1),"  # still in it
+        " ('task:per_hour', now() - interval '30 minutes', 2),"  # still in it
+        " ('task:per_hour', now() - interval '2 hours', 2),"  # out
+        " ('task:removed', now() - interval '1 second', 1)"  # its rate is gone
+    )
+    maintainer = make_maintainer(env)
+    await maintainer.run_once()
+    assert maintainer.last_report is not None
+    assert maintainer.last_report.starts_pruned == 3
+    left = await env.pool.fetch(
+        "SELECT target, starts FROM duetime.limit_starts ORDER BY target, starts"
+    )
+    assert [(r["target"], r["starts"]) for r in left] == [
+        ("task:per_hour", 2), ("task:per_second", 1)
+    ]  # fmt: skip
+
+
 async def test_a_stale_epoch_is_fenced_and_changes_nothing(env: Env) -> None:
     day = date.fromordinal(env.today.toordinal() - 30)
     await old_bucket(env.pool, day, ["succeeded"])

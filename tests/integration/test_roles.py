@@ -38,6 +38,8 @@ from scheduler.roles import RoleNames, apply_roles, drop_roles_connection
 from scheduler.store import DispatchStore, ExecutionStore, JobStore, ScheduleStore
 from scheduler.store.fence import FenceStore
 from scheduler.store.fenced import fenced_transaction
+from scheduler.store.limits import LimitStore
+from scheduler.store.maintenance import MaintenanceStore
 from scheduler.store.rows import JobRef
 from tests.fixtures_tasks.jobs import FENCE_EPOCH
 from tests.support.helpers import declare_queues
@@ -444,6 +446,27 @@ async def test_scheduler_fences_claims_and_reconciles(world: World) -> None:
         assert await store.mark_redispatched(conn, [j.job for j in stalled], 5)
     assert await store.next_run_in() is None
     assert await store.backlog() == 0
+
+
+async def test_scheduler_logs_reads_and_prunes_rate_limit_starts(world: World) -> None:
+    """Migration 0018: the dispatcher's start log and the maintainer's prune, as the
+    scheduler role; the limits themselves stay the owner's."""
+    await LimitStore(world.owner).set("task:r.task", None, rate="5/s")
+    s = world.scheduler
+    assert await FenceStore(s).advance(3, "leader")
+    store = LimitStore(s)
+    [limit] = await store.all()
+    async with s.acquire() as conn, fenced_transaction(conn, 3):
+        await store.record_starts(conn, {("task:r.task", ""): 2})
+        started = await store.starts(conn, [limit])
+    assert [(x.target, x.count) for x in started] == [("task:r.task", 2)]
+    await world.owner.execute(
+        "UPDATE duetime.limit_starts SET started_at = now() - interval '1 minute'"
+    )
+    async with s.acquire() as conn, fenced_transaction(conn, 3):
+        assert await MaintenanceStore(s).prune_limit_starts(conn, 10) == 1
+    with pytest.raises(DENIED):
+        await store.set("task:r.task", None, rate="500/s")
 
 
 async def test_scheduler_maintainer_ddl_goes_through_definer_functions(world: World) -> None:

@@ -245,3 +245,23 @@ async def test_etcd_unreachable_is_one_warning_judged_by_fences(cluster: Cluster
     assert report["etcd"]["reachable"] is False and report["members"] == []
     assert all(s["healthy"] and s["etcd"]["reachable"] is False for s in report["shards"])
     assert [s["leader"]["leader_node"] for s in report["shards"]] == ["node-1", "node-1"]
+
+
+async def test_a_full_limit_of_a_shard_is_a_warning_of_that_shard(cluster: Cluster) -> None:
+    """The limit line of the unsharded status (``limit_holding``), per shard."""
+    await cluster.join("node-1")
+    for shard in SHARDS:
+        await cluster.lead(shard, "node-1")
+    await _seed(cluster.pools["b"], due=3, future=0, dispatched=1, dead=0)
+    limits = cluster.pools["b"]
+    await limits.execute("INSERT INTO duetime.limits (target, max_running) VALUES ('task:t', 1)")
+    try:
+        code, report = await cluster.status_json("--max-backlog-age", "600")
+        code_text, out, err = await cluster.run("--max-backlog-age", "600")
+    finally:
+        await limits.execute("DELETE FROM duetime.limits")
+    assert code == 0, report["problems"]
+    line = "limit task:t holds 3 due jobs: 1 of 1 running"
+    assert report["warnings"] == [{"shard": "b", "code": "limit_holding", "message": line}]
+    assert code_text == 0, out + err
+    assert f"warning: shard b: {line}" in out.splitlines()

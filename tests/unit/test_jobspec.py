@@ -12,6 +12,7 @@ from scheduler.jobspec import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_QUEUE,
     JobSpec,
+    parse_rate,
     resolve_due,
     validate_queue,
 )
@@ -106,3 +107,35 @@ def test_resolve_due_refuses(due_at: datetime | None, delay: object, message: st
     with pytest.raises(InvalidInput) as info:
         resolve_due(due_at=due_at, delay=delay, now=NOW)  # type: ignore[arg-type]
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("100/s", (100, 1)),
+        (" 5 / min ", (5, 60)),
+        ("5/minute", (5, 60)),
+        ("1000/h", (1000, 3600)),
+        ("1/Hour", (1, 3600)),
+        ("7/sec", (7, 1)),
+    ],
+)
+def test_parse_rate_reads_a_count_per_period(text: str, parsed: tuple[int, int]) -> None:
+    assert parse_rate(text) == parsed
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("100", "N/s, N/min or N/h"),
+        ("100/day", "N/s, N/min or N/h"),
+        ("-1/s", "N/s, N/min or N/h"),
+        ("1.5/s", "N/s, N/min or N/h"),
+        ("²/s", "N/s, N/min or N/h"),
+        ("0/s", "between 1 and"),
+        ("1000001/s", "between 1 and"),
+    ],
+)
+def test_parse_rate_refuses_in_one_line(text: str, says: str) -> None:
+    with pytest.raises(InvalidInput, match=says):
+        parse_rate(text)

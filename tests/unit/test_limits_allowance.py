@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.duties.limits import Allowance
-from scheduler.store.limits import Limit, Running
+from scheduler.store.limits import Limit, Running, Started
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,70 @@ def test_a_full_fair_queue_with_a_cap_offers_no_fair_claim() -> None:
     a = Allowance([Limit("queue:q", 2, fair=True)], [Running("mail", "q", "a", 2)])
     assert a.fair_queues == ()
     assert a.closed().queues == ("q",)
+
+
+# -- rates (migration 0018) ------------------------------------------------------------
+
+
+def rate(target: str, count: int, *, per_key: bool = False, running: int | None = None) -> Limit:
+    return Limit(target, running, per_key=per_key, rate_count=count, rate_period=1)
+
+
+def test_a_rate_leaves_its_count_minus_the_starts_in_the_window() -> None:
+    a = Allowance([rate("task:mail", 5)], [], [Started("task:mail", "", 3, 0.4)])
+    kept, left = a.take([J("mail")] * 4, limit=100)
+    assert (len(kept), len(left)) == (2, 2)
+    assert a.closed().tasks == ("mail",)
+    assert a.all_closed()
+    assert a.free_in() == 0.4  # the oldest start leaves the window then
+    assert a.rate_starts(kept) == {("task:mail", ""): 2}
+
+
+def test_a_rate_with_room_holds_nothing_and_has_no_wake_time() -> None:
+    a = Allowance([rate("task:mail", 5)], [], [Started("task:mail", "", 1, 0.9)])
+    assert a.room(a.limits["task:mail"]) == 4
+    assert a.free_in() is None
+    assert not a.holding()
+
+
+def test_rate_and_running_cap_together_leave_the_smaller_room() -> None:
+    lim = rate("task:mail", 10, running=3)
+    a = Allowance([lim], [Running("mail", "default", "", 2)], [Started("task:mail", "", 4, 0.5)])
+    assert a.room(lim) == 1  # 3 - 2 running, not 10 - 4 started
+    a = Allowance([lim], [], [Started("task:mail", "", 9, 0.5)])
+    assert a.room(lim) == 1  # 10 - 9 started, not 3 - 0 running
+
+
+def test_a_per_key_rate_counts_each_key_apart() -> None:
+    lim = rate("queue:q", 2, per_key=True)
+    a = Allowance([lim], [], [Started("queue:q", "a", 2, 0.3), Started("queue:q", "b", 1, 0.6)])
+    jobs = [J("x", "q", "a"), J("x", "q", "b"), J("x", "q", "b"), J("x", "q", "c")]
+    kept, left = a.take(jobs, limit=10)
+    assert kept == [J("x", "q", "b"), J("x", "q", "c")]
+    assert left == [J("x", "q", "a"), J("x", "q", "b")]
+    assert set(a.closed().queue_keys) == {("q", "a"), ("q", "b")}
+    assert not a.all_closed()  # a key not seen yet has room
+    assert a.rate_starts(kept) == {("queue:q", "b"): 1, ("queue:q", "c"): 1}
+
+
+def test_starts_of_a_removed_rate_bind_nothing() -> None:
+    a = Allowance([Limit("task:mail", 5)], [], [Started("task:mail", "", 50, 0.2)])
+    assert a.room(a.limits["task:mail"]) == 5
+    assert not a.rated
+    assert a.rate_starts([J("mail")]) == {}
+
+
+def test_rate_text_round_trips() -> None:
+    assert rate("task:x", 100).rate == "100/s"
+    assert Limit("task:x", None, rate_count=5, rate_period=60).rate == "5/min"
+    assert Limit("task:x", 3).rate is None
+
+
+def test_bound_is_the_room_of_a_single_limit_only() -> None:
+    limits = [Limit("task:mail", 5), rate("queue:q", 10)]
+    a = Allowance(limits, [Running("mail", "q", "", 2)], [Started("queue:q", "", 4, 0.5)])
+    assert a.bound([limits[0]]) == 3
+    assert a.bound([limits[1]]) == 6
+    # two limits: a bound filled by one target's jobs could starve the other's
+    assert a.bound(limits) is None
+    assert a.bound([Limit("task:x", 1, per_key=True)]) is None

@@ -29,3 +29,20 @@ def test_a_line_only_for_a_full_limit_with_due_jobs() -> None:
         found[1].message
         == "limit task:k: its busiest key runs 1 of 1; 3 due jobs of the target wait"
     )
+
+
+def test_a_rate_whose_window_is_full_holds_too() -> None:
+    per_second = Limit("task:r", None, rate_count=5, rate_period=1)
+    both = Limit("task:b", 3, rate_count=100, rate_period=60)
+    per_key = Limit("task:k", None, per_key=True, rate_count=2, rate_period=3600)
+    rows = [
+        LimitRow(per_second, created_at=T, updated_at=T, running=5, due=7, started=5),
+        LimitRow(per_second, created_at=T, updated_at=T, running=0, due=7, started=4),
+        LimitRow(both, created_at=T, updated_at=T, running=3, due=1, started=100),
+        LimitRow(per_key, created_at=T, updated_at=T, running=0, due=4, started=2),
+    ]
+    assert [f.message for f in limits_holding(rows)] == [
+        "limit task:r holds 7 due jobs: 5 of 5/s started",
+        "limit task:b holds 1 due jobs: 3 of 3 running, 100 of 100/min started",
+        "limit task:k: its busiest key started 2 of 2/h; 4 due jobs of the target wait",
+    ]
