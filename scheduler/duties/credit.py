@@ -13,6 +13,19 @@ its *target*, the larger of ``buffer`` and ``consumers x per_consumer``, where
 the consumers' own prefetch windows come on top of the target: the target is the
 refill margin between two samples, not the consumers' whole intake.
 
+A queue is given messages again only once at least ``refill`` of its target is free
+(its *refill mark*, a quarter by default), then as much as its credit allows: the
+broker's buffer is topped up by a claim of a hundred jobs or so rather than by a claim
+of a few each time a sample shows a few messages consumed. Measured on a storm of 5,000
+jobs (one worker at concurrency 64), refilling on any credit took 330 claim
+transactions of 15 jobs on average, each paying the fence check, the claim, the marking
+and the commit (docs/benchmarks.md). The mark does not move the bound (a queue never
+holds more than its target), and a job arriving behind a buffer being refilled waits for
+no more messages than behind a full one. The mark is kept well under the target so the
+buffer is refilled while it still holds most of it: a claim and its confirms take tens
+of milliseconds, longer on a loaded machine, and the consumers must not run dry
+meanwhile.
+
 A sample is a passive ``queue.declare`` on the publisher's channel (one round trip,
 no new broker object), taken before a claim for each queue that has received messages
 since its last sample or has less credit than its target, at most every ``refresh``
@@ -40,6 +53,7 @@ Every method is synchronous and reads time only from the clock (tests drive it w
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -94,10 +108,13 @@ class DispatchCredit:
         refresh: float,
         clock: Clock,
         blind_window: float = BLIND_WINDOW,
+        refill: float = 0.0,
     ) -> None:
         if buffer < 1 or per_consumer < 0 or refresh < 0 or blind_window <= 0:
             raise ValueError("buffer >= 1, per_consumer >= 0, refresh >= 0, blind_window > 0")
-        self.buffer, self.per_consumer = buffer, per_consumer
+        if not 0 <= refill <= 1:
+            raise ValueError(f"refill must be between 0 and 1 (got {refill})")
+        self.buffer, self.per_consumer, self.refill = buffer, per_consumer, refill
         self.refresh, self.blind_window = refresh, blind_window
         self._clock = clock
         self._books: dict[str, _Book] = {}
@@ -122,14 +139,18 @@ class DispatchCredit:
                 book.blind_since, book.published = now, 0
         return max(0, self.target(queue) - book.ready - book.published)
 
+    def mark(self, queue: str) -> int:
+        """The credit ``queue`` needs before it is given messages again (at least 1)."""
+        return max(1, math.ceil(self.refill * self.target(queue)))
+
     def held(self) -> list[str]:
-        """Queues with no credit left: the claim skips them."""
-        return sorted(q for q in self._books if self.credit(q) <= 0)
+        """Queues whose credit is under their refill mark: the claim skips them."""
+        return sorted(q for q in self._books if self.credit(q) < self.mark(q))
 
     def limit(self, batch_size: int) -> int:
-        """The claim's LIMIT: the largest credit of a sampled queue that has some, or
-        ``buffer`` (a queue not sampled yet) when none has; then ``claim_limit``."""
-        credits = [c for q in self._books if (c := self.credit(q)) > 0]
+        """The claim's LIMIT: the largest credit of a sampled queue that is not held, or
+        ``buffer`` (a queue not sampled yet) when none is; then ``claim_limit``."""
+        credits = [c for q in self._books if (c := self.credit(q)) >= self.mark(q)]
         return claim_limit(max(credits) if credits else self.buffer, batch_size)
 
     def to_sample(self) -> list[str]:

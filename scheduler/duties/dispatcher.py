@@ -158,6 +158,9 @@ class DispatcherConfig:
     """Ready messages a queue may hold at least (``scheduler.duties.credit``)."""
     buffer_per_consumer: int = knob(64, setting="dispatch_buffer_per_consumer", ge=0)
     """A queue's buffer target per consumer RabbitMQ reports on it."""
+    buffer_refill: float = knob(0.25, ge=0)
+    """Share of a queue's buffer target that must be free before it is refilled (at
+    most 1): a few large claims instead of one small claim per sample."""
     max_wait: float = knob(300.0, setting="priority_max_wait", ge=0)
     """Seconds a due job waits behind higher priorities at most."""
     credit_interval: float = knob(0.02, gt=0)
@@ -227,6 +230,7 @@ class Dispatcher:
             per_consumer=config.buffer_per_consumer,
             refresh=config.credit_interval,
             clock=clock,
+            refill=config.buffer_refill,
         )
         self._wakeups = duty_listener(
             ctx,

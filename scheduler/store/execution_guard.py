@@ -92,15 +92,17 @@ class AttemptGuard:
         """The slot whose session still holds (releases pending) the guard of one of
         ``pointers``: its begin read releases them first and takes them again in the same
         session (on any other slot, this process's own lock would read as another
-        worker's). Else a slot no statement is running on, else the one holding the
-        fewest locks."""
+        worker's). Else a slot no statement is running on: first one with releases
+        pending (they ride along instead of going as a statement of their own), then one
+        that already holds a connection (no other connection is taken out of the pool
+        and held while the attempts run); else the one holding the fewest locks."""
         if pointers:
             for slot in self._slots:
                 if slot.releasing and not set(slot.releasing).isdisjoint(pointers):
                     return slot
-        for slot in self._slots:
-            if not slot.lock.locked():
-                return slot
+        free = [slot for slot in self._slots if not slot.lock.locked()]
+        if free:
+            return max(free, key=lambda slot: (bool(slot.releasing), slot.conn is not None))
         return min(self._slots, key=lambda slot: len(slot.held))
 
     async def begin(

@@ -123,3 +123,35 @@ def test_claim_sql_splices_held_queues_and_max_wait_as_validated_literals() -> N
         claim_sql(64, held=("x'; DROP TABLE duetime.jobs; --",))
     with pytest.raises(ValueError, match="max_wait"):
         claim_sql(64, max_wait=float("nan"))
+
+
+def test_a_queue_is_refilled_only_once_its_refill_mark_is_free() -> None:
+    """With ``refill`` 0.5 a queue under half its target free is held (no claim of a few
+    jobs per sample), then given its whole credit at once; the bound is unchanged."""
+    clock = ManualClock()
+    credit = DispatchCredit(buffer=100, per_consumer=0, refresh=0.02, clock=clock, refill=0.5)
+    credit.observe("a", ready=60, consumers=0)  # 40 free: under the mark of 50
+    assert credit.mark("a") == 50 and credit.credit("a") == 40
+    assert credit.held() == ["a"] and credit.limit(500) == 64  # other queues: one buffer
+    credit.observe("a", ready=50, consumers=0)  # 50 free: refilled, by all of it
+    assert credit.held() == [] and credit.limit(500) == 32
+    credit.spend(["a"] * 50)
+    assert credit.credit("a") == 0 and credit.held() == ["a"]  # never past the target
+    jobs = [Job(i, "a") for i in range(5)]
+    credit.observe("a", ready=98, consumers=0)
+    kept, _ = credit.trim(jobs)
+    assert len(kept) == 2  # trim still bounds by the credit itself
+
+
+def test_the_refill_mark_follows_the_target_and_is_never_zero() -> None:
+    clock = ManualClock()
+    credit = DispatchCredit(buffer=3, per_consumer=10, refresh=0.02, clock=clock, refill=0.5)
+    credit.observe("a", ready=0, consumers=20)  # target 200
+    assert credit.mark("a") == 100
+    credit.observe("a", ready=0, consumers=0)  # target 3
+    assert credit.mark("a") == 2
+    lazy = DispatchCredit(buffer=3, per_consumer=0, refresh=0.02, clock=clock)
+    lazy.observe("a", ready=2, consumers=0)
+    assert lazy.mark("a") == 1 and lazy.held() == []  # refill 0: any credit is used
+    with pytest.raises(ValueError, match="refill"):
+        DispatchCredit(buffer=3, per_consumer=0, refresh=0.02, clock=clock, refill=1.5)
