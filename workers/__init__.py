@@ -27,6 +27,7 @@ once (they commit in the same transaction as the idempotency-ledger row and the 
 from workers.context import JobContext
 from workers.registry import DuplicateTask, Registry, TaskSpec, default_registry, task
 from workers.retry import Fail, Retry, RetryPolicy
+from workers.snooze import Snooze
 from workers.worker import Worker, run_worker
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "Registry",
     "Retry",
     "RetryPolicy",
+    "Snooze",
     "TaskSpec",
     "Worker",
     "default_registry",

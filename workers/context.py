@@ -11,13 +11,15 @@ job).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, NoReturn
 
 from scheduler.log import get_logger
 from scheduler.store.conn import Conn
 from workers.lazydb import LazyTransaction
+from workers.snooze import Snooze
 
 
 class JobContext:
@@ -34,6 +36,7 @@ class JobContext:
         "_beat",
         "_log",
         "attempt",
+        "cancelled",
         "db",
         "due_at",
         "idempotency_key",
@@ -55,6 +58,7 @@ class JobContext:
         idempotency_key: str,
         db: LazyTransaction | Conn,
         beat: Callable[[], Awaitable[bool]],
+        cancelled: threading.Event | None = None,
     ) -> None:
         self.job_id = job_id
         self.attempt = attempt
@@ -66,6 +70,11 @@ class JobContext:
         self.db = db
         self._beat = beat
         self._log: Any = None
+        #: set when the job is cancelled while this handler runs (``workers.cancel``):
+        #: an ``async`` handler also gets ``asyncio.CancelledError`` at its next
+        #: ``await``; code that computes without awaiting checks ``cancelled.is_set()``
+        #: (a ``threading.Event``, so a thread may read it too) and returns early
+        self.cancelled = cancelled if cancelled is not None else threading.Event()
 
     @property
     def log(self) -> Any:
@@ -89,6 +98,12 @@ class JobContext:
         longer this attempt's (the handler may stop early: its outcome will not count).
         """
         return await self._beat()
+
+    def snooze(self, in_: float | timedelta, reason: str | None = None) -> NoReturn:
+        """End this attempt and run the job again ``in_`` seconds from now without using
+        an attempt (``workers.snooze``); raises ``Snooze``, so ``ctx.db`` work is
+        rolled back. Bounded by the job's ``max_snoozes``."""
+        raise Snooze(in_, reason)
 
     def __repr__(self) -> str:
         return (

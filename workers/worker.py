@@ -199,6 +199,7 @@ class Worker:
         shards, self.shards = self.shards, {}
         self.executors = None
         for shard in shards.values():
+            await shard.watch.close()
             await shard.executor.close()
         channel, self.channel = self.channel, None
         connection, self.connection = self.connection, None

@@ -12,6 +12,7 @@ inserts, and the line says so.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 from datetime import timedelta
 from typing import Any
@@ -108,7 +109,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
     actions = (
         ("show", "show one job", run_show),
-        ("cancel", "cancel a pending job", run_cancel),
+        ("cancel", "cancel a pending or running job (its handler is stopped)", run_cancel),
         ("retry", "send a dead job back to pending (attempts reset)", run_retry),
     )
     add_actions(jsub, common, actions, "job_id", type=job_id)
@@ -119,7 +120,7 @@ def _emit(job: Job, as_json: bool) -> None:
         print_json(job.to_dict())
         return
     for key, value in job.to_dict().items():
-        shown = json.dumps(value) if isinstance(value, dict) else value
+        shown = json.dumps(value) if isinstance(value, dict | list) or key == "result" else value
         if key == "attempt":  # the budget that applied (a failure records the task's own)
             shown = f"{job.attempt} of {job.max_attempts}"
         say(f"{key:16} {'-' if value is None else shown}")
@@ -243,7 +244,21 @@ async def run_show(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
-    return await _single(args, settings, "cancel")
+    async with opened(settings, JobStore, shard=args.shard) as store:
+        job = await store.cancel(args.job_id, by=_who())
+    if args.json:
+        _emit(job, True)
+    else:
+        say(f"job {job.id} is now cancelled")
+    return 0
+
+
+def _who() -> str:
+    """``cancelled_by`` of a cancel from this command: the operating-system user."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no user name in this environment
+        return "cli"
 
 
 async def run_retry(args: argparse.Namespace, settings: Settings) -> int:

@@ -61,6 +61,15 @@ class Job:
     unique_key: str | None = None
     #: -100..100, higher first among the due jobs of its queue (migration 0015)
     priority: int = 0
+    #: what the handler returned, once succeeded (migration 0019); None: nothing
+    result: Any = None
+    #: who cancelled the job (migration 0019)
+    cancelled_by: str | None = None
+    #: times a handler snoozed it, and the bound (migration 0019)
+    snoozes: int = 0
+    max_snoozes: int = 100
+    #: the handler's time limit for this job, overriding the task's (migration 0019)
+    timeout_s: float | None = None
 
     @property
     def effective_key(self) -> str:
@@ -214,6 +223,8 @@ class LockedJob:
     #: a copy of an attempt running elsewhere), or no lock was tried (None: not the
     #: message's to run). Migration 0012; ``scheduler.store.execution_guard``.
     started: bool | None = None
+    #: the job's own handler time limit (migration 0019); None: the task's
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +234,8 @@ class Completion:
     ref: JobRef
     key: str
     task: str
+    #: the handler's result as JSON text (``workers.results``); None stores nothing
+    result: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

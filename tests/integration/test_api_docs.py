@@ -60,6 +60,9 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "run_task(",
         "ShardRouter.open(settings",
         "Worker(",
+        "jobs.result(",
+        "jobs.cancel(",
+        "raise Snooze(",
     ):
         assert needle in text, f"docs/api.md has no example using {needle}"
 
@@ -124,7 +127,11 @@ async def test_every_example_runs_and_has_its_effect(
         finally:
             await conn.close()
             await procs.stop_all()
-    assert "handler test passed" in outputs[-2]
+    assert any("handler test passed" in out for out in outputs), outputs
+    control = outputs[-1]
+    assert "result {'total': 205}" in control, control
+    assert "was cancelled by docs-example" in control, control
+    assert "snoozed pending 1 1" in control, control
     # without DUETIME_SHARDS the router's one shard is the database itself
     assert any("on shard main" in out and "bulk {'main': 4}" in out for out in outputs), outputs
 
@@ -213,6 +220,19 @@ async def check_effects(conn: asyncpg.Connection) -> None:
     assert [(j["unique_key"], j["status"]) for j in digests] == [("digest:42", "cancelled")]
     synced = [j for j in jobs if j["task"] == "sync_customer"]
     assert [j["unique_key"] for j in synced] == ["customer:7"]
+
+    # job control: results, a cancelled export (its write rolled back), a snooze
+    sums = [j for j in jobs if j["task"] == "sum_invoices"]
+    assert sorted((j["status"], j["result"]["total"]) for j in sums) == [
+        ("succeeded", 3),
+        ("succeeded", 205),
+    ]
+    assert [j["timeout_s"] for j in sums if j["result"]["total"] == 3] == [30.0]
+    (export,) = [j for j in jobs if j["task"] == "export_everything"]
+    assert (export["status"], export["cancelled_by"]) == ("cancelled", "docs-example")
+    assert await conn.fetchval("SELECT count(*) FROM exports") == 0
+    (later,) = [j for j in jobs if j["task"] == "wait_for_upstream"]
+    assert (later["status"], later["attempt"], later["snoozes"]) == ("pending", 1, 1)
 
     # schedules
     nightly = await conn.fetchrow("SELECT * FROM duetime.schedules WHERE name = 'nightly-report'")

@@ -225,11 +225,12 @@ async def test_cancel_then_cancel_again(env: dict[str, str]) -> None:
     )
     shown = await duetime(env, "jobs", "show", str(job["id"]), "--json")
     assert shown.json()["status"] == "cancelled"  # type: ignore[index]
+    assert shown.json()["cancelled_by"].startswith("cli")  # type: ignore[index]
     again = await duetime(env, "jobs", "cancel", str(job["id"]))
     assert again.code == 2
     assert again.out == ""
     assert again.error_line() == (
-        f"job {job['id']} is cancelled; only pending jobs can be cancelled"
+        f"job {job['id']} is cancelled; only pending or running (dispatched) jobs can be cancelled"
     )
 
 
@@ -307,10 +308,12 @@ async def test_bad_input(
     assert await pool.fetchval("SELECT count(*) FROM duetime.jobs") == before
 
 
-async def test_cancel_refuses_dispatched_and_succeeded(
+async def test_cancel_takes_dispatched_and_refuses_finished_jobs(
     env: dict[str, str], pool: asyncpg.Pool
 ) -> None:
-    for status in ("dispatched", "succeeded"):
+    """A dispatched job is cancelled (its worker is told: tests/integration/
+    test_job_control.py); a finished one is refused in one line."""
+    for status in ("dispatched", "succeeded", "dead"):
         job = await add(env, "busy")
         await pool.execute(
             f"UPDATE duetime.jobs SET status = $2, dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
@@ -318,10 +321,26 @@ async def test_cancel_refuses_dispatched_and_succeeded(
             status,
         )
         run = await duetime(env, "jobs", "cancel", str(job["id"]))
+        if status == "dispatched":
+            assert (run.code, run.out.strip()) == (0, f"job {job['id']} is now cancelled")
+            continue
         assert run.code == 2
-        assert (
-            run.error_line() == f"job {job['id']} is {status}; only pending jobs can be cancelled"
+        assert run.error_line() == (
+            f"job {job['id']} is {status}; only pending or running (dispatched) jobs can be "
+            "cancelled"
         )
+
+
+async def test_show_prints_the_result_as_json(env: dict[str, str], pool: asyncpg.Pool) -> None:
+    job = await add(env, "answered")
+    await pool.execute(
+        "UPDATE duetime.jobs SET status = 'succeeded', finished_at = now(), "
+        """result = '{"rows": [1, 2]}' WHERE id = $1""",
+        job["id"],
+    )
+    shown = await duetime(env, "jobs", "show", str(job["id"]))
+    assert shown.code == 0
+    assert 'result           {"rows": [1, 2]}' in shown.out.splitlines()
 
 
 @pytest.mark.parametrize(
