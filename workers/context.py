@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from scheduler.log import get_logger
 from scheduler.store.conn import Conn
 from workers.lazydb import LazyTransaction
+from workers.progress import check_fraction
 from workers.snooze import Snooze
 
 
@@ -35,6 +36,7 @@ class JobContext:
     __slots__ = (
         "_beat",
         "_log",
+        "_progress",
         "attempt",
         "cancelled",
         "db",
@@ -59,6 +61,7 @@ class JobContext:
         db: LazyTransaction | Conn,
         beat: Callable[[], Awaitable[bool]],
         cancelled: threading.Event | None = None,
+        progress: Callable[[float, str | None], Awaitable[None]] | None = None,
     ) -> None:
         self.job_id = job_id
         self.attempt = attempt
@@ -75,6 +78,7 @@ class JobContext:
         #: ``await``; code that computes without awaiting checks ``cancelled.is_set()``
         #: (a ``threading.Event``, so a thread may read it too) and returns early
         self.cancelled = cancelled if cancelled is not None else threading.Event()
+        self._progress = progress
 
     @property
     def log(self) -> Any:
@@ -98,6 +102,15 @@ class JobContext:
         longer this attempt's (the handler may stop early: its outcome will not count).
         """
         return await self._beat()
+
+    async def progress(self, fraction: float, note: str | None = None) -> None:
+        """Report how far the job got (0..1) with a short note (cut at 200 characters),
+        shown by ``duetime jobs show``/``list`` and the dashboard. Written outside the
+        attempt's transaction (it stays if the handler then fails), at most a few times
+        a second: call it as often as you like (``workers.progress``)."""
+        check_fraction(fraction)
+        if self._progress is not None:
+            await self._progress(fraction, note)
 
     def snooze(self, in_: float | timedelta, reason: str | None = None) -> NoReturn:
         """End this attempt and run the job again ``in_`` seconds from now without using

@@ -107,6 +107,7 @@ from workers.errors import CONNECTION_ERRORS, AttemptRunningElsewhere, DatabaseU
 from workers.groups import Groups
 from workers.heartbeat import Heartbeat
 from workers.lazydb import LazyTransaction
+from workers.progress import Progress
 from workers.registry import Registry, TaskSpec
 from workers.results import DEFAULT_RESULT_MAX_BYTES, encode_result
 from workers.settlement import Attempt, Settler, UnknownTask
@@ -484,6 +485,7 @@ class Executor:
             db=db,
             beat=heartbeat.beat,
             cancelled=threading.Event(),
+            progress=(progress := Progress(self._store, ref, clock=self._clock)).report,
         )
         clock = self._clock
         fire_lag = (clock.now() - job.run_time).total_seconds()
@@ -506,6 +508,7 @@ class Executor:
             return exc, None
         finally:
             await heartbeat.stop()
+            await progress.close()
             took = clock.monotonic() - started
             JOB_DURATION.labels(self.shard, spec.name).observe(took)
             self._learn(spec.name, took - (db.member.waited if db.member is not None else 0.0))

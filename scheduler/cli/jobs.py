@@ -41,7 +41,9 @@ from scheduler.store import JobStore
 from scheduler.store.jobs import ON_CONFLICT, OnConflict
 from scheduler.store.rows import JOB_STATUSES, Job
 
-LIST_COLUMNS = ("id", "task", "queue", "status", "attempt", "due_at", "run_at", "last_error")
+LIST_COLUMNS = (
+    "id", "task", "queue", "status", "attempt", "progress", "due_at", "run_at", "last_error",
+)  # fmt: skip
 #: CHECK jobs_priority_range (migration 0015), checked here so the line names the flag.
 PRIORITY_RANGE = (-100, 100)
 
@@ -224,9 +226,21 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
 def _row(job: Job) -> dict[str, Any]:
     row = {c: getattr(job, c) for c in LIST_COLUMNS}
     row["attempt"] = f"{job.attempt}/{job.max_attempts}"
+    row["progress"] = _progress(job)
     if job.last_error and len(job.last_error) > 40:
         row["last_error"] = job.last_error[:37] + "..."
     return row
+
+
+def _progress(job: Job) -> str | None:
+    """``40% copied 4 of 10 files`` (the note cut to fit a table), or None."""
+    if job.progress is None:
+        return None
+    shown = f"{job.progress:.0%}"
+    if job.progress_note:
+        note = job.progress_note
+        shown += " " + (note if len(note) <= 30 else note[:27] + "...")
+    return shown
 
 
 async def _single(args: argparse.Namespace, settings: Settings, action: str) -> int:

@@ -102,3 +102,8 @@ SELECT duetime.worker_snooze($1::bigint, $2::timestamptz, $3::int, $4::float8);
 -- Which of the jobs this worker runs are cancelled (workers/cancel.py): the backstop
 -- for a cancel NOTIFY lost with a LISTEN connection.
 SELECT duetime.worker_cancelled($1::bigint[]);
+
+-- name: progress
+-- ctx.progress (workers/progress.py): autocommit, on the worker's own connection, at
+-- most a few times a second per job. 1, or NULL when the row is no longer this attempt's.
+SELECT duetime.worker_progress($1::bigint, $2::timestamptz, $3::int, $4::real, $5::text);

@@ -115,7 +115,8 @@ GRANT EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[]),
                                                       jsonb[]),
                           duetime.finish_attempt(bigint, timestamptz, integer, text, jsonb),
                           duetime.worker_snooze(bigint, timestamptz, integer, float8),
-                          duetime.worker_cancelled(bigint[])
+                          duetime.worker_cancelled(bigint[]),
+                          duetime.worker_progress(bigint, timestamptz, integer, real, text)
     TO "{worker}";
 -- `duetime worker --queue NAME` warns at start when NAME is not declared.
 GRANT SELECT ON duetime.queues TO "{worker}";

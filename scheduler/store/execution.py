@@ -190,6 +190,16 @@ class ExecutionStore:
             )
         return None if value is None else int(value)
 
+    async def progress(self, ref: JobRef, fraction: float, note: str | None) -> bool:
+        """Record how far a running attempt got (``workers.progress``), on a connection
+        of its own; False when the row is no longer this attempt's."""
+        async with self._db.acquire() as conn:
+            value = await conn.fetchval(
+                Q["progress"], ref.job_id, ref.due_at, ref.attempt, fraction, note,
+                timeout=self._db.timeout,
+            )  # fmt: skip
+        return bool(value == 1)
+
     async def cancelled(self, job_ids: Sequence[int]) -> set[int]:
         """Which of ``job_ids`` are cancelled (``workers.cancel``)."""
         async with self._db.acquire() as conn:

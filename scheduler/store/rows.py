@@ -70,6 +70,10 @@ class Job:
     max_snoozes: int = 100
     #: the handler's time limit for this job, overriding the task's (migration 0019)
     timeout_s: float | None = None
+    #: how far the handler got (0..1), its note, and when it said so (ctx.progress)
+    progress: float | None = None
+    progress_note: str | None = None
+    progress_at: datetime | None = None
 
     @property
     def effective_key(self) -> str:

@@ -33,6 +33,11 @@ async def test_the_job_page_shows_the_result_and_cancels_a_running_job(
 ) -> None:
     done = await _job(db_pool, "succeeded", {"rows": 7})
     busy = await _job(db_pool, "dispatched")
+    await db_pool.execute(
+        "UPDATE duetime.jobs SET progress = 0.4, progress_note = 'copied 4 of 10', "
+        "progress_at = now() WHERE id = $1",
+        busy,
+    )
     cookie = {"Cookie": "duetime_csrf=k"}
     async with running(settings, token=None) as app:
         status, _, page = await call(app, "GET", f"/jobs/{done}", headers=cookie)
@@ -42,6 +47,8 @@ async def test_the_job_page_shows_the_result_and_cancels_a_running_job(
         assert f'action="/jobs/{done}/cancel"' not in page
         status, _, page = await call(app, "GET", f"/jobs/{busy}", headers=cookie)
         assert f'action="/jobs/{busy}/cancel"' in page
+        progress = page.split('data-testid="job-progress">', 1)[1].split("</dd>", 1)[0]
+        assert progress.startswith("40% (copied 4 of 10), "), progress
         status, _, _ = await call(
             app, "POST", f"/jobs/{busy}/cancel",
             headers={**cookie, "Origin": "http://127.0.0.1:8089"},

@@ -63,6 +63,7 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "jobs.result(",
         "jobs.cancel(",
         "raise Snooze(",
+        "ctx.progress(",
     ):
         assert needle in text, f"docs/api.md has no example using {needle}"
 
@@ -228,6 +229,7 @@ async def check_effects(conn: asyncpg.Connection) -> None:
         ("succeeded", 205),
     ]
     assert [j["timeout_s"] for j in sums if j["result"]["total"] == 3] == [30.0]
+    assert sorted(j["progress_note"] for j in sums) == ["summed 2 invoices", "summed 3 invoices"]
     (export,) = [j for j in jobs if j["task"] == "export_everything"]
     assert (export["status"], export["cancelled_by"]) == ("cancelled", "docs-example")
     assert await conn.fetchval("SELECT count(*) FROM exports") == 0

@@ -449,3 +449,65 @@ async def test_plain_sql_sets_timeout_and_snooze_bound(db_pool: asyncpg.Pool) ->
         "result": None,
         "cancelled_by": None,
     }
+
+
+# -- progress -----------------------------------------------------------------------------
+
+
+async def test_progress_is_on_the_row_while_running_and_stays_when_the_handler_fails(
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    effects_table: str,
+) -> None:
+    """Reports are visible while the handler runs (they are not in its transaction),
+    throttled (a tight loop of reports lands its last value), and survive a failure
+    that rolls the handler's own writes back."""
+    registry = Registry()
+    reported = asyncio.Event()
+    go_on = asyncio.Event()
+
+    @registry.task("p.copy")
+    async def copy(ctx: JobContext, payload: dict[str, Any]) -> None:
+        await _insert(ctx, "copy")
+        for i in range(1, 51):
+            await ctx.progress(i / 100, f"copied {i} of 100 files")
+        reported.set()
+        await go_on.wait()
+        raise RuntimeError("disk full")
+
+    job = await dispatched_job(db_pool, "p.copy", queue=queue)
+    await publish(channel, queue, job.message(1))
+    async with running_worker(settings, registry, queue):
+        await asyncio.wait_for(reported.wait(), 15)
+
+        async def last_report_landed() -> bool:
+            return (await job_row(db_pool, job))["progress_note"] == "copied 50 of 100 files"
+
+        await wait_for(last_report_landed, timeout=5)
+        row = await job_row(db_pool, job)
+        assert (row["status"], row["progress"]) == ("dispatched", pytest.approx(0.5))
+        go_on.set()
+        await wait_for(lambda: _status(db_pool, job, "pending"), timeout=15)
+    row = await job_row(db_pool, job)
+    assert (row["progress"], row["progress_note"]) == (pytest.approx(0.5), "copied 50 of 100 files")
+    assert row["progress_at"] is not None and "disk full" in row["last_error"]
+    assert await effects(db_pool, job, effects_table) == 0
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "constraint"),
+    [
+        ("progress", 1.5, "jobs_progress_out_of_range"),
+        ("progress_note", "x" * 201, "jobs_progress_note_too_long"),
+    ],
+)
+async def test_progress_columns_are_checked(
+    db_pool: asyncpg.Pool, column: str, value: Any, constraint: str
+) -> None:
+    with pytest.raises(asyncpg.CheckViolationError) as raised:
+        await db_pool.execute(
+            f"INSERT INTO duetime.jobs (task, {column}) VALUES ('t.checked', $1)", value
+        )
+    assert raised.value.constraint_name == constraint

@@ -10,6 +10,9 @@
 --   max_snoozes   integer the bound on snoozes (producer-settable, default 100)
 --   timeout_s     float8  the handler's time limit for this job (producer-settable;
 --                         overrides the task's timeout)
+--   progress      real    how far the running handler got, 0..1 (ctx.progress)
+--   progress_note text    what it said about it (at most 200 characters)
+--   progress_at   timestamptz  when it last said so
 --
 -- The worker role still holds no table privilege (migration 0009): every new worker
 -- statement is a SECURITY DEFINER function that changes only a row `dispatched` at the
@@ -36,6 +39,9 @@ ALTER TABLE duetime.jobs ADD COLUMN cancelled_by text;
 ALTER TABLE duetime.jobs ADD COLUMN snoozes integer NOT NULL DEFAULT 0;
 ALTER TABLE duetime.jobs ADD COLUMN max_snoozes integer NOT NULL DEFAULT 100;
 ALTER TABLE duetime.jobs ADD COLUMN timeout_s float8;
+ALTER TABLE duetime.jobs ADD COLUMN progress real;
+ALTER TABLE duetime.jobs ADD COLUMN progress_note text;
+ALTER TABLE duetime.jobs ADD COLUMN progress_at timestamptz;
 
 ALTER TABLE duetime.jobs ADD CONSTRAINT jobs_result_too_large
     CHECK (result IS NULL OR octet_length(result::text) <= 67108864) NOT VALID;
@@ -47,7 +53,13 @@ ALTER TABLE duetime.jobs ADD CONSTRAINT jobs_max_snoozes_out_of_range
     CHECK (max_snoozes BETWEEN 0 AND 10000) NOT VALID;
 ALTER TABLE duetime.jobs ADD CONSTRAINT jobs_timeout_s_out_of_range
     CHECK (timeout_s IS NULL OR (timeout_s > 0 AND timeout_s <= 604800)) NOT VALID;
+ALTER TABLE duetime.jobs ADD CONSTRAINT jobs_progress_out_of_range
+    CHECK (progress IS NULL OR progress BETWEEN 0 AND 1) NOT VALID;
+ALTER TABLE duetime.jobs ADD CONSTRAINT jobs_progress_note_too_long
+    CHECK (progress_note IS NULL OR length(progress_note) <= 200) NOT VALID;
 ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_result_too_large;
+ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_progress_out_of_range;
+ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_progress_note_too_long;
 ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_cancelled_by_too_long;
 ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_snoozes_out_of_range;
 ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_max_snoozes_out_of_range;
@@ -59,6 +71,9 @@ COMMENT ON COLUMN duetime.jobs.cancelled_by IS 'who cancelled the job';
 COMMENT ON COLUMN duetime.jobs.snoozes IS 'times a handler snoozed the job (no attempt used)';
 COMMENT ON COLUMN duetime.jobs.max_snoozes IS
     'snoozes allowed (0..10000, default 100); one more is a failed attempt';
+COMMENT ON COLUMN duetime.jobs.progress IS
+    'how far the handler got (0..1), as it last reported (ctx.progress); kept after it ends';
+COMMENT ON COLUMN duetime.jobs.progress_note IS 'the note of the last progress report';
 COMMENT ON COLUMN duetime.jobs.timeout_s IS
     'seconds the handler may run for this job (0 < s <= 7 days); overrides the task timeout';
 
@@ -277,6 +292,21 @@ BEGIN
     RETURN new_count;
 END $$;
 
+-- Progress (ctx.progress): fraction and note of a dispatched(attempt) row, in autocommit
+-- on the worker's own connection, never in the handler's transaction. 1, or NULL when
+-- the row is no longer this attempt's.
+CREATE FUNCTION duetime.worker_progress(job_id bigint, job_due_at timestamptz,
+                                        job_attempt integer, fraction real, note text)
+    RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE duetime.jobs
+       SET progress = fraction, progress_note = left(note, 200), progress_at = now()
+     WHERE id = job_id AND due_at = job_due_at + interval '0'
+       AND status = 'dispatched' AND attempt = job_attempt;
+    RETURN CASE WHEN FOUND THEN 1 END;
+END $$;
+
 -- Which of these jobs are cancelled: the worker's check of the attempts it runs, when
 -- its LISTEN connection was (re)opened and every few seconds while it runs any, so a
 -- NOTIFY lost with a connection costs seconds, not the cancel.
@@ -305,3 +335,5 @@ REVOKE EXECUTE ON FUNCTION duetime.finish_attempt(bigint, timestamptz, integer, 
 REVOKE EXECUTE ON FUNCTION duetime.worker_snooze(bigint, timestamptz, integer, float8)
     FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION duetime.worker_cancelled(bigint[]) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION duetime.worker_progress(bigint, timestamptz, integer, real, text)
+    FROM PUBLIC;
