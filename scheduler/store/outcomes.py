@@ -1,7 +1,8 @@
 """Waiting for a job's outcome (``JobStore.result``; DESIGN §12, migration 0019).
 
 The waiter LISTENs on ``duetime_job_finished`` first, then registers its job id in
-``duetime.result_waiters``, then reads the row: a job that finished before the
+``duetime.result_waiters`` (``duetime.await_job``, which also waits for a settlement of
+the row already in flight), then reads the row: a job that finished before the
 registration is seen by that read, one that finishes after it NOTIFYs (the trigger
 ``jobs_notify_finished`` sends one only for jobs somebody waits for). Each NOTIFY for
 the job wakes the waiter, which reads the row again, so a notification is a hint and

@@ -189,6 +189,29 @@ async def test_result_waits_for_the_outcome_and_raises_for_failure_and_cancel(
     )
 
 
+async def test_result_sees_a_settlement_that_was_in_flight_when_it_registered(
+    db_pool: asyncpg.Pool, queue: str
+) -> None:
+    """The settlement updated the row (and its trigger found no waiter) but has not
+    committed when ``result`` registers: the registration waits for that commit, so the
+    outcome is not missed (without the wait this timed out: a lost wake-up)."""
+    job = await dispatched_job(db_pool, "r.inflight", queue=queue)
+    store = JobStore(db_pool)
+    async with db_pool.acquire() as conn:
+        tx = conn.transaction()
+        await tx.start()
+        await conn.execute(
+            "UPDATE duetime.jobs SET status = 'succeeded', finished_at = now(), "
+            "result = '7'::jsonb WHERE id = $1",
+            job.id,
+        )
+        waiting = asyncio.create_task(store.result(job.id, timeout=5))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await tx.commit()
+    assert await asyncio.wait_for(waiting, 10) == 7
+
+
 # -- cancel -------------------------------------------------------------------------------
 
 

@@ -102,11 +102,17 @@ CREATE TRIGGER jobs_notify_finished AFTER UPDATE ON duetime.jobs
           AND NEW.status IN ('succeeded', 'dead', 'cancelled'))
     EXECUTE FUNCTION duetime.notify_job_finished();
 
--- Register / unregister a waiter (any role that may read the job may wait for it).
+-- Register a waiter. The row lock (FOR SHARE, in the registering transaction) waits
+-- for a settlement already in flight: that settlement's trigger may have looked for
+-- waiters before this one was registered, so the waiter must read the row only after
+-- it committed. A settlement that locks the row later runs its trigger after this
+-- registration committed, and sees it. Without the wait a job settled in that window
+-- would finish unnoticed (measured: one lost wake-up in ~200 round trips).
 CREATE FUNCTION duetime.await_job(wait_id bigint) RETURNS void
     LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     DELETE FROM duetime.result_waiters WHERE since < now() - interval '1 day';
     INSERT INTO duetime.result_waiters (job_id) VALUES (wait_id);
+    SELECT 1 FROM duetime.jobs WHERE id = wait_id FOR SHARE;
 $$;
 
 CREATE FUNCTION duetime.unawait_job(wait_id bigint) RETURNS void
