@@ -285,6 +285,8 @@ class QueueStatus:
     oldest_unstarted: float | None = None  # seconds since the oldest of them was dispatched
     #: False: not in duetime.queues, so its pending jobs are held, never dispatched
     declared: bool = True
+    #: paused by an operator (duetime queues pause): nothing new is dispatched
+    paused: bool = False
 
     @property
     def held(self) -> int:

@@ -228,6 +228,19 @@ async def test_status_shows_held_jobs_of_an_undeclared_queue(
     assert "1 (queue not declared)" in run.out
 
 
+async def test_status_says_a_queue_is_paused(
+    pool: asyncpg.Pool, migrated_dsn: str, test_env: dict[str, str], unique: str
+) -> None:
+    await declare_queues(pool, f"quiet-{unique}")
+    await insert_job(pool, f"quiet-{unique}")
+    env = {**test_env, "DUETIME_DATABASE_URL": migrated_dsn}
+    assert (await run_duetime(env, "queues", "pause", f"quiet-{unique}")).code == 0
+    run = await run_duetime(env, "status")
+    assert (
+        f"paused: queue quiet-{unique} dispatches nothing new (1 pending, 0 running)" in run.out
+    ), run.out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
