@@ -87,6 +87,9 @@ class Progress:
                 await self._write(*pending)
         finally:
             self._flush = None
+        if self._pending is not None and not self._closed and self._timer is None:
+            # reported while this write was in flight: written one interval later
+            self._timer = asyncio.get_running_loop().call_later(MIN_INTERVAL, self._later)
 
     async def _write(self, value: float, note: str | None) -> None:
         self._written_at = self._clock.monotonic()

@@ -43,6 +43,30 @@ async def test_a_tight_loop_writes_once_then_its_last_value_after_the_interval()
     await progress.close()
 
 
+class SlowRecorder(Recorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def progress(self, ref: JobRef, fraction: float, note: str | None) -> bool:
+        if self.writes:  # the second write waits, as a slow database would
+            await self.gate.wait()
+        return await super().progress(ref, fraction, note)
+
+
+async def test_a_report_made_while_a_deferred_write_is_in_flight_still_lands() -> None:
+    store, clock = SlowRecorder(), ManualClock()
+    progress = Progress(store, REF, clock=clock)  # type: ignore[arg-type]
+    await progress.report(0.1)
+    await progress.report(0.2)  # deferred: the timer writes it
+    await asyncio.sleep(MIN_INTERVAL + 0.1)  # the deferred write is now in flight
+    await progress.report(0.3)  # kept while it is
+    store.gate.set()
+    await asyncio.sleep(2 * MIN_INTERVAL + 0.1)
+    assert store.writes == [(0.1, None), (0.2, None), (0.3, None)]
+    await progress.close()
+
+
 async def test_close_cancels_a_pending_write_and_later_reports_are_dropped() -> None:
     store, clock = Recorder(), ManualClock()
     progress = Progress(store, REF, clock=clock)  # type: ignore[arg-type]
