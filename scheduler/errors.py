@@ -4,7 +4,9 @@
     ├── ConfigError              bad configuration; message lists every bad value
     ├── InvalidInput             bad user input (time, payload, cron, queue name, ...)
     ├── JobNotFound              no job with that id
-    ├── InvalidTransition        e.g. cancelling a job that is not pending
+    ├── InvalidTransition        e.g. cancelling a job that already finished
+    ├── JobFailed                JobStore.result: the job ended dead (its last error)
+    ├── JobCancelled             JobStore.result: the job was cancelled (and by whom)
     ├── UniqueKeyTaken           enqueue(on_conflict="error"): a job holds the unique key
     ├── Fenced                   a newer leader fenced this epoch: stop acting now
     ├── LeadershipLost           the etcd lease can no longer be proven alive
@@ -40,6 +42,25 @@ class JobNotFound(DuetimeError):
 
 class InvalidTransition(DuetimeError):
     """A state change that the job's current status does not allow."""
+
+
+class JobFailed(DuetimeError):
+    """``JobStore.result``: the job ended ``dead``; ``error`` is its last error."""
+
+    def __init__(self, job_id: int, error: str | None) -> None:
+        super().__init__(f"job {job_id} failed: {error or 'no error recorded'}")
+        self.job_id = job_id
+        self.error = error
+
+
+class JobCancelled(DuetimeError):
+    """``JobStore.result``: the job was cancelled (``cancelled_by`` says by whom)."""
+
+    def __init__(self, job_id: int, cancelled_by: str | None) -> None:
+        by = f" by {cancelled_by}" if cancelled_by else ""
+        super().__init__(f"job {job_id} was cancelled{by}")
+        self.job_id = job_id
+        self.cancelled_by = cancelled_by
 
 
 class UniqueKeyTaken(DuetimeError):

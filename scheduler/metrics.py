@@ -88,8 +88,20 @@ FIRE_LAG = Histogram(
 )
 JOBS_FINISHED = Counter(
     "duetime_jobs_finished_total",
-    "deliveries finished, by task and outcome (succeeded, retried, dead, skipped)",
+    "deliveries finished, by task and outcome (succeeded, retried, dead, skipped, "
+    "cancelled: stopped while running, snoozed: back to pending without using an attempt)",
     ["shard", "task", "outcome"],
+)
+HANDLERS_CANCELLED = Counter(
+    "duetime_handlers_cancelled_total",
+    "running handlers a worker stopped because their job was cancelled (workers)",
+    ["shard"],
+)
+JOBS_CANCELLED = Counter(
+    "duetime_jobs_cancelled_total",
+    "jobs cancelled through JobStore (CLI, dashboard, API), by the state they were in "
+    "(pending, dispatched: running or about to run)",
+    ["was"],
 )
 UNIQUE_CONFLICTS = Counter(
     "duetime_unique_conflicts_total",

@@ -284,6 +284,14 @@ def evaluate(
                 f"`duetime queues add {q.queue}` releases them",
             )
         )
+    for q in (q for q in snapshot.queues if q.paused):
+        warnings.append(
+            Finding(
+                "queue_paused",
+                f"paused: queue {q.queue} dispatches nothing new ({q.pending} pending, "
+                f"{q.dispatched} running); `duetime queues resume {q.queue}` resumes it",
+            )
+        )
     if len(held) > MAX_HELD_FINDINGS:
         warnings.append(
             Finding(
@@ -294,7 +302,11 @@ def evaluate(
         )
     warnings += limits_holding(limits)
     worst = max(
-        (q for q in snapshot.queues if q.oldest_overdue is not None and q.declared),
+        (
+            q
+            for q in snapshot.queues
+            if q.oldest_overdue is not None and q.declared and not q.paused
+        ),
         key=lambda q: q.oldest_overdue or 0.0,
         default=None,
     )

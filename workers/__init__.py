@@ -40,6 +40,7 @@ from workers.registry import (
     worker_startup,
 )
 from workers.retry import Fail, Retry, RetryPolicy
+from workers.snooze import Snooze
 from workers.sync_db import AttemptAbandoned, SyncJobContext
 from workers.worker import Worker, run_worker
 
@@ -51,6 +52,7 @@ __all__ = [
     "Registry",
     "Retry",
     "RetryPolicy",
+    "Snooze",
     "SyncJobContext",
     "TaskSpec",
     "Worker",

@@ -11,14 +11,17 @@ job).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, NoReturn
 
 from scheduler.log import get_logger
 from scheduler.store.conn import Conn
 from workers.lazydb import LazyTransaction
 from workers.lifecycle import WorkerState
+from workers.progress import check_fraction
+from workers.snooze import Snooze
 
 
 class JobContext:
@@ -34,7 +37,9 @@ class JobContext:
     __slots__ = (
         "_beat",
         "_log",
+        "_progress",
         "attempt",
+        "cancelled",
         "db",
         "due_at",
         "idempotency_key",
@@ -57,6 +62,8 @@ class JobContext:
         idempotency_key: str,
         db: LazyTransaction | Conn,
         beat: Callable[[], Awaitable[bool]],
+        cancelled: threading.Event | None = None,
+        progress: Callable[[float, str | None], Awaitable[None]] | None = None,
         state: WorkerState | None = None,
     ) -> None:
         self.job_id = job_id
@@ -71,6 +78,12 @@ class JobContext:
         self._log: Any = None
         self.state = state if state is not None else WorkerState()
         """What this worker's startup hooks opened for handlers (``workers.lifecycle``)."""
+        #: set when the job is cancelled while this handler runs (``workers.cancel``):
+        #: an ``async`` handler also gets ``asyncio.CancelledError`` at its next
+        #: ``await``; code that computes without awaiting checks ``cancelled.is_set()``
+        #: (a ``threading.Event``, so a thread may read it too) and returns early
+        self.cancelled = cancelled if cancelled is not None else threading.Event()
+        self._progress = progress
 
     @property
     def log(self) -> Any:
@@ -94,6 +107,21 @@ class JobContext:
         longer this attempt's (the handler may stop early: its outcome will not count).
         """
         return await self._beat()
+
+    async def progress(self, fraction: float, note: str | None = None) -> None:
+        """Report how far the job got (0..1) with a short note (cut at 200 characters),
+        shown by ``duetime jobs show``/``list`` and the dashboard. Written outside the
+        attempt's transaction (it stays if the handler then fails), at most a few times
+        a second: call it as often as you like (``workers.progress``)."""
+        check_fraction(fraction)
+        if self._progress is not None:
+            await self._progress(fraction, note)
+
+    def snooze(self, in_: float | timedelta, reason: str | None = None) -> NoReturn:
+        """End this attempt and run the job again ``in_`` seconds from now without using
+        an attempt (``workers.snooze``); raises ``Snooze``, so ``ctx.db`` work is
+        rolled back. Bounded by the job's ``max_snoozes``."""
+        raise Snooze(in_, reason)
 
     def __repr__(self) -> str:
         return (

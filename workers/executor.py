@@ -15,8 +15,11 @@ A delivery's way through the worker (DESIGN §6)::
                                                       deploys), dead when attempts run out
     commit     chosen once, before the handler runs: its own transaction, or a share of
                a transaction group (``_groupable``); no ctx.db means a batched commit
-    handler(ctx, payload)   under the task's timeout (else the worker's task_timeout);
-                            a plain ``def`` on a handler thread (``workers.threads``)
+    handler(ctx, payload)   under the job's ``timeout_s``, else the task's timeout, else
+                      the worker's task_timeout; a plain ``def`` on a handler thread
+                      (``workers.threads``); stopped when the job is cancelled
+                      (``workers.cancel``); what it returns is encoded for the outcome
+                      (``workers.results``)
       used ctx.db   → in that transaction, the attempt's own: UPDATE succeeded +
                       INSERT ledger (``duetime.finish_attempt``) sent with the COMMIT in
                       one round trip — effects, ledger row and status, all or nothing;
@@ -76,7 +79,9 @@ by the ledger like any duplicate delivery.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
+import threading
 from dataclasses import dataclass
 from datetime import datetime
 from typing import cast
@@ -98,12 +103,15 @@ from scheduler.metrics import (
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import UNREADABLE, JobRef, LockedJob
 from workers.batching import Coalescer
+from workers.cancel import Cancellations
 from workers.context import JobContext
 from workers.errors import CONNECTION_ERRORS, AttemptRunningElsewhere, DatabaseUnavailable
 from workers.groups import Groups
 from workers.heartbeat import Heartbeat
 from workers.lazydb import LazyTransaction
+from workers.progress import Progress
 from workers.registry import AsyncHandler, Registry, TaskSpec
+from workers.results import DEFAULT_RESULT_MAX_BYTES, encode_result
 from workers.settlement import Attempt, Settler, UnknownTask
 from workers.threads import ThreadRunner
 from workers.verdicts import Outcome, Verdict
@@ -193,6 +201,7 @@ class Executor:
         shard: str = DEFAULT_SHARD,
         clock: Clock = SYSTEM_CLOCK,
         threads: ThreadRunner | None = None,
+        result_max_bytes: int = DEFAULT_RESULT_MAX_BYTES,
     ) -> None:
         self.shard = shard
         # a 0 sample from the start, so the first mismatch shows as an increase
@@ -204,9 +213,12 @@ class Executor:
         self._heartbeat_interval = heartbeat_interval
         self._acquire_timeout = acquire_timeout
         self._task_timeout = task_timeout
+        self._result_max_bytes = result_max_bytes
         self._clock = clock
         self._threads = threads
         self._own_threads: ThreadRunner | None = None
+        #: the handlers running here, by job id: a cancel stops them (``workers.cancel``)
+        self.cancellations = Cancellations(shard=shard, clock=clock)
         self._durations: dict[str, float] = {}  # task -> moving average of run time
         # the pointers of the deliveries being executed: a copy is skipped (execute)
         self._running: set[tuple[int, datetime, int, int]] = set()
@@ -425,8 +437,11 @@ class Executor:
             completion=attempt.completion,
         )
         try:
-            failure = await self._run_handler(attempt, spec, db)
+            failure, result = await self._run_handler(attempt, spec, db)
+            if result is not None:
+                attempt = dataclasses.replace(attempt, result=result)
             if db.member is not None:  # a share of a transaction group
+                db.member.completion = attempt.completion
                 return await db.member.report(failure), failure
             if failure is not None:
                 return Verdict.FAILED, failure
@@ -464,8 +479,9 @@ class Executor:
 
     async def _run_handler(
         self, attempt: Attempt, spec: TaskSpec, db: LazyTransaction
-    ) -> BaseException | None:
-        """Run the handler under its timeout; return its exception, or None."""
+    ) -> tuple[BaseException | None, str | None]:
+        """Run the handler under its timeout, stoppable by a cancel; return its
+        exception (or None) and its encoded result (or None)."""
         ref, job = attempt.ref, attempt.job
         heartbeat = Heartbeat(
             self._store,
@@ -485,32 +501,40 @@ class Executor:
             idempotency_key=job.key,
             db=db,
             beat=heartbeat.beat,
+            cancelled=threading.Event(),
+            progress=(progress := Progress(self._store, ref, clock=self._clock)).report,
             state=self._registry.lifecycle.state,
         )
         clock = self._clock
         fire_lag = (clock.now() - job.run_time).total_seconds()
         FIRE_LAG.labels(self.shard).observe(max(0.0, fire_lag))
-        timeout = spec.timeout if spec.timeout is not None else self._task_timeout
+        timeout = job.timeout_s or (
+            spec.timeout if spec.timeout is not None else self._task_timeout
+        )
         started = clock.monotonic()
         heartbeat.start()
         try:
-            async with asyncio.timeout(timeout) as deadline:
+            async with (
+                asyncio.timeout(timeout) as deadline,
+                self.cancellations.scope(ref.job_id, ctx.cancelled),
+            ):
                 if spec.sync:  # a plain def: on a handler thread, same ctx.db transaction
-                    await self._thread_runner().run_handler(
+                    value = await self._thread_runner().run_handler(
                         spec.handler, ctx, job.payload, timeout=timeout
                     )
                 else:
-                    await cast(AsyncHandler, spec.handler)(ctx, job.payload)
+                    value = await cast(AsyncHandler, spec.handler)(ctx, job.payload)
+            return None, encode_result(value, self._result_max_bytes)
         except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():
-                return TimeoutError(f"handler exceeded its timeout of {timeout:g}s")
-            return exc
+                return TimeoutError(f"handler exceeded its timeout of {timeout:g}s"), None
+            return exc, None
         finally:
             await heartbeat.stop()
+            await progress.close()
             took = clock.monotonic() - started
             JOB_DURATION.labels(self.shard, spec.name).observe(took)
             self._learn(spec.name, took - (db.member.waited if db.member is not None else 0.0))
-        return None
 
 
 def _skipped(

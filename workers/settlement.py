@@ -17,6 +17,12 @@ SUPERSEDED  the row moved on (settled by another   ``skipped``         ``attempt
 FAILED      the handler raised (or the server      ``retried``/``dead`` ``job_retry_scheduled``
             refused its transaction): retry or     (``skipped`` if the /``job_dead``
             dead (``workers.retry.decide``)        row moved on)
+            ... with ``HandlerCancelled``: the     ``cancelled``       ``job_cancelled``
+            job was cancelled while it ran
+            (``workers.cancel``); nothing to write
+            ... with ``Snooze``: pending again at  ``snoozed``         ``job_snoozed``
+            the same attempt (``workers.snooze``); (``retried``/``dead``
+            past ``max_snoozes`` a failure         past the bound)
 RERUN       rolled back with its transaction       none: run again     ``attempt_rerun_alone``
             group through no fault of its own      alone
 =========== ====================================== =================== =================
@@ -42,9 +48,11 @@ from scheduler.metrics import JOBS_FINISHED
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import Completion, JobRef, LockedJob
 from workers.batching import Coalescer
+from workers.cancel import HandlerCancelled
 from workers.errors import DatabaseUnavailable
 from workers.registry import TaskSpec
 from workers.retry import DEFAULT_RETRY, GiveUp, RetryLater, RetryPolicy, decide, describe
+from workers.snooze import Snooze, SnoozeLimitReached
 from workers.verdicts import Outcome, Verdict
 
 log = get_logger("duetime.worker")
@@ -69,10 +77,12 @@ class Attempt:
     ref: JobRef
     job: LockedJob
     spec: TaskSpec | None
+    #: the handler's result as JSON text (``workers.results``), once it returned
+    result: str | None = None
 
     @property
     def completion(self) -> Completion:
-        return Completion(self.ref, self.job.key, self.job.task)
+        return Completion(self.ref, self.job.key, self.job.task, self.result)
 
     @property
     def policy(self) -> RetryPolicy:
@@ -145,12 +155,39 @@ class Settler:
             settled = await self.complete(attempt)
             log.info("delivery_duplicate", idempotency_key=attempt.job.key, settled=settled)
             outcome = Outcome.SKIPPED
+        elif isinstance(failure, HandlerCancelled):
+            log.info("job_cancelled", effects="rolled back")
+            outcome = Outcome.CANCELLED
+        elif isinstance(failure, Snooze):
+            outcome = await self._snooze(attempt, failure)
         else:
             assert failure is not None
             outcome = await self._fail(attempt, failure)
         label = attempt.job.task if attempt.spec is not None else "unknown"
         JOBS_FINISHED.labels(self._shard, label, outcome.value).inc()
         return outcome
+
+    async def _snooze(self, attempt: Attempt, snooze: Snooze) -> Outcome:
+        """Pending again at the same attempt after the snooze's delay; past the row's
+        ``max_snoozes``, a failed attempt like any other."""
+        try:
+            count = await self._store.snooze(attempt.ref, delay=snooze.delay)
+        except asyncio.CancelledError:
+            raise
+        except Exception as failed:
+            log.error("snooze_not_recorded", error=describe(failed))
+            raise DatabaseUnavailable(f"{type(failed).__name__}: {failed}") from failed
+        if count is None:
+            log.warning("attempt_superseded", snooze=True)
+            return Outcome.SKIPPED
+        if count == 0:
+            limit = SnoozeLimitReached(
+                "the job asked to snooze past its max_snoozes; "
+                "raise Retry to try again and count it, or raise max_snoozes"
+            )
+            return await self._fail(attempt, limit)
+        log.info("job_snoozed", snoozes=count, snooze_in=round(snooze.delay, 3))
+        return Outcome.SNOOZED
 
     async def _fail(self, attempt: Attempt, exc: BaseException) -> Outcome:
         """Record a failed attempt: pending at the next attempt, or dead."""

@@ -45,6 +45,7 @@ from scheduler.store.execution import (
     prepare_handler_connection,
     prepare_store_connection,
 )
+from workers.cancel import CancelWatch
 from workers.executor import Executor, Outcome
 from workers.registry import Registry
 from workers.threads import ThreadRunner
@@ -136,6 +137,8 @@ class WorkerShard:
     pool: asyncpg.Pool  # the handlers' transactions (``ctx.db``)
     store_pool: asyncpg.Pool  # the worker's own batched statements
     executor: Executor
+    #: hears cancels of the jobs this shard's handlers run (workers.cancel)
+    watch: CancelWatch
 
 
 async def open_shard(
@@ -176,6 +179,7 @@ async def open_shard(
     except BaseException:
         await close_pools([pool], settings.db_timeout)
         raise
+    store = ExecutionStore(store_pool, timeout=settings.db_timeout, budgets=registry.budgets())
     executor = Executor(
         pool,
         registry,
@@ -183,11 +187,16 @@ async def open_shard(
         heartbeat_interval=settings.visibility_timeout / 3,
         acquire_timeout=settings.db_timeout,
         task_timeout=settings.task_timeout,
-        store=ExecutionStore(store_pool, timeout=settings.db_timeout, budgets=registry.budgets()),
+        result_max_bytes=settings.result_max_bytes,
+        store=store,
         shard=name,
         threads=threads,
     )
-    return WorkerShard(name, pool, store_pool, executor)
+    watch = CancelWatch(
+        url, executor.cancellations, store, timeout=settings.db_timeout, node_id=settings.node_id
+    )
+    watch.start()
+    return WorkerShard(name, pool, store_pool, executor, watch)
 
 
 async def close_pools(pools: list[asyncpg.Pool], timeout: float) -> None:

@@ -21,8 +21,8 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Coroutine
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, NoReturn
 
 from workers.context import JobContext
 
@@ -176,6 +176,21 @@ class SyncJobContext:
     def abandoned(self) -> bool:
         """True once the attempt is over: a long loop may check it and stop early."""
         return self._bridge.closed
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set when the job is cancelled while this handler runs: check it in long loops
+        and return early (the thread cannot be interrupted; its ``ctx.db`` calls fail
+        with ``AttemptAbandoned`` once the attempt is over)."""
+        return self._ctx.cancelled
+
+    def progress(self, fraction: float, note: str | None = None) -> None:
+        """``JobContext.progress`` from the thread (throttled, outside the transaction)."""
+        self._bridge.call("ctx.progress", self._ctx.progress(fraction, note))
+
+    def snooze(self, in_: float | timedelta, reason: str | None = None) -> NoReturn:
+        """``JobContext.snooze``: raises ``Snooze``."""
+        self._ctx.snooze(in_, reason)
 
     def heartbeat(self) -> bool:
         """``JobContext.heartbeat`` from the thread: False if the job is no longer this

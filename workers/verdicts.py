@@ -17,6 +17,8 @@ class Outcome(StrEnum):
     RETRIED = "retried"
     DEAD = "dead"
     SKIPPED = "skipped"  # stale, duplicate, or superseded: nothing to do
+    CANCELLED = "cancelled"  # the job was cancelled while its handler ran (workers.cancel)
+    SNOOZED = "snoozed"  # back to pending at the same attempt (workers.snooze)
 
 
 class Verdict(Enum):

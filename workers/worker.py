@@ -225,6 +225,7 @@ class Worker:
         shards, self.shards = self.shards, {}
         self.executors = None
         for shard in shards.values():
+            await shard.watch.close()
             await shard.executor.close()
         runner, self.thread_runner = self.thread_runner, None
         if runner is not None:

@@ -12,6 +12,7 @@ inserts, and the line says so.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 from datetime import timedelta
 from typing import Any
@@ -40,7 +41,9 @@ from scheduler.store import JobStore
 from scheduler.store.jobs import ON_CONFLICT, OnConflict
 from scheduler.store.rows import JOB_STATUSES, Job
 
-LIST_COLUMNS = ("id", "task", "queue", "status", "attempt", "due_at", "run_at", "last_error")
+LIST_COLUMNS = (
+    "id", "task", "queue", "status", "attempt", "progress", "due_at", "run_at", "last_error",
+)  # fmt: skip
 #: CHECK jobs_priority_range (migration 0015), checked here so the line names the flag.
 PRIORITY_RANGE = (-100, 100)
 
@@ -113,7 +116,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
     actions = (
         ("show", "show one job", run_show),
-        ("cancel", "cancel a pending job", run_cancel),
+        ("cancel", "cancel a pending or running job (its handler is stopped)", run_cancel),
         ("retry", "send a dead job back to pending (attempts reset)", run_retry),
     )
     add_actions(jsub, common, actions, "job_id", type=job_id)
@@ -124,7 +127,7 @@ def _emit(job: Job, as_json: bool) -> None:
         print_json(job.to_dict())
         return
     for key, value in job.to_dict().items():
-        shown = json.dumps(value) if isinstance(value, dict) else value
+        shown = json.dumps(value) if isinstance(value, dict | list) or key == "result" else value
         if key == "attempt":  # the budget that applied (a failure records the task's own)
             shown = f"{job.attempt} of {job.max_attempts}"
         say(f"{key:16} {'-' if value is None else shown}")
@@ -229,9 +232,21 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
 def _row(job: Job) -> dict[str, Any]:
     row = {c: getattr(job, c) for c in LIST_COLUMNS}
     row["attempt"] = f"{job.attempt}/{job.max_attempts}"
+    row["progress"] = _progress(job)
     if job.last_error and len(job.last_error) > 40:
         row["last_error"] = job.last_error[:37] + "..."
     return row
+
+
+def _progress(job: Job) -> str | None:
+    """``40% copied 4 of 10 files`` (the note cut to fit a table), or None."""
+    if job.progress is None:
+        return None
+    shown = f"{job.progress:.0%}"
+    if job.progress_note:
+        note = job.progress_note
+        shown += " " + (note if len(note) <= 30 else note[:27] + "...")
+    return shown
 
 
 async def _single(args: argparse.Namespace, settings: Settings, action: str) -> int:
@@ -249,7 +264,21 @@ async def run_show(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
-    return await _single(args, settings, "cancel")
+    async with opened(settings, JobStore, shard=args.shard) as store:
+        job = await store.cancel(args.job_id, by=_who())
+    if args.json:
+        _emit(job, True)
+    else:
+        say(f"job {job.id} is now cancelled")
+    return 0
+
+
+def _who() -> str:
+    """``cancelled_by`` of a cancel from this command: the operating-system user."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no user name in this environment
+        return "cli"
 
 
 async def run_retry(args: argparse.Namespace, settings: Settings) -> int:

@@ -1,9 +1,10 @@
-"""``duetime queues add|list|remove``: the queues jobs may be dispatched to.
+"""``duetime queues add|list|remove|pause|resume``: the queues jobs may be dispatched to.
 
 Only a declared queue becomes a RabbitMQ queue (``duetime.<name>``, created by the
 leader's first publish to it); jobs a producer writes for any other name stay pending,
-held, until an operator declares it here (docs/operations.md, "Queues"). With shards,
-``add`` and ``remove`` act on every shard (queues are shared by all of them) unless
+held, until an operator declares it here (docs/operations.md, "Queues"). A paused queue
+dispatches nothing new; its running jobs finish. With shards, ``add``, ``remove``,
+``pause`` and ``resume`` act on every shard (queues are shared by all of them) unless
 ``--shard`` names one; ``list`` shows each shard's view.
 """
 
@@ -18,7 +19,7 @@ from scheduler.errors import InvalidInput
 from scheduler.jobspec import validate_queue
 from scheduler.store.queues import LIST_LIMIT, QueueStore
 
-LIST_COLUMNS = ("queue", "declared", "pending", "dispatched", "held", "created_at")
+LIST_COLUMNS = ("queue", "declared", "paused", "pending", "dispatched", "held", "created_at")
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -36,6 +37,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     remove.add_argument("name")
     add_shard_option(remove)
     remove.set_defaults(func=run_remove)
+
+    for action, text in (
+        ("pause", "dispatch nothing new from a queue (running jobs finish)"),
+        ("resume", "dispatch a paused queue's jobs again"),
+    ):
+        cmd = qsub.add_parser(action, parents=[common], help=text)
+        cmd.add_argument("name")
+        add_shard_option(cmd)
+        cmd.set_defaults(func=run_pause, paused=action == "pause")
 
     lst = qsub.add_parser(
         "list", parents=[common], help="declared queues, and undeclared ones holding jobs"
@@ -84,6 +94,18 @@ async def run_remove(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def run_pause(args: argparse.Namespace, settings: Settings) -> int:
+    name = validate_queue(args.name)
+    for shard in _shards(settings, args.shard):
+        async with opened(settings, QueueStore, shard=shard) as store:
+            found = await store.set_paused(name, args.paused)
+        if not found:
+            raise InvalidInput(f"queue {name} is not declared{_where(shard)}")
+        state = "paused: nothing new is dispatched" if args.paused else "resumed"
+        print(f"queue {name} {state}{_where(shard)}")
+    return 0
+
+
 async def run_list(args: argparse.Namespace, settings: Settings) -> int:
     shards = _shards(settings, args.shard)
     out: list[dict[str, Any]] = []
@@ -108,6 +130,8 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
             "declared": (
                 ("yes" if item["declared"] else "NO: jobs held") if "declared" in item else ""
             ),
+            # an undeclared name cannot be paused: it dispatches nothing anyway
+            "paused": ("PAUSED" if item["paused"] else "no") if item.get("declared") else None,
         }
         for item in out
     ]

@@ -83,6 +83,7 @@ class Settings:
     worker_threads: int = 0
     worker_max_abandoned_threads: int = 8
     task_timeout: float = 1800.0
+    result_max_bytes: int = 1024 * 1024
     delivery_limit: int = 20
     scheduler_statement_timeout: float | None = None
     scheduler_tcp_user_timeout: float | None = None
@@ -140,6 +141,18 @@ class Settings:
         if self.scheduler_tcp_user_timeout is not None:
             return self.scheduler_tcp_user_timeout
         return self.lease_ttl
+
+
+#: The table's own bound on a stored result (migration 0019, CHECK jobs_result_too_large).
+MAX_RESULT_BYTES = 64 * 1024 * 1024
+_result_bytes_number = p.number(int, minimum=1)
+
+
+def _result_bytes(value: Any) -> int:
+    number: int = _result_bytes_number(value)
+    if number > MAX_RESULT_BYTES:
+        raise ValueError(f"must be <= {MAX_RESULT_BYTES} (got {value!r})")
+    return number
 
 
 FIELDS: dict[str, Field] = {
@@ -267,6 +280,12 @@ FIELDS: dict[str, Field] = {
             "task_timeout",
             p.number(float, minimum=0.0, exclusive=True),
             "seconds a handler may run when its task sets no timeout",
+        ),
+        Field(
+            "result_max_bytes",
+            _result_bytes,
+            "largest handler result stored, in bytes of JSON (1..67108864); a larger one "
+            "fails its attempt",
         ),
         Field("delivery_limit", p.number(int, minimum=1), "broker redeliveries before dead-letter"),
         # Zombie leaders (scheduler/leadership/policy.py session_settings,

@@ -163,7 +163,7 @@ async def job_action(dash: Dashboard, request: Request, form: FormData) -> Respo
     if action == "retry":
         job = await store.retry(job_id)
     elif action == "cancel":
-        job = await store.cancel(job_id)
+        job = await store.cancel(job_id, by=f"dashboard:{client_of(request)}")
     else:
         job = await store.run_now(job_id)
     log.info(

@@ -192,8 +192,9 @@ def job_actions(job: Job, now: datetime) -> list[str]:
     allowed = []
     if job.status == "dead":
         allowed.append("retry")
+    if job.status in ("pending", "dispatched"):
+        allowed.append("cancel")  # a dispatched job's worker stops its handler
     if job.status == "pending":
-        allowed.append("cancel")
         if job.next_run_at > now and job.due_at <= now:
             allowed.append("run-now")
     return allowed
@@ -204,6 +205,9 @@ async def job(dash: Dashboard, request: Request) -> Response:
     found = await site.jobs.get(request.path_params["job_id"])
     detail = await site.views.job_detail(found)
     payload, payload_cut = present.pretty_json(found.payload)
+    result, result_cut = (
+        present.pretty_json(found.result) if found.result is not None else ("", False)
+    )
     error, error_cut = present.capped(found.last_error)
     lag = None
     if found.dispatched_at is not None:
@@ -211,6 +215,7 @@ async def job(dash: Dashboard, request: Request) -> Response:
     return dash.render(
         request, "job.html", job=found, detail=detail, payload=payload,
         payload_cut=payload_cut, error=error, error_cut=error_cut, lag=lag,
+        result=result, result_cut=result_cut,
         actions=[] if dash.read_only else job_actions(found, dash.clock.now()),
         cap=present.PAYLOAD_CAP,
     )  # fmt: skip

@@ -24,7 +24,8 @@ id, task, queue, due_at, run_at, attempt
 -- nested deeper than its parser goes): the same rows, locked the same way, each then
 -- read alone (claimed_row) and the unreadable ones parked. The id-only form runs only
 -- after the full one failed, never on the hot path.
--- Only jobs of a declared queue (duetime.queues, migration 0008): a producer's queue name
+-- Only jobs of a declared queue that is not paused (duetime.queues, migration 0008;
+-- `duetime queues pause`: running jobs finish, nothing new goes out): a producer's queue name
 -- never reaches the broker until an operator declared it; the others are held (counted
 -- by `held`). EXISTS plans as a Nested Loop (Memoize over queues_pkey) above the Merge
 -- Append of index scans, so the claim stays ordered by the index; held rows due
@@ -55,7 +56,8 @@ WITH aged AS MATERIALIZED (
     AND due_at <= now()
     AND queue <> ALL({held})
     AND task <> ALL({skip_tasks})
-    AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
+    AND EXISTS (SELECT 1 FROM duetime.queues AS q
+                 WHERE q.name = j.queue AND NOT q.paused)
   ORDER BY coalesce(run_at, due_at)
   LIMIT {limit}
     FOR UPDATE SKIP LOCKED)
@@ -69,7 +71,8 @@ SELECT * FROM (
     AND due_at <= now()
     AND queue <> ALL({held})
     AND task <> ALL({skip_tasks})
-    AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
+    AND EXISTS (SELECT 1 FROM duetime.queues AS q
+                 WHERE q.name = j.queue AND NOT q.paused)
     AND j.id <> ALL (ARRAY(SELECT aged.id FROM aged))
   ORDER BY priority DESC, coalesce(run_at, due_at)
   LIMIT {limit}
@@ -124,7 +127,8 @@ SELECT extract(epoch FROM (
            SELECT coalesce(run_at, due_at)
              FROM duetime.jobs AS j
             WHERE status = 'pending'
-              AND EXISTS (SELECT 1 FROM duetime.queues AS q WHERE q.name = j.queue)
+              AND EXISTS (SELECT 1 FROM duetime.queues AS q
+                           WHERE q.name = j.queue AND NOT q.paused)
             ORDER BY coalesce(run_at, due_at)
             LIMIT 1
        ) - clock_timestamp())::float8;

@@ -26,11 +26,12 @@
 -- Runs on the executor's guard connection, which holds the locks it takes until they are
 -- released: $5-$7 are attempts whose guards this session releases first (those settled
 -- since the last statement), else release_guards. `i` is the position in the input
--- arrays; missing jobs return no row.
+-- arrays; missing jobs return no row. `timeout_s` (migration 0019): the job's own time
+-- limit, NULL for the task's.
 SELECT i, status, attempt, max_attempts, queue, task, payload, key, run_time, done, epoch,
-       started
-  FROM duetime.worker_begin($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[],
-                            $5::bigint[], $6::int[], $7::bigint[]);
+       started, timeout_s
+  FROM duetime.worker_begin_jobs($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[],
+                                 $5::bigint[], $6::int[], $7::bigint[]);
 
 -- name: release_guards
 -- On the guard connection, after the attempts' outcomes committed (or when they ended
@@ -44,7 +45,9 @@ SELECT duetime.worker_release($1::bigint[], $2::int[], $3::bigint[]);
 -- rows and the succeeded updates commit together; a key already in the ledger (an earlier
 -- delivery, or another job with the same key) inserts nothing and the job is still
 -- settled as succeeded. Returns the ids that were still this attempt's and dispatched.
-SELECT duetime.worker_complete($1::bigint[], $2::timestamptz[], $3::int[], $4::text);
+-- $5: each attempt's result as JSON text (migration 0019), NULL for none.
+SELECT duetime.worker_complete($1::bigint[], $2::timestamptz[], $3::int[], $4::text,
+                               $5::text[]::jsonb[]);
 
 -- name: finish_attempt
 -- Last statement of an attempt whose handler used ctx.db, inside that transaction: the job
@@ -53,8 +56,10 @@ SELECT duetime.worker_complete($1::bigint[], $2::timestamptz[], $3::int[], $4::t
 -- DT002 when the key is already in the ledger; either aborts the transaction). It is
 -- sent with its COMMIT in one round trip, as simple-protocol text, so its arguments are
 -- literals: {id} and {attempt} are integers, the others quoted by
--- ExecutionStore.finish_statement.
-SELECT duetime.finish_attempt({id}, {due_at}::timestamptz, {attempt}, {worker});
+-- ExecutionStore.finish_statement; {result} is the handler's result (a quoted JSON text)
+-- or NULL (migration 0019).
+SELECT duetime.finish_attempt({id}, {due_at}::timestamptz, {attempt}, {worker},
+                              {result}::jsonb);
 
 -- name: schedule_retry
 -- Back to pending with the next attempt, runnable after $4 seconds (never before due_at,
@@ -81,7 +86,24 @@ SELECT duetime.worker_heartbeat($1::bigint, $2::timestamptz, $3::int);
 -- finish_delivery for every attempt of a transaction group (workers/groups.py), inside
 -- the group's transaction, then COMMIT. The group holds at most one attempt per key, so
 -- `recorded` can be read per attempt. Results are aligned with the input by `i`; $5 and
--- $6 are the smallest and largest due_at (they prune to the group's partitions).
+-- $6 are the smallest and largest due_at (they prune to the group's partitions); $7 the
+-- results, as for complete_deliveries.
 SELECT i, settled, recorded
   FROM duetime.worker_finish_group($1::bigint[], $2::timestamptz[], $3::int[], $4::text,
-                                   $5::timestamptz, $6::timestamptz);
+                                   $5::timestamptz, $6::timestamptz, $7::text[]::jsonb[]);
+
+-- name: snooze
+-- Back to pending at the same attempt, runnable after $4 seconds (Snooze; migration
+-- 0019): the new snooze count, 0 when the job is at its max_snoozes (nothing changed),
+-- NULL when the row is no longer this attempt's.
+SELECT duetime.worker_snooze($1::bigint, $2::timestamptz, $3::int, $4::float8);
+
+-- name: cancelled
+-- Which of the jobs this worker runs are cancelled (workers/cancel.py): the backstop
+-- for a cancel NOTIFY lost with a LISTEN connection.
+SELECT duetime.worker_cancelled($1::bigint[]);
+
+-- name: progress
+-- ctx.progress (workers/progress.py): autocommit, on the worker's own connection, at
+-- most a few times a second per job. 1, or NULL when the row is no longer this attempt's.
+SELECT duetime.worker_progress($1::bigint, $2::timestamptz, $3::int, $4::real, $5::text);

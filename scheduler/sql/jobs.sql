@@ -41,11 +41,34 @@ SELECT * FROM duetime.jobs
  LIMIT $8;
 
 -- name: cancel
--- $1: the ids (one for `jobs cancel`, a batch for a cancel by filter): one transition.
-UPDATE duetime.jobs
-   SET status = 'cancelled', finished_at = now()
- WHERE id = ANY($1::bigint[]) AND status = 'pending'
-RETURNING *;
+-- $1: the ids (one for `jobs cancel`, a batch for a cancel by filter): one transition,
+-- from pending or dispatched (a running job: its worker is told by cancel_notify in the
+-- same transaction, migration 0019). $2: who cancels (NULL: the database role). `was`
+-- is the status the row left. The rows are locked first, so a settlement racing this
+-- cancel either committed before (the row is finished: not cancelled here) or finds
+-- the row cancelled and settles nothing.
+UPDATE duetime.jobs j
+   SET status = 'cancelled', finished_at = now(), heartbeat_at = NULL,
+       cancelled_by = left(coalesce($2::text, current_user), 200)
+  FROM (SELECT id, due_at, status
+          FROM duetime.jobs
+         WHERE id = ANY($1::bigint[]) AND status IN ('pending', 'dispatched')
+           FOR UPDATE) o
+ WHERE j.id = o.id AND j.due_at = o.due_at
+RETURNING j.*, o.status AS was;
+
+-- name: cancel_notify
+-- The running jobs just cancelled, comma-separated (workers/cancel.py LISTENs): sent at
+-- the cancel's COMMIT, so a worker never hears of a cancel that did not happen.
+SELECT pg_notify('duetime_cancel', $1::text);
+
+-- name: await_job
+-- JobStore.result: register as a waiter for the job's outcome (migration 0019); the
+-- caller LISTENs on duetime_job_finished first.
+SELECT duetime.await_job($1::bigint);
+
+-- name: unawait_job
+SELECT duetime.unawait_job($1::bigint);
 
 -- name: retry
 -- dead -> pending with a fresh set of attempts (attempt = 1), runnable now. last_error is

@@ -19,6 +19,11 @@ RETURNING name;
 -- name: remove
 DELETE FROM duetime.queues WHERE name = $1 RETURNING name;
 
+-- name: set_paused
+-- `duetime queues pause|resume`: a paused queue's jobs are not claimed (dispatch.sql);
+-- the ones already dispatched run to their end. NULL when the queue is not declared.
+UPDATE duetime.queues SET paused = $2 WHERE name = $1 RETURNING name;
+
 -- name: wake
 -- Wake the dispatcher (it LISTENs on duetime_jobs): jobs held for a queue just declared
 -- go out at once rather than at the next probe.

@@ -57,11 +57,16 @@ ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
 -- producer holds no privilege on duetime.unique_keys and cannot read other scopes' keys.
 -- limit_key (migration 0016): a producer names the key its job counts under; the limits
 -- themselves are the owner's (duetime.limits: no grant here).
+-- timeout_s, max_snoozes (migration 0019): the job's own handler time limit and bound on
+-- snoozes.
 GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, unique_key,
-                  priority, limit_key)
+                  priority, limit_key, timeout_s, max_snoozes)
     ON duetime.jobs TO "{producer}";
 GRANT SELECT ON duetime.jobs TO "{producer}";
 GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{producer}";
+-- JobStore.result (migration 0019): register as a waiter for a job's outcome.
+GRANT EXECUTE ON FUNCTION duetime.await_job(bigint), duetime.unawait_job(bigint)
+    TO "{producer}";
 CREATE POLICY "{producer}_insert_jobs" ON duetime.jobs FOR INSERT TO "{producer}"
     WITH CHECK (created_by = current_user);
 CREATE POLICY "{producer}_own_jobs" ON duetime.jobs FOR SELECT TO "{producer}"
@@ -100,7 +105,18 @@ GRANT EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[]),
                           duetime.worker_retry(bigint, timestamptz, integer, float8, text,
                                                text),
                           duetime.worker_dead(bigint, timestamptz, integer, text, text),
-                          duetime.worker_heartbeat(bigint, timestamptz, integer)
+                          duetime.worker_heartbeat(bigint, timestamptz, integer),
+                          duetime.worker_begin_jobs(bigint[], timestamptz[], integer[],
+                                                    bigint[], bigint[], integer[], bigint[]),
+                          duetime.worker_complete(bigint[], timestamptz[], integer[], text,
+                                                  jsonb[]),
+                          duetime.worker_finish_group(bigint[], timestamptz[], integer[],
+                                                      text, timestamptz, timestamptz,
+                                                      jsonb[]),
+                          duetime.finish_attempt(bigint, timestamptz, integer, text, jsonb),
+                          duetime.worker_snooze(bigint, timestamptz, integer, float8),
+                          duetime.worker_cancelled(bigint[]),
+                          duetime.worker_progress(bigint, timestamptz, integer, real, text)
     TO "{worker}";
 -- `duetime worker --queue NAME` warns at start when NAME is not declared.
 GRANT SELECT ON duetime.queues TO "{worker}";

@@ -63,6 +63,11 @@ SELECT to_regclass('duetime.queues') IS NOT NULL AS present;
 -- The queues an operator declared (migration 0008; check queues_table first).
 SELECT coalesce(array_agg(name), '{}') AS names FROM duetime.queues;
 
+-- name: paused_queues
+-- The declared queues an operator paused (`duetime queues pause`): nothing new of them
+-- is dispatched.
+SELECT coalesce(array_agg(name), '{}') AS names FROM duetime.queues WHERE paused;
+
 -- name: schedules_table
 SELECT to_regclass('duetime.schedules') IS NOT NULL AS present;
 

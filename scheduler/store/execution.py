@@ -48,11 +48,12 @@ def quote_literal(text: str) -> str:
 
 def _columns(items: Sequence[Completion]) -> tuple[list[Any], ...]:
     """The array arguments of the batched completions: ids, due times, attempts (in that
-    order, as the functions unnest them)."""
+    order, as the functions unnest them), and the results (JSON text, None for none)."""
     return (
         [c.ref.job_id for c in items],
         [c.ref.due_at for c in items],
         [c.ref.attempt for c in items],
+        [c.result for c in items],
     )
 
 
@@ -105,9 +106,12 @@ class ExecutionStore:
     async def complete(self, items: Sequence[Completion], worker: str) -> set[int]:
         """Settle ``items`` as succeeded with their ledger rows, in one statement. Returns
         the job ids that were still this attempt's (the others moved on meanwhile)."""
+        job_ids, due, attempts, results = _columns(items)
         async with self._db.acquire() as conn:
-            ids = await conn.fetchval(Q["complete_deliveries"], *_columns(items), worker)
-        return set(ids)
+            settled = await conn.fetchval(
+                Q["complete_deliveries"], job_ids, due, attempts, worker, results
+            )
+        return set(settled)
 
     @staticmethod
     def finish_statement(completion: Completion, worker: str) -> str:
@@ -123,6 +127,7 @@ class ExecutionStore:
             due_at=quote_literal(ref.due_at.isoformat()),
             attempt=int(ref.attempt),
             worker=quote_literal(worker),
+            result="NULL" if completion.result is None else quote_literal(completion.result),
         )
 
     @staticmethod
@@ -142,9 +147,10 @@ class ExecutionStore:
         """``finish`` for many attempts in one statement, in the caller's transaction;
         aligned with ``completions`` (which must not repeat a key). ``recorded``: this
         attempt's ledger row was inserted."""
-        columns = _columns(completions)
-        due = columns[1]
-        records = await conn.fetch(Q["finish_group"], *columns, worker, min(due), max(due))
+        ids, due, attempts, results = _columns(completions)
+        records = await conn.fetch(
+            Q["finish_group"], ids, due, attempts, worker, min(due), max(due), results
+        )
         return [Finish(settled=r["settled"], recorded=r["recorded"]) for r in records]
 
     async def schedule_retry(self, ref: JobRef, *, delay: float, error: str) -> datetime | None:
@@ -174,6 +180,32 @@ class ExecutionStore:
             )
         return bool(value == 1)
 
+    async def snooze(self, ref: JobRef, *, delay: float) -> int | None:
+        """dispatched → pending at the same attempt, runnable after ``delay`` seconds
+        (``Snooze``): the job's snooze count now, 0 when it is at its ``max_snoozes``
+        (nothing changed), None when the row is no longer this attempt's."""
+        async with self._db.acquire() as conn:
+            value = await conn.fetchval(
+                Q["snooze"], ref.job_id, ref.due_at, ref.attempt, float(delay)
+            )
+        return None if value is None else int(value)
+
+    async def progress(self, ref: JobRef, fraction: float, note: str | None) -> bool:
+        """Record how far a running attempt got (``workers.progress``), on a connection
+        of its own; False when the row is no longer this attempt's."""
+        async with self._db.acquire() as conn:
+            value = await conn.fetchval(
+                Q["progress"], ref.job_id, ref.due_at, ref.attempt, fraction, note,
+                timeout=self._db.timeout,
+            )  # fmt: skip
+        return bool(value == 1)
+
+    async def cancelled(self, job_ids: Sequence[int]) -> set[int]:
+        """Which of ``job_ids`` are cancelled (``workers.cancel``)."""
+        async with self._db.acquire() as conn:
+            ids = await conn.fetchval(Q["cancelled"], list(job_ids), timeout=self._db.timeout)
+        return set(ids)
+
     async def heartbeat(self, job_id: int, due_at: datetime, attempt: int) -> bool:
         """Set heartbeat_at = now() on a connection of its own (autocommit). False when
         the job is no longer this attempt's (finished elsewhere or superseded)."""
@@ -193,7 +225,7 @@ async def prepare_store_connection(conn: asyncpg.Connection) -> None:
     first deliveries after start-up pay for no parsing or planning (each runs once with
     job id 0, which matches nothing and changes nothing)."""
     await conn.fetch(Q["begin_deliveries"], [0], [_epoch()], [0], [0], [], [], [])
-    await conn.fetchval(Q["complete_deliveries"], [0], [_epoch()], [0], "")
+    await conn.fetchval(Q["complete_deliveries"], [0], [_epoch()], [0], "", [None])
     await conn.fetchval(Q["schedule_retry"], 0, _epoch(), 0, 0.0, "", "{}")
     await conn.fetchval(Q["mark_dead"], 0, _epoch(), 0, "", "{}")
     await conn.fetchval(Q["heartbeat"], 0, _epoch(), 0)
@@ -206,4 +238,4 @@ async def prepare_handler_connection(conn: asyncpg.Connection) -> None:
         await conn.execute(
             ExecutionStore.finish_statement(Completion(JobRef(0, _epoch(), 0), "", ""), "")
         )
-    await conn.fetch(Q["finish_group"], [0], [_epoch()], [0], "", _epoch(), _epoch())
+    await conn.fetch(Q["finish_group"], [0], [_epoch()], [0], "", _epoch(), _epoch(), [None])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -27,9 +27,10 @@ from scheduler.jobspec import (
     validate_limit_key,
     validate_unique_key,
 )
-from scheduler.metrics import UNIQUE_CONFLICTS
+from scheduler.metrics import JOBS_CANCELLED, UNIQUE_CONFLICTS
 from scheduler.sql import compose, fragment, load
 from scheduler.store.conn import Conn, PooledStore
+from scheduler.store.outcomes import wait_for_outcome
 from scheduler.store.rows import JOB_STATUSES, BulkPreview, Job
 
 #: ``BulkPreview`` is a row type (``rows``), re-exported: the public API imports it from here.
@@ -49,6 +50,8 @@ MAX_PAGE = 10_000
 #: Ids per transaction of a bulk cancel/retry: short transactions, so the dispatcher's
 #: SKIP LOCKED claim and the workers are never held up by one large UPDATE.
 BULK_BATCH = 1000
+#: Job ids per cancel NOTIFY (a payload holds at most 8000 bytes).
+CANCEL_NOTIFY_IDS = 300
 #: The state a bulk action starts from: only these may be spliced into ``matching``.
 BULK_SOURCE = {"cancel": "pending", "retry": "dead"}
 
@@ -219,15 +222,47 @@ class JobStore(PooledStore):
                 return
             after = page[-1].id
 
-    async def cancel(self, job_id: int, *, conn: Conn | None = None) -> Job:
-        """pending → cancelled. Other states are refused with the reason."""
-        return await self._transition(
-            "cancel",
-            [job_id],
-            job_id,
-            conn,
-            lambda job: f"job {job_id} is {job.status}; only pending jobs can be cancelled",
+    async def cancel(self, job_id: int, *, by: str | None = None, conn: Conn | None = None) -> Job:
+        """pending or dispatched → cancelled, recording ``by`` (default: the database
+        role) as ``cancelled_by``. A running job's worker is told at the commit and
+        stops its handler within a second, rolling back its ``ctx.db`` work
+        (``workers.cancel``). A finished job is refused with the reason."""
+        if not 1 <= job_id <= _BIGINT_MAX:
+            raise JobNotFound(job_id)
+        async with self._db.conn(conn) as c, c.transaction():
+            records = await self._cancel_ids(c, [job_id], by)
+            if records:
+                return Job.from_record(records[0])
+            current = await self.get(job_id, conn=c)
+        raise InvalidTransition(
+            f"job {job_id} is {current.status}; only pending or running (dispatched) jobs "
+            "can be cancelled"
         )
+
+    async def _cancel_ids(self, c: Conn, ids: Sequence[int], by: str | None) -> Sequence[Any]:
+        """The cancel transition for ``ids``, in the caller's transaction, with the
+        NOTIFY that tells the workers running any of them (sent at COMMIT)."""
+        records = await c.fetch(Q["cancel"], ids, by)
+        running = [str(r["id"]) for r in records if r["was"] == "dispatched"]
+        for start in range(0, len(running), CANCEL_NOTIFY_IDS):
+            await c.execute(
+                Q["cancel_notify"], ",".join(running[start : start + CANCEL_NOTIFY_IDS])
+            )
+        for r in records:
+            JOBS_CANCELLED.labels(r["was"]).inc()
+        return records
+
+    async def result(self, job_id: int, *, timeout: float | None = None) -> Any:
+        """Wait until the job finished and return what its handler returned (None when
+        it returned nothing); raise ``JobFailed`` (with its last error) when it ended
+        ``dead``, ``JobCancelled`` when it was cancelled, ``TimeoutError`` when it has
+        not finished within ``timeout`` seconds. Waits on a NOTIFY, not by polling
+        (``scheduler.store.outcomes``), holding one pooled connection meanwhile."""
+        if not 1 <= job_id <= _BIGINT_MAX:
+            raise JobNotFound(job_id)
+        if timeout is not None and not timeout > 0:
+            raise InvalidInput(f"timeout must be > 0 seconds (got {timeout!r})")
+        return await wait_for_outcome(self._db, job_id, timeout)
 
     async def retry(self, job_id: int, *, conn: Conn | None = None) -> Job:
         """dead → pending, runnable now, with attempts reset to 1 (a fresh budget)."""
@@ -324,7 +359,10 @@ class JobStore(PooledStore):
                 ]
                 if not ids:
                     return changed
-                done = await c.fetch(Q[action], ids)
+                if action == "cancel":
+                    done = await self._cancel_ids(c, ids, None)
+                else:
+                    done = await c.fetch(Q[action], ids)
                 if action == "retry" and done:
                     await c.execute(Q["notify"])
             changed += len(done)

@@ -39,6 +39,8 @@ class ChannelListener:
     on_notify: Callable[[], None]
     _: KW_ONLY
     on_lost: Callable[[], None] | None = None
+    #: called with each notification's payload (before ``on_notify``), when set
+    on_payload: Callable[[str], None] | None = None
     timeout: float = 10.0
     application_name: str = "duetime:listen"
     _conn: asyncpg.Connection | None = field(default=None, init=False, repr=False)
@@ -85,7 +87,9 @@ class ChannelListener:
             with contextlib.suppress(Exception):
                 conn.terminate()
 
-    def _notified(self, *_: Any) -> None:
+    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: object) -> None:
+        if self.on_payload is not None:
+            self.on_payload(str(payload))
         self.on_notify()
 
     def _terminated(self, conn: Any) -> None:
@@ -121,6 +125,7 @@ class KeptListener:
         check_interval: float,
         log: Callable[[], Any],
         clock: Clock = SYSTEM_CLOCK,
+        on_payload: Callable[[str], None] | None = None,
     ) -> None:
         #: a fresh ChannelListener, each time the kept one must be replaced
         self._new = functools.partial(
@@ -129,6 +134,7 @@ class KeptListener:
             channel,
             on_notify,
             on_lost=on_notify,
+            on_payload=on_payload,
             timeout=timeout,
             application_name=application_name,
         )

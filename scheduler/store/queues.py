@@ -79,6 +79,17 @@ class QueueStore(PooledStore):
         assert live is not None  # an aggregate returns one row
         return removed, int(live["pending"]), int(live["dispatched"])
 
+    async def set_paused(self, name: str, paused: bool) -> bool:
+        """Pause (nothing new of the queue is dispatched; running jobs finish) or resume
+        it; False when it is not declared. Resuming wakes the dispatcher. The flag is a
+        row of the database, so it holds for every leader, before and after a failover."""
+        validate_queue(name)
+        async with self._db.acquire() as conn:
+            found = await conn.fetchval(Q["set_paused"], name, paused) is not None
+            if found and not paused:
+                await conn.execute(Q["wake"])
+        return found
+
     async def declared(self, name: str) -> bool:
         """Whether ``name`` is declared."""
         async with self._db.acquire() as conn:

@@ -63,6 +63,19 @@ class Job:
     priority: int = 0
     #: what per-key limits and fair queues count this job under (migration 0016), if any
     limit_key: str | None = None
+    #: what the handler returned, once succeeded (migration 0019); None: nothing
+    result: Any = None
+    #: who cancelled the job (migration 0019)
+    cancelled_by: str | None = None
+    #: times a handler snoozed it, and the bound (migration 0019)
+    snoozes: int = 0
+    max_snoozes: int = 100
+    #: the handler's time limit for this job, overriding the task's (migration 0019)
+    timeout_s: float | None = None
+    #: how far the handler got (0..1), its note, and when it said so (ctx.progress)
+    progress: float | None = None
+    progress_note: str | None = None
+    progress_at: datetime | None = None
 
     @property
     def effective_key(self) -> str:
@@ -216,6 +229,8 @@ class LockedJob:
     #: a copy of an attempt running elsewhere), or no lock was tried (None: not the
     #: message's to run). Migration 0012; ``scheduler.store.execution_guard``.
     started: bool | None = None
+    #: the job's own handler time limit (migration 0019); None: the task's
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +240,8 @@ class Completion:
     ref: JobRef
     key: str
     task: str
+    #: the handler's result as JSON text (``workers.results``); None stores nothing
+    result: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +287,8 @@ class QueueStatus:
     oldest_unstarted: float | None = None  # seconds since the oldest of them was dispatched
     #: False: not in duetime.queues, so its pending jobs are held, never dispatched
     declared: bool = True
+    #: paused by an operator (duetime queues pause): nothing new is dispatched
+    paused: bool = False
 
     @property
     def held(self) -> int:

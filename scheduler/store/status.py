@@ -64,6 +64,7 @@ class StatusStore:
             unstarted = _unstarted(await conn.fetch(Q["unstarted_by_queue"]))
             dead = await conn.fetch(Q["dead_by_queue"], dead_window)
             declared = await self._declared(conn)
+            paused = set(await conn.fetchval(Q["paused_queues"])) if declared is not None else set()
             schedules = None
             if await conn.fetchval(Q["schedules_table"]):
                 schedules = await self._schedules(conn)
@@ -82,9 +83,12 @@ class StatusStore:
             )
         for row in dead:
             queues.setdefault(row["queue"], {})["dead_last_hour"] = row["dead"]
+        for name in paused:  # shown even when it holds no job right now
+            queues.setdefault(name, {})
         if declared is not None:
             for name, counts in queues.items():
                 counts["declared"] = name in declared
+                counts["paused"] = name in paused
         return DbSnapshot(
             db_now=db_now,
             fence=fence,

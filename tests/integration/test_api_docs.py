@@ -69,6 +69,10 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "duetime.enqueue(session,",
         "duetime.enqueue(task=",
         "duetime.bulk_enqueue(session,",
+        "jobs.result(",
+        "jobs.cancel(",
+        "raise Snooze(",
+        "ctx.progress(",
     ):
         assert needle in text, f"docs/api.md has no example using {needle}"
 
@@ -136,6 +140,9 @@ async def test_every_example_runs_and_has_its_effect(
     assert any("handler test passed" in out for out in outputs), outputs
     assert any("plain def handler test passed" in out for out in outputs), outputs
     assert any("converted 10.8" in out for out in outputs), outputs
+    (control,) = [out for out in outputs if "result {'total': 205}" in out]
+    assert "was cancelled by docs-example" in control, control
+    assert "snoozed pending 1 1" in control, control
     # without DUETIME_SHARDS the router's one shard is the database itself
     assert any("on shard main" in out and "bulk {'main': 4}" in out for out in outputs), outputs
 
@@ -231,6 +238,20 @@ async def check_effects(conn: asyncpg.Connection) -> None:
         [(host, status) for host in ("api.example.com", "api.example.org")
          for status in ("dispatched", "dispatched", "pending", "pending")]
     )  # fmt: skip
+
+    # job control: results, a cancelled export (its write rolled back), a snooze
+    sums = [j for j in jobs if j["task"] == "sum_invoices"]
+    assert sorted((j["status"], j["result"]["total"]) for j in sums) == [
+        ("succeeded", 3),
+        ("succeeded", 205),
+    ]
+    assert [j["timeout_s"] for j in sums if j["result"]["total"] == 3] == [30.0]
+    assert sorted(j["progress_note"] for j in sums) == ["summed 2 invoices", "summed 3 invoices"]
+    (export,) = [j for j in jobs if j["task"] == "export_everything"]
+    assert (export["status"], export["cancelled_by"]) == ("cancelled", "docs-example")
+    assert await conn.fetchval("SELECT count(*) FROM exports") == 0
+    (later,) = [j for j in jobs if j["task"] == "wait_for_upstream"]
+    assert (later["status"], later["attempt"], later["snoozes"]) == ("pending", 1, 1)
 
     # schedules
     nightly = await conn.fetchrow("SELECT * FROM duetime.schedules WHERE name = 'nightly-report'")

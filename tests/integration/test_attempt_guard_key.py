@@ -1,4 +1,4 @@
-"""The attempt guard's lock key (migration 0012, made inlinable by 0021) against real
+"""The attempt guard's lock key (migration 0012, made inlinable by 0020) against real
 PostgreSQL: it is the same key for every attempt as before, and PostgreSQL inlines it
 into its callers instead of calling it per row through the function manager."""
 

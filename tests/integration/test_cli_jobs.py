@@ -196,6 +196,7 @@ async def test_list_table_json_filters_and_paging(env: dict[str, str], unique: s
         "QUEUE",
         "STATUS",
         "ATTEMPT",
+        "PROGRESS",
         "DUE_AT",
         "RUN_AT",
         "LAST_ERROR",
@@ -204,7 +205,7 @@ async def test_list_table_json_filters_and_paging(env: dict[str, str], unique: s
     assert [r[0] for r in rows] == [str(a["id"]), str(b["id"]), str(c["id"])]
     assert rows[0][1:5] == ["alpha", queue, "pending", "1/5"]
     assert rows[1][3] == "cancelled"
-    assert rows[0][5:7] == ["2030-01-01", "00:00:00.000Z"]
+    assert rows[0][5:8] == ["-", "2030-01-01", "00:00:00.000Z"]  # no progress reported
 
     async def ids(*args: str) -> list[int]:
         run = await duetime(env, "jobs", "list", "--queue", queue, "--json", *args)
@@ -236,11 +237,12 @@ async def test_cancel_then_cancel_again(env: dict[str, str]) -> None:
     )
     shown = await duetime(env, "jobs", "show", str(job["id"]), "--json")
     assert shown.json()["status"] == "cancelled"  # type: ignore[index]
+    assert shown.json()["cancelled_by"].startswith("cli")  # type: ignore[index]
     again = await duetime(env, "jobs", "cancel", str(job["id"]))
     assert again.code == 2
     assert again.out == ""
     assert again.error_line() == (
-        f"job {job['id']} is cancelled; only pending jobs can be cancelled"
+        f"job {job['id']} is cancelled; only pending or running (dispatched) jobs can be cancelled"
     )
 
 
@@ -320,10 +322,12 @@ async def test_bad_input(
     assert await pool.fetchval("SELECT count(*) FROM duetime.jobs") == before
 
 
-async def test_cancel_refuses_dispatched_and_succeeded(
+async def test_cancel_takes_dispatched_and_refuses_finished_jobs(
     env: dict[str, str], pool: asyncpg.Pool
 ) -> None:
-    for status in ("dispatched", "succeeded"):
+    """A dispatched job is cancelled (its worker is told: tests/integration/
+    test_job_control.py); a finished one is refused in one line."""
+    for status in ("dispatched", "succeeded", "dead"):
         job = await add(env, "busy")
         await pool.execute(
             f"UPDATE duetime.jobs SET status = $2, dispatch_epoch = {FENCE_EPOCH} WHERE id = $1",
@@ -331,10 +335,26 @@ async def test_cancel_refuses_dispatched_and_succeeded(
             status,
         )
         run = await duetime(env, "jobs", "cancel", str(job["id"]))
+        if status == "dispatched":
+            assert (run.code, run.out.strip()) == (0, f"job {job['id']} is now cancelled")
+            continue
         assert run.code == 2
-        assert (
-            run.error_line() == f"job {job['id']} is {status}; only pending jobs can be cancelled"
+        assert run.error_line() == (
+            f"job {job['id']} is {status}; only pending or running (dispatched) jobs can be "
+            "cancelled"
         )
+
+
+async def test_show_prints_the_result_as_json(env: dict[str, str], pool: asyncpg.Pool) -> None:
+    job = await add(env, "answered")
+    await pool.execute(
+        "UPDATE duetime.jobs SET status = 'succeeded', finished_at = now(), "
+        """result = '{"rows": [1, 2]}' WHERE id = $1""",
+        job["id"],
+    )
+    shown = await duetime(env, "jobs", "show", str(job["id"]))
+    assert shown.code == 0
+    assert 'result           {"rows": [1, 2]}' in shown.out.splitlines()
 
 
 @pytest.mark.parametrize(

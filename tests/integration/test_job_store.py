@@ -320,14 +320,36 @@ async def test_cancel_pending(store: JobStore, pool: asyncpg.Pool) -> None:
     assert await store.get(job.id) == cancelled
 
 
-@pytest.mark.parametrize("status", ["cancelled", "dispatched", "succeeded", "dead"])
-async def test_cancel_refuses_non_pending(store: JobStore, pool: asyncpg.Pool, status: str) -> None:
+@pytest.mark.parametrize("status", ["cancelled", "succeeded", "dead"])
+async def test_cancel_refuses_finished_jobs(
+    store: JobStore, pool: asyncpg.Pool, status: str
+) -> None:
     job = await store.enqueue("c")
     await _set(pool, job.id, status)
     with pytest.raises(InvalidTransition) as info:
         await store.cancel(job.id)
-    assert str(info.value) == f"job {job.id} is {status}; only pending jobs can be cancelled"
+    assert str(info.value) == (
+        f"job {job.id} is {status}; only pending or running (dispatched) jobs can be cancelled"
+    )
     assert (await store.get(job.id)).status == status
+
+
+async def test_cancel_takes_a_dispatched_job_and_tells_its_worker(
+    store: JobStore, pool: asyncpg.Pool, store_dsn: str
+) -> None:
+    """A running job is cancelled, with who; the workers hear its id on duetime_cancel
+    at the commit (tests/integration/test_job_control.py: the handler stops)."""
+    job = await store.enqueue("c")
+    await _set(pool, job.id, "dispatched")
+    heard: list[str] = []
+    listen = await asyncpg.connect(store_dsn)
+    try:
+        await listen.add_listener("duetime_cancel", lambda *args: heard.append(args[3]))
+        cancelled = await store.cancel(job.id, by="ops")
+        assert (cancelled.status, cancelled.cancelled_by) == ("cancelled", "ops")
+        await wait_for(lambda: heard == [str(job.id)], timeout=5)
+    finally:
+        await listen.close()
 
 
 async def test_cancel_unknown(store: JobStore) -> None:

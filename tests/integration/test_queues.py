@@ -140,6 +140,41 @@ async def test_job_for_an_undeclared_queue_is_held_not_published_and_released_by
         await dispatcher.teardown()
 
 
+async def test_a_paused_queue_dispatches_nothing_new_until_resumed(
+    pool: asyncpg.Pool,
+    migrated_dsn: str,
+    settings: Settings,
+    names: tuple[str, str],
+) -> None:
+    """Pause is a row of the database: every leader's claim skips the queue (here a
+    dispatcher's passes; a new leader reads the same row), its due jobs stay pending,
+    and resume sends them out."""
+    declared, other = names
+    settings = dataclasses.replace(settings, database_url=migrated_dsn)
+    await declare_queues(pool, declared, other)
+    store = QueueStore(pool)
+    assert await store.set_paused(declared, True)
+    assert not await store.set_paused("never-declared", True)
+    await insert_job(pool, declared)
+    await insert_job(pool, other)
+    dispatcher = Dispatcher(
+        DutyContext.standalone(settings, pool),
+        config=DispatcherConfig(backlog_interval=0.001, probe_interval=0.05),
+    )
+    await dispatcher.setup()
+    dispatcher.loop.bind(LeaderTerm(epoch=1, node_id="test-1"))
+    try:
+        for _ in range(3):
+            await dispatcher.run_once()
+        assert await statuses(pool) == {declared: "pending", other: "dispatched"}
+        assert [q.paused for q in await store.list() if q.name == declared] == [True]
+        assert await store.set_paused(declared, False)
+        await dispatcher.run_once()
+        assert await statuses(pool) == {declared: "dispatched", other: "dispatched"}
+    finally:
+        await dispatcher.teardown()
+
+
 async def test_cli_add_releases_held_jobs_within_seconds_without_a_restart(
     pool: asyncpg.Pool,
     migrated_dsn: str,
@@ -161,8 +196,8 @@ async def test_cli_add_releases_held_jobs_within_seconds_without_a_restart(
         listed = await run_duetime(env, "queues", "list")
         assert listed.code == 0, listed.err
         [row] = [line.split() for line in listed.out.splitlines() if undeclared in line]
-        assert row[:5] == [undeclared, "NO:", "jobs", "held", "1"]  # pending 1
-        assert row[5:7] == ["0", "1"]  # dispatched 0, held 1
+        assert row[:6] == [undeclared, "NO:", "jobs", "held", "-", "1"]  # paused -, pending 1
+        assert row[6:8] == ["0", "1"]  # dispatched 0, held 1
 
         added = await run_duetime(env, "queues", "add", undeclared)
         assert added.code == 0, added.err
@@ -193,6 +228,19 @@ async def test_status_shows_held_jobs_of_an_undeclared_queue(
     assert "1 (queue not declared)" in run.out
 
 
+async def test_status_says_a_queue_is_paused(
+    pool: asyncpg.Pool, migrated_dsn: str, test_env: dict[str, str], unique: str
+) -> None:
+    await declare_queues(pool, f"quiet-{unique}")
+    await insert_job(pool, f"quiet-{unique}")
+    env = {**test_env, "DUETIME_DATABASE_URL": migrated_dsn}
+    assert (await run_duetime(env, "queues", "pause", f"quiet-{unique}")).code == 0
+    run = await run_duetime(env, "status")
+    assert (
+        f"paused: queue quiet-{unique} dispatches nothing new (1 pending, 0 running)" in run.out
+    ), run.out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -219,11 +267,21 @@ async def test_cli_add_remove_list(migrated_dsn: str, test_env: dict[str, str]) 
     again = await run_duetime(env, "queues", "add", "reports.eu")
     assert again.code == 0 and again.out.strip() == "queue reports.eu already declared"
     listed = (await run_duetime(env, "queues", "list")).out.splitlines()
-    assert listed[0].split() == ["QUEUE", "DECLARED", "PENDING", "DISPATCHED", "HELD", "CREATED_AT"]
-    assert [line.split()[:5] for line in listed[1:]] == [
-        ["default", "yes", "0", "0", "0"],
-        ["reports.eu", "yes", "0", "0", "0"],
+    assert listed[0].split() == [
+        "QUEUE", "DECLARED", "PAUSED", "PENDING", "DISPATCHED", "HELD", "CREATED_AT",
+    ]  # fmt: skip
+    assert [line.split()[:6] for line in listed[1:]] == [
+        ["default", "yes", "no", "0", "0", "0"],
+        ["reports.eu", "yes", "no", "0", "0", "0"],
     ]
+    paused = await run_duetime(env, "queues", "pause", "reports.eu")
+    assert paused.out.strip() == "queue reports.eu paused: nothing new is dispatched"
+    listed = (await run_duetime(env, "queues", "list")).out.splitlines()
+    assert listed[2].split()[:3] == ["reports.eu", "yes", "PAUSED"]
+    resumed = await run_duetime(env, "queues", "resume", "reports.eu")
+    assert resumed.out.strip() == "queue reports.eu resumed"
+    missing = await run_duetime(env, "queues", "pause", "nowhere")
+    assert (missing.code, missing.error_line()) == (2, "queue nowhere is not declared")
     removed = await run_duetime(env, "queues", "remove", "reports.eu")
     assert removed.code == 0 and "queue reports.eu removed: 0 pending jobs now held" in removed.out
     listed = (await run_duetime(env, "queues", "list")).out.splitlines()

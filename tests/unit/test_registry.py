@@ -119,6 +119,7 @@ def test_public_api_is_exported_and_does_not_drift() -> None:
         "Registry",
         "Retry",
         "RetryPolicy",
+        "Snooze",
         "SyncJobContext",
         "TaskSpec",
         "Worker",

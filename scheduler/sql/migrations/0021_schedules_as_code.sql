@@ -1,4 +1,4 @@
--- duetime 0023: schedules as code (DESIGN §13 item 5; scheduler/planning/declared.py).
+-- duetime 0021: schedules as code (DESIGN §13 item 5; scheduler/planning/declared.py).
 --
 -- `managed_by` text (NULL = created by hand): the source of the declaration that owns
 -- the schedule (`duetime schedules apply FILE`, `ScheduleStore.apply`). `--prune`

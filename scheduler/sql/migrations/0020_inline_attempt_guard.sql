@@ -1,4 +1,4 @@
--- duetime 0021: the attempt guard's key is computed inline (docs/benchmarks.md, "The
+-- duetime 0020: the attempt guard's key is computed inline (docs/benchmarks.md, "The
 -- attempt guard and the broker buffer, recovered").
 --
 -- duetime.attempt_guard (migration 0012) carried `SET search_path`, and a SQL function
