@@ -534,3 +534,56 @@ async def test_progress_columns_are_checked(
             f"INSERT INTO duetime.jobs (task, {column}) VALUES ('t.checked', $1)", value
         )
     assert raised.value.constraint_name == constraint
+
+
+# -- plain def handlers -------------------------------------------------------------------
+
+
+async def test_a_plain_def_handler_returns_results_reports_progress_and_sees_a_cancel(
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+    effects_table: str,
+) -> None:
+    """Job control from a handler thread: what a ``def`` returns is stored, its progress
+    is on the row, and a cancel sets ``ctx.cancelled`` so its loop can stop; its
+    ``ctx.db`` write is rolled back."""
+    import threading
+    import time
+
+    registry = Registry()
+    started = threading.Event()
+
+    @registry.task("s.sum")
+    def sum_it(ctx: Any, payload: dict[str, Any]) -> Any:
+        ctx.progress(0.5, "half way")
+        return {"total": sum(payload["values"])}
+
+    @registry.task("s.loop")
+    def loop_until_cancelled(ctx: Any, payload: dict[str, Any]) -> None:
+        ctx.db.execute(
+            f"INSERT INTO {EFFECTS_TABLE} (job_id, attempt, tag) VALUES ($1, $2, $3)",
+            ctx.job_id, ctx.attempt, "sync-before-cancel",
+        )  # fmt: skip
+        started.set()
+        deadline = time.monotonic() + 30
+        while not ctx.cancelled.is_set() and time.monotonic() < deadline:
+            time.sleep(0.02)  # a thread, not the loop
+
+    summed = await dispatched_job(db_pool, "s.sum", {"values": [1, 2, 3]}, queue=queue)
+    looping = await dispatched_job(db_pool, "s.loop", queue=queue)
+    store = JobStore(db_pool)
+    await publish(channel, queue, summed.message(1))
+    await publish(channel, queue, looping.message(1))
+    async with running_worker(settings, registry, queue):
+        await wait_for(lambda: _status(db_pool, summed, "succeeded"), timeout=15)
+        await asyncio.wait_for(asyncio.to_thread(started.wait, 15), 20)
+        await store.cancel(looping.id, by="bob")
+        await wait_for(lambda: _status(db_pool, looping, "cancelled"), timeout=5)
+    row = await job_row(db_pool, summed)
+    assert row["result"] == {"total": 6}
+    assert (row["progress"], row["progress_note"]) == (0.5, "half way")
+    cancelled = await job_row(db_pool, looping)
+    assert (cancelled["status"], cancelled["cancelled_by"]) == ("cancelled", "bob")
+    assert await effects(db_pool, looping, effects_table) == 0
