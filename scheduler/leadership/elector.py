@@ -32,11 +32,13 @@ defence, not the guarantee: CLOCK_MONOTONIC stops while a VM is suspended, and a
 process can stall between checking ``is_leader`` and committing. The database fence
 (``leader_fence``) is what makes a zombie harmless.
 
-**Campaign with trust to spare.** A campaign needs at least half a renew interval of
-the window left (``campaign_floor``): enough to reach the next renewal. A lease granted
-late (the request held by a network that has just healed, or by an etcd that is
-restarting) earns a window measured from when it was *sent*, which may be nearly
-spent on arrival; the node refreshes it once before it campaigns. Without that, every
+**Campaign with trust to spare.** A campaign needs at least a renew interval of the
+window left (``campaign_floor``), so the next renewal lands before the window closes;
+the keepalive renews a new lease as soon as it is registered. A lease granted late (the
+request held by a network that has just healed, or by an etcd that is restarting)
+earns a window measured from when it was *sent*, which may be nearly spent on arrival:
+when the grant took more than half a renew interval, the node refreshes the lease once
+before it campaigns. Without that, every
 node that came back from an outage would win a shard, lose it within milliseconds and
 register again, and leadership would change hands several times after each outage.
 
@@ -205,8 +207,9 @@ class Elector:
         self.safety_margin = margin
         self.etcd_ttl = max(1, math.ceil(ttl))
         self.renew_interval = min(ttl / 3, (ttl - margin) / 2)
-        self.campaign_floor = self.renew_interval / 2
-        """The least trust a campaign starts with: enough to reach the next renewal."""
+        self.campaign_floor = self.renew_interval
+        """The least trust a campaign starts with: a whole renew interval, so the next
+        renewal has time to land before the window closes."""
         self.call_timeout = call_timeout
         self.poll_interval = poll_interval
         self.handler_timeout = call_timeout if handler_timeout is None else handler_timeout
@@ -235,6 +238,7 @@ class Elector:
         self._tasks: list[asyncio.Task[None]] = []
         self._lease_id: int | None = None
         self._unrevoked: set[int] = set()  # leases given up while etcd was unreachable
+        self._lease_changed = asyncio.Event()
         self._deadline: LeaseDeadline | None = None
         self._terms: dict[str, ShardTerm] = {}
         self._seen: dict[str, Any] = {}  # shard -> its key as the last read showed it
@@ -435,7 +439,7 @@ class Elector:
             raise
         deadline = LeaseDeadline(self.ttl, self.safety_margin)
         deadline.renewed(sent_at, lease.ttl)
-        if deadline.remaining(self._clock.monotonic()) < self.campaign_floor:
+        if self._clock.monotonic() - sent_at > self.renew_interval / 2:
             # The grant was held up (a partition that just healed delivers it late): the
             # window it earned is nearly spent, and a node that campaigned on it would win
             # a shard and lose it again within milliseconds, handing leadership around
@@ -446,6 +450,7 @@ class Elector:
                 await self._revoke_quietly(lease.id)
                 raise
         self._lease_id, self._deadline = lease.id, deadline
+        self._lease_changed.set()  # the keepalive renews it from now, not after a nap
         self._log.info("member_registered", lease_id=lease.id, granted_ttl=lease.ttl)
 
     async def _revoke_given_up(self) -> None:
@@ -589,7 +594,10 @@ class Elector:
             lease_id, deadline = self._lease_id, self._deadline
             now = self._clock.monotonic()
             if lease_id is None or deadline is None:
-                await self._clock.sleep(min(self.poll_interval, self.renew_interval))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(self.poll_interval, self.renew_interval)):
+                        await self._lease_changed.wait()
+                self._lease_changed.clear()
                 continue
             if deadline.expired(now):
                 if self._terms:
