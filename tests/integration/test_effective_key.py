@@ -24,17 +24,18 @@ from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import Completion, JobRef
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, dispatched_job
 
-#: How the worker's functions (migration 0009) compute the key of the row they read or
-#: settle, as written there (the row's alias, then these columns).
+#: How the worker's functions compute the key of the row they read or settle, as written
+#: there (the row's alias, then these columns): migration 0019, which replaced 0009's
+#: with the job-control versions the worker calls now.
 EXPRESSION = "duetime.effective_key({t}.id, {t}.idempotency_key, {t}.schedule_id, {t}.created_by)"
 RESERVED = "jobs_idempotency_key_reserved"
-MIGRATION = Path(scheduler.sql.__file__).parent / "migrations" / "0009_worker_settlement.sql"
+MIGRATION = Path(scheduler.sql.__file__).parent / "migrations" / "0019_job_control.sql"
 
 
 def test_the_worker_statement_computes_the_key_with_this_expression() -> None:
-    assert "duetime.worker_begin(" in load("execution")["begin_deliveries"]
+    assert "duetime.worker_begin_jobs(" in load("execution")["begin_deliveries"]
     text = " ".join(MIGRATION.read_text("utf-8").split()).replace("( ", "(")
-    assert EXPRESSION.format(t="r") in text  # worker_begin
+    assert EXPRESSION.format(t="r") in text  # worker_begin_jobs
     assert text.count(EXPRESSION.format(t="j")) == 2  # worker_complete, worker_finish_group
     assert "duetime.effective_key(id, idempotency_key, schedule_id, created_by)" in text
 
