@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -513,9 +514,11 @@ async def test_rate_50_per_second_on_2000_jobs_across_a_change_of_leader(env: En
     docs/benchmarks.md, with the busiest second of handler starts: the window admits a
     period's budget at once, so a worker that falls behind for a moment starts two
     budgets close together; that is printed, not asserted (docs/architecture.md,
-    "Rate limits")."""
+    "Rate limits"). 600 jobs (12 s) in CI; ``DUETIME_TEST_SOAK=1`` runs the 2,000 of
+    docs/benchmarks.md."""
+    total = 2000 if os.environ.get("DUETIME_TEST_SOAK") == "1" else 600
     await LimitStore(env.pool).set(f"task:{TASK}", None, rate="50/s")
-    await insert(env.pool, env.queue, 2000)
+    await insert(env.pool, env.queue, total)
     started: list[float] = []
     registry = Registry()
 
@@ -542,24 +545,25 @@ async def test_rate_50_per_second_on_2000_jobs_across_a_change_of_leader(env: En
             await dispatcher.loop.stop()
 
     try:
-        await lead(1, 1000)
+        await lead(1, total // 2)
         assert await FenceStore(env.pool).advance(2, "test-node-2")
-        await lead(2, 2000)
-        await wait_for(lambda: len(started) >= 2000, timeout=30, message="all started")
+        await lead(2, total)
+        await wait_for(lambda: len(started) >= total, timeout=30, message="all started")
     finally:
         await worker.stop()
     jobs, log = await starts_from_rows(env.pool)
     first, last = min(at for at, _ in jobs), max(at for at, _ in jobs)
-    mean = 1950 / (last - first).total_seconds()  # 39 windows after the first start
+    mean = (total - 50) / (last - first).total_seconds()  # the windows after the first
     handler = [(datetime.fromtimestamp(t, UTC), 1) for t in started]
     print(
-        f"\n[rate] 50/s on 2000 jobs across a change of leader: busiest second "
+        f"\n[rate] 50/s on {total} jobs across a change of leader: busiest second "
         f"{busiest_window(jobs)} dispatched, {busiest_window(handler)} handler starts; "
         f"mean {mean:.1f}/s over {(last - first).total_seconds():.1f} s"
     )
     assert busiest_window(jobs) == 50
     assert busiest_window(log) == 50
-    assert 40.0 <= mean <= 50.0, mean  # 44.1 measured on a loaded 2-core box
+    # 44.1 measured on 2,000 on a loaded 2-core box; the leader change weighs more in 600
+    assert (40.0 if total == 2000 else 35.0) <= mean <= 50.0, mean
 
 
 async def dispatched_ever(pool: asyncpg.Pool) -> int:
