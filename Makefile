@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 SRC := scheduler workers duetime demo tests bench scripts
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install services check test test-fast lint typecheck demo bench chaos clean \
+.PHONY: help venv install venv-django6 services check test test-fast lint typecheck demo bench chaos clean \
 	stop-services dashboard-shots
 
 help: ## list the targets, one line each
@@ -25,6 +25,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 venv install: $(STAMP) ## create .venv and install duetime editable with dev and bench extras
 
+# A second venv on Python >= 3.12 with Django 6, for the Django Tasks backend's tests
+# (tests/integration/test_django_tasks.py); `make test` makes it (about 30 s, once).
+venv-django6: ## create .venv-django6 (Python >= 3.12, Django 6) for the Django Tasks tests
+	bash scripts/venv_django6.sh
+
 services: ## start whichever of PostgreSQL, RabbitMQ and etcd is not answering
 	bash scripts/services.sh
 
@@ -40,10 +45,10 @@ typecheck: $(STAMP) ## mypy on the packages
 check: $(STAMP) lint typecheck ## lint, typecheck and the unit tests: no services needed
 	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)
 
-test: $(STAMP) services lint typecheck ## everything: lint, typecheck and every test suite
+test: $(STAMP) venv-django6 services lint typecheck ## everything: lint, typecheck and every test suite
 	$(BIN)/pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
-test-fast: $(STAMP) services ## the tests without the chaos and slow ones, stop at the first failure
+test-fast: $(STAMP) venv-django6 services ## the tests without the chaos and slow ones, stop at the first failure
 	$(BIN)/pytest -q -x -m 'not chaos and not slow' $(PYTEST_ARGS)
 
 demo: $(STAMP) services ## a local cluster live: jobs, cron, the leader killed, a summary

@@ -1,5 +1,5 @@
-"""``duetime worker --import mod[,mod…] --queue q[,q…] --concurrency N [--threads N]
-[--processes N] [--grace-period S]``.
+"""``duetime worker --import mod[,mod…] | --django SETTINGS --queue q[,q…] --concurrency N
+[--threads N] [--processes N] [--grace-period S]``.
 
 ``--processes N`` runs N worker processes under this one command
 (``scheduler.cli.worker_processes``).
@@ -8,6 +8,10 @@ The ``--import`` modules are the only code a worker loads: importing them runs t
 ``@task`` decorators, which fill the registry. Nothing named in a message is ever
 imported. As with ``python -m``, the current directory is importable, so
 ``duetime worker --import myapp.tasks`` works from the application's checkout.
+
+``--django mysite.settings`` sets Django up with those settings and registers the
+tasks of the installed apps that use ``duetime.contrib.django.DuetimeBackend``
+(``duetime.contrib.django.worker``); it may be given with ``--import`` or instead.
 """
 
 from __future__ import annotations
@@ -46,9 +50,14 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "--import",
         dest="imports",
         action="append",
-        required=True,
         metavar="MODULE[,MODULE…]",
         help="module(s) whose @task functions this worker runs (repeatable)",
+    )
+    parser.add_argument(
+        "--django",
+        metavar="SETTINGS_MODULE",
+        help="run the Django project's tasks (django.tasks with DuetimeBackend) of its "
+        "installed apps, with these settings",
     )
     parser.add_argument(
         "--queue",
@@ -114,12 +123,20 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     from workers.registry import default_registry
     from workers.worker import run_worker
 
-    modules = [m for raw in args.imports for m in _csv(raw)]
+    modules = [m for raw in args.imports or [] for m in _csv(raw)]
     queues = [validate_queue(q) for raw in (args.queues or ["default"]) for q in _csv(raw)]
-    if not modules:
+    if args.imports is None and args.django is None:
+        raise InvalidInput("worker needs --import MODULE or --django SETTINGS_MODULE")
+    if args.imports is not None and not modules:
         raise InvalidInput("--import needs at least one module name")
     if not queues:
         raise InvalidInput("--queue needs at least one queue name")
+    if args.django is not None:
+        # the one place duetime loads Django: only when asked, and only here
+        from duetime.contrib.django.worker import load_tasks
+
+        names = load_tasks(args.django, default_registry)
+        log.info("django_tasks_registered", settings=args.django, tasks=names)
     import_task_modules(modules)
     if not len(default_registry):
         raise InvalidInput(

@@ -20,6 +20,13 @@ SELECT e.outcome, e.holder_id, (e.job).*
 -- name: get
 SELECT * FROM duetime.jobs WHERE id = $1;
 
+-- name: get_as_text
+-- `get` for the synchronous drivers (scheduler.store.sync_jobs.get): the jsonb columns
+-- again as text, which every driver returns alike (Django's psycopg setup returns jsonb
+-- as text, plain psycopg decodes it), so a result that is a JSON string is told apart.
+SELECT *, payload::text AS payload_text, result::text AS result_text
+  FROM duetime.jobs WHERE id = $1;
+
 -- name: job_filter
 -- The predicates of a JobFilter, $1..$5 = JobFilter.params() (queue, task, due window,
 -- a substring of last_error): spliced as `{filter}` into the statements that filter jobs,

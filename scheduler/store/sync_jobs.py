@@ -23,6 +23,9 @@ The drivers are optional (``pip install 'duetime[psycopg]'``, ``[sqlalchemy]``,
 its type, and Django's default connection is imported only when ``conn`` is omitted.
 asyncpg connections use ``await enqueue_async(conn, ...)`` (or ``JobStore.enqueue(...,
 conn=conn)``).
+
+``get(conn, job_id)`` reads one job back through the same kinds of connection (the
+Django Tasks backend's ``get_result``, ``duetime.contrib.django``).
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ from scheduler.store.conn import Conn
 from scheduler.store.jobs import Q, copy_lines, plan_enqueue, wakes
 from scheduler.store.rows import Job
 
-__all__ = ["bulk_enqueue", "enqueue", "enqueue_async"]
+__all__ = ["bulk_enqueue", "enqueue", "enqueue_async", "get"]
 
 #: The statements in the drivers' ``format`` paramstyle, with their argument order.
 _FORMAT = {name: format_paramstyle(fragment("jobs", name)) for name in ("insert", "insert_unique")}
+_GET = format_paramstyle(fragment("jobs", "get_as_text"))
 _COPY = fragment("jobs", "copy_jobs").strip().rstrip(";")
 _NOTIFY = fragment("jobs", "notify").strip().rstrip(";")
+_BIGINT_MAX = 2**63 - 1
 
 
 class _Cursor:
@@ -205,6 +210,27 @@ def bulk_enqueue(conn: Any, specs: Iterable[JobSpec], *, clock: Clock = SYSTEM_C
         if cursor is not None:
             cursor.close()
     return count if count >= 0 else len(lines)
+
+
+def get(conn: Any, job_id: int) -> Job | None:
+    """Job ``job_id`` read through ``conn`` (in its current transaction, so a job the
+    caller enqueued and has not committed yet is seen), or None when there is none. The
+    jsonb columns are read as text and decoded here, the same for every driver."""
+    if not 1 <= job_id <= _BIGINT_MAX:
+        return None
+    sql, order = _GET
+    adapter, cursor = _open(conn)
+    try:
+        record = adapter.fetchrow(sql, [(job_id,)[i] for i in order])
+    finally:
+        if cursor is not None:
+            cursor.close()
+    if record is None:
+        return None
+    record["payload"] = json.loads(record["payload_text"])
+    text = record["result_text"]
+    record["result"] = None if text is None else json.loads(text)
+    return Job.from_record(record)
 
 
 async def enqueue_async(
