@@ -133,7 +133,10 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         raise InvalidInput("--queue needs at least one queue name")
     if args.django is not None:
         # the one place duetime loads Django: only when asked, and only here
-        from duetime.contrib.django.worker import load_tasks
+        try:
+            from duetime.contrib.django.worker import load_tasks
+        except ImportError as exc:  # no Django, or one without django.tasks
+            raise InvalidInput(f"--django: {exc}") from None
 
         names = load_tasks(args.django, default_registry)
         log.info("django_tasks_registered", settings=args.django, tasks=names)

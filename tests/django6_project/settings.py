@@ -1,5 +1,6 @@
 """Settings of the Django 6 test project (the Tasks backend, duetime.contrib.django): the
-database comes from ``DUETIME_DJANGO_DATABASE_URL`` (Django's test runner creates
+database comes from ``DJANGO6_DATABASE_URL`` (not a ``DUETIME_`` name: the worker
+refuses unknown ones) (Django's test runner creates
 ``test_<name>`` from it and drops it after; the end-to-end run uses it as it is)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit
 
-_url = urlsplit(os.environ["DUETIME_DJANGO_DATABASE_URL"])
+_url = urlsplit(os.environ["DJANGO6_DATABASE_URL"])
 
 SECRET_KEY = "duetime-test-only"
 USE_TZ = True

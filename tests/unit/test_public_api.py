@@ -79,7 +79,7 @@ def test_importing_duetime_and_its_enqueue_loads_no_optional_driver() -> None:
     code = (
         "import sys, duetime, workers.worker\n"
         "duetime.enqueue, duetime.bulk_enqueue, duetime.enqueue_async, duetime.Worker\n"
-        "import scheduler.cli\n"
+        "import scheduler.cli, scheduler.cli.worker_cmd, duetime.contrib\n"
         "optional = sorted(m for m in sys.modules if m.split('.')[0] in"
         " ('psycopg', 'psycopg2', 'sqlalchemy', 'django', 'opentelemetry'))\n"
         "print(','.join(optional))\n"
@@ -88,3 +88,27 @@ def test_importing_duetime_and_its_enqueue_loads_no_optional_driver() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == ""
+
+
+def test_the_django_tasks_backend_says_which_django_it_needs() -> None:
+    """``duetime.contrib.django`` needs ``django.tasks`` (Django >= 6.0, Python >= 3.12);
+    with an older Django (this venv's 5.2, which ``duetime.enqueue`` supports) importing
+    it says so instead of failing on a missing module. tests/integration/
+    test_django_tasks.py runs it on Django 6."""
+    code = (
+        "import django\n"
+        "try:\n"
+        "    import duetime.contrib.django\n"
+        "except ImportError as exc:\n"
+        "    print('refused', django.VERSION[0], exc)\n"
+        "else:\n"
+        "    print('loaded', django.VERSION[0], duetime.contrib.django.DuetimeBackend.__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
+    verdict, major, *rest = out.split(" ", 2)
+    if int(major) < 6:
+        assert verdict == "refused" and "needs Django >= 6.0" in rest[0], out
+    else:
+        assert out.endswith("DuetimeBackend"), out

@@ -41,6 +41,14 @@ the last attempt. Async task functions are refused (``supports_async_task`` is F
 
 from __future__ import annotations
 
+import django
+
+if django.VERSION < (6, 0):  # django.tasks arrived in 6.0, which needs Python >= 3.12
+    raise ImportError(
+        f"duetime.contrib.django needs Django >= 6.0 (django.tasks); this is Django "
+        f"{django.get_version()}. duetime.enqueue works with Django >= 5.2."
+    )
+
 from duetime.contrib.django.backend import DuetimeBackend
 
 __all__ = ["DuetimeBackend"]
