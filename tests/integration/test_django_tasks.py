@@ -139,9 +139,7 @@ async def test_a_real_worker_runs_the_projects_tasks_and_refresh_reads_the_outco
         receipt = report["send_receipt"]["return_value"]
         conn = await asyncpg.connect(migrated_dsn, timeout=10)
         try:  # the task's ORM write, made on the worker's handler thread, committed
-            email = await conn.fetchval(
-                "SELECT email FROM mailer_receipt WHERE id = $1", receipt
-            )
+            email = await conn.fetchval("SELECT email FROM mailer_receipt WHERE id = $1", receipt)
         finally:
             await conn.close()
         assert email == "c@example.com"
