@@ -274,3 +274,39 @@ async def test_django_projects_own_tests_pass_with_djangos_runner(
     text_out = out.decode(errors="replace")
     assert proc.returncode == 0, text_out
     assert "Ran 3 tests" in text_out and "OK" in text_out, text_out
+
+
+@pytest.mark.parametrize("driver", sorted(DRIVERS))
+async def test_get_reads_a_job_back_the_same_through_every_driver(
+    driver: str, migrated_dsn: str
+) -> None:
+    """``sync_jobs.get`` (the Django Tasks backend's ``get_result``): the job as
+    ``JobStore.get`` reads it, a stored result that is a JSON string told apart from one
+    that is an object (the jsonb columns are read as text, whatever the driver decodes),
+    None for no such job."""
+    from scheduler.store import sync_jobs
+
+    store_pool = await db.create_pool(migrated_dsn, max_size=1)
+    try:
+        store = JobStore(store_pool)
+        text_job = await store.enqueue("t", {"k": ["v", 1]})
+        object_job = await store.enqueue("t", {})
+        for job, stored in ((text_job, '"done"'), (object_job, '{"sum": 5}')):
+            await store_pool.execute(
+                "UPDATE duetime.jobs SET status = 'succeeded', finished_at = now(),"
+                " result = ($2::text)::jsonb WHERE id = $1",
+                job.id,
+                stored,
+            )
+
+        def read() -> list[Any]:
+            with DRIVERS[driver](migrated_dsn) as d:
+                return [sync_jobs.get(d.handle, i) for i in (text_job.id, object_job.id, 10**12, 0)]
+
+        first, second, missing, nonsense = await asyncio.to_thread(read)
+        assert first == await store.get(text_job.id)
+        assert (first.payload, first.result, first.status) == ({"k": ["v", 1]}, "done", "succeeded")
+        assert second.result == {"sum": 5}
+        assert missing is None and nonsense is None
+    finally:
+        await store_pool.close()
