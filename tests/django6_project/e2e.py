@@ -17,8 +17,10 @@ import django
 def main() -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django6_project.settings")
     django.setup()
-    from django.db import transaction
+    from django.db import connection, transaction
 
+    import duetime
+    from scheduler.store import sync_jobs
     from tests.django6_project.mailer import tasks
 
     queue = os.environ["DJANGO6_QUEUE"]
@@ -29,8 +31,19 @@ def main() -> int:
             "attempt": tasks.attempt.using(queue_name=queue).enqueue(),
             "send_receipt": tasks.send_receipt.using(queue_name=queue).enqueue("c@example.com"),
         }
+        # a message naming code outside the installed apps (as a forged one would)
+        stray = duetime.enqueue(
+            connection,
+            "tests.django6_project.outside.stray",
+            {"args": [], "kwargs": {}},
+            queue=queue,
+            max_attempts=1,
+        )
     deadline = time.monotonic() + float(os.environ.get("DJANGO6_WAIT", "60"))
-    while not all(r.is_finished for r in results.values()) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        stray = sync_jobs.get(connection, stray.id) or stray
+        if all(r.is_finished for r in results.values()) and stray.finished_at is not None:
+            break
         time.sleep(0.2)
         for result in results.values():
             result.refresh()
@@ -44,6 +57,7 @@ def main() -> int:
         entry["attempts"] = result.attempts
         entry["finished"] = result.finished_at is not None
         report[name] = entry
+    report["stray"] = {"status": stray.status, "last_error": stray.last_error}
     print(json.dumps(report))
     return 0
 

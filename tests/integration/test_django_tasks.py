@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import asyncpg
@@ -75,6 +76,14 @@ async def run(argv: list[str], env: dict[str, str], timeout: float) -> str:
     text = out.decode(errors="replace")
     assert proc.returncode == 0, f"{' '.join(argv)}\n{text}"
     return text
+
+
+def test_a_missing_django6_venv_fails_saying_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "VENV", tmp_path / "none")
+    with pytest.raises(pytest.fail.Exception, match=r"Python >= 3\.12.*make venv-django6"):
+        django6_python()
 
 
 async def test_the_backends_own_tests_pass_with_djangos_runner(
@@ -136,6 +145,9 @@ async def test_a_real_worker_runs_the_projects_tasks_and_refresh_reads_the_outco
         assert report["fail"]["status"] == "FAILED"
         assert report["fail"]["errors"] == [f"{app}.MailerError"]
         assert report["fail"]["tracebacks"] == [f"{app}.MailerError: no mail today"]
+        # only the installed apps' tasks are registered: the stray module is never imported
+        assert report["stray"]["status"] == "dead", report
+        assert "unknown task 'tests.django6_project.outside.stray'" in report["stray"]["last_error"]
         receipt = report["send_receipt"]["return_value"]
         conn = await asyncpg.connect(migrated_dsn, timeout=10)
         try:  # the task's ORM write, made on the worker's handler thread, committed
