@@ -12,7 +12,7 @@ SRC := scheduler workers duetime demo tests bench scripts
 	stop-services dashboard-shots
 
 help: ## list the targets, one line each
-	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z][a-z -]*:.*## / {printf "  %-16s %s\n", $$1, $$2}' \
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z][a-z0-9 -]*:.*## / {printf "  %-16s %s\n", $$1, $$2}' \
 		$(MAKEFILE_LIST)
 
 $(BIN)/python:
