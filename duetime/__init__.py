@@ -25,7 +25,9 @@ two names (and ``demo``, installed for ``duetime demo``) are generic, and anothe
 distribution installing a top-level package of the same name would overwrite ours in
 the same environment (and this package with it).
 Only moving the code under ``duetime/`` would remove that; ``docs/api.md`` says when.
-This package holds no code of its own, so it cannot drift from the two roots:
+This package holds no code of its own (``duetime.contrib``, integrations with other
+frameworks such as Django's Tasks, is the exception: it adapts them to these names and
+is imported only by those who import it), so it cannot drift from the two roots:
 ``tests/unit/test_public_api.py`` checks that its names are exactly theirs.
 
 Nothing is imported until a name is used (PEP 562), so ``import duetime`` stays cheap.
