@@ -59,7 +59,13 @@ def test_duetime_testing_is_the_workers_helper() -> None:
     import duetime.testing
     import workers.testing
 
-    assert duetime.testing.__all__ == ["make_context", "run_task"]
+    assert duetime.testing.__all__ == [
+        "DrainReport",
+        "drain",
+        "drain_async",
+        "make_context",
+        "run_task",
+    ]
     for name in duetime.testing.__all__:
         assert getattr(duetime.testing, name) is getattr(workers.testing, name), name
 
