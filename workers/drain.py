@@ -49,6 +49,7 @@ from scheduler.db import create_pool
 from scheduler.errors import InvalidTransition
 from scheduler.messages import JobMessage
 from scheduler.store.dispatch import DispatchStore
+from scheduler.store.execution import ExecutionStore
 from scheduler.store.fence import lock_fence
 from scheduler.store.jobs import JobStore
 from scheduler.store.rows import ClaimedJob
@@ -117,6 +118,8 @@ async def drain_async(
         heartbeat_interval=max(task_timeout, 1.0),
         task_timeout=task_timeout,
         group_transactions=False,
+        # the registry's attempt budgets written into the rows it settles, as a worker's
+        store=ExecutionStore(db, budgets=source.budgets()),
     )
     report = DrainReport()
     dispatch, jobs = DispatchStore(db), JobStore(db)

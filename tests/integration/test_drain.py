@@ -92,6 +92,15 @@ async def test_a_failing_handler_is_retried_with_its_work_rolled_back_then_dies(
     assert (dead.status, dead.attempt) == ("dead", 2)
     assert "attempt 2 fails" in (dead.last_error or "")
 
+    @registry.task("t.budgeted", max_attempts=2)  # the task's budget beats the row's 5
+    async def budgeted(ctx: JobContext, payload: dict[str, Any]) -> None:
+        raise RuntimeError("never")
+
+    spent = await store.enqueue("t.budgeted", {})
+    assert (await drain_async(pool, registry=registry)).outcomes == {"retried": 1, "dead": 1}
+    written = await store.get(spent.id)
+    assert (written.status, written.attempt, written.max_attempts) == ("dead", 2, 2)
+
     waits = await store.enqueue("t.flaky", {"succeed_at": 2})
     honoured = await drain_async(pool, registry=registry, collapse_retries=False)
     assert (honoured.runs, honoured["retried"]) == (1, 1)
