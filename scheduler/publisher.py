@@ -38,7 +38,7 @@ from typing import Any
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
-from scheduler import broker
+from scheduler import broker, tracing
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.config.shards import DEFAULT_SHARD
@@ -313,11 +313,17 @@ class Publisher:
         """Publish every job with its confirm in flight at once; report each outcome.
 
         Never raises for a per-message failure: the result says which jobs were
-        confirmed and why the others were not.
+        confirmed and why the others were not. One span per batch when the application
+        traces (``scheduler.tracing``).
         """
-        result = PublishResult()
         if not jobs:
-            return result
+            return PublishResult()
+        queues = sorted({broker.QUEUE_PREFIX + job.queue for job in jobs})
+        with tracing.publish_span(queues, len(jobs)):
+            return await self._publish(jobs, epoch)
+
+    async def _publish(self, jobs: Sequence[ClaimedJob], epoch: int) -> PublishResult:
+        result = PublishResult()
         started = self.clock.monotonic()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.publish_timeout

@@ -89,11 +89,13 @@ from typing import cast
 import asyncpg
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
+from scheduler import tracing
+from scheduler.broker import QUEUE_PREFIX
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config.shards import DEFAULT_SHARD
 from scheduler.db import DB_UNAVAILABLE
 from scheduler.log import get_logger
-from scheduler.messages import JobMessage
+from scheduler.messages import JobMessage, message_id
 from scheduler.metrics import (
     DELIVERIES_DROPPED,
     FIRE_LAG,
@@ -408,6 +410,29 @@ class Executor:
         return Outcome.DEAD if parked else Outcome.SKIPPED
 
     async def _attempt(self, attempt: Attempt, slot: HandlerSlot | None = None) -> Outcome:
+        """Run and settle the attempt, inside its span when the application traces
+        (``scheduler.tracing``: nothing without OpenTelemetry)."""
+        ref, job = attempt.ref, attempt.job
+        span = tracing.attempt_span(
+            job_id=ref.job_id,
+            attempt=ref.attempt,
+            task=job.task,
+            destination=QUEUE_PREFIX + job.queue,
+            message_id=message_id(ref.job_id, ref.attempt),
+            traceparent=job.traceparent,
+            due_at=ref.due_at,
+            enqueued_at=job.enqueued_at,
+        )
+        if span is None:
+            return await self._settle_attempt(attempt, None, slot)
+        with span:
+            outcome = await self._settle_attempt(attempt, span, slot)
+            span.outcome(outcome.value)
+            return outcome
+
+    async def _settle_attempt(
+        self, attempt: Attempt, span: tracing.AttemptSpan | None, slot: HandlerSlot | None
+    ) -> Outcome:
         """Run the attempt and settle it through the settler. How it commits is chosen
         once, here: a transaction group only for a task that may share one; an attempt
         rolled back with its group (``RERUN``) runs again in a transaction of its own."""
@@ -416,12 +441,16 @@ class Executor:
             return await self._settle(attempt, Verdict.DUPLICATE)
         if spec is None:
             unknown = UnknownTask(self._registry.unknown_message(attempt.job.task))
+            if span is not None:
+                span.failed(unknown)
             return await self._settle(attempt, Verdict.FAILED, unknown)
         grouped = self._groupable(spec)
         while True:
             if slot is not None:
                 await slot.acquire()  # again for a rerun: at most N handlers run at once
             verdict, failure = await self._run(attempt, spec, grouped=grouped, slot=slot)
+            if span is not None and failure is not None:
+                span.failed(failure)
             outcome = await self._settler.settle(attempt, verdict, failure)
             if outcome is not None:
                 return outcome

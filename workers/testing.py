@@ -17,8 +17,9 @@ A plain ``def`` handler runs on a thread with the synchronous ``ctx``
 (``SyncJobContext``) it gets in the worker, its ``ctx.db`` calls sent to ``db`` on the
 test's event loop.
 
-It does not exercise the ledger, retries or acks (the integration tests do); it lets a
-task's own logic be tested in milliseconds.
+It does not exercise the ledger, retries or acks; it lets a task's own logic be tested
+in milliseconds. ``drain`` (``workers.drain``) runs the due jobs of a test database end
+to end through the worker's code path, ledger and retries included.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from typing import Any, cast
 
 from scheduler.clock import SYSTEM_CLOCK
 from workers.context import JobContext
+from workers.drain import DrainReport, drain, drain_async
 from workers.lifecycle import WorkerState
 from workers.registry import AsyncHandler, Registry, SyncHandler, default_registry
 from workers.sync_db import Bridge, SyncJobContext
+
+__all__ = ["DrainReport", "drain", "drain_async", "make_context", "run_task"]
 
 
 async def _alive() -> bool:

@@ -2,20 +2,22 @@
 -- The dispatcher's and the worker's transitions live in dispatch.sql / execution.sql.
 
 -- name: insert
--- $8: limit_key (migration 0016), NULL for none.
+-- $8: limit_key (migration 0016), NULL for none. $9: traceparent (migration 0023), the
+-- enqueuing code's trace context (scheduler.tracing), NULL for none.
 INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key,
-                          priority, limit_key)
-VALUES ($1, $2, coalesce($3, now()), $4, $5, $6, $7, $8)
+                          priority, limit_key, traceparent)
+VALUES ($1, $2, coalesce($3, now()), $4, $5, $6, $7, $8, $9)
 RETURNING *;
 
 -- name: insert_unique
 -- A job with a unique key (duetime.enqueue_unique of migrations 0014 and 0017, one
 -- round trip): $1..$8 as for insert, $9 the key, $10 'skip' | 'replace' | 'error', $11 the
--- unique_for window (an interval as text, '' for none). One row: the outcome ('inserted',
+-- unique_for window (an interval as text, '' for none), $12 the traceparent as for
+-- insert (the overload of migration 0023). One row: the outcome ('inserted',
 -- 'skipped', 'replaced' or 'refused'), the id of the job holding the key, and that job's
 -- columns (all NULL when it is no longer stored).
 SELECT e.outcome, e.holder_id, (e.job).*
-  FROM duetime.enqueue_unique($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) AS e;
+  FROM duetime.enqueue_unique($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) AS e;
 
 -- name: get
 SELECT * FROM duetime.jobs WHERE id = $1;
@@ -131,7 +133,7 @@ SELECT id
 -- name: copy_jobs
 -- bulk_enqueue from a synchronous driver (scheduler.store.sync_jobs): the columns of
 -- jobs.BULK_COLUMNS, rows in text format (asyncpg's copy_to_table builds the same).
-COPY duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key)
+COPY duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key, traceparent)
 FROM STDIN (FORMAT text);
 
 -- name: notify

@@ -58,9 +58,9 @@ ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
 -- limit_key (migration 0016): a producer names the key its job counts under; the limits
 -- themselves are the owner's (duetime.limits: no grant here).
 -- timeout_s, max_snoozes (migration 0019): the job's own handler time limit and bound on
--- snoozes.
+-- snoozes. traceparent (migration 0023): the enqueuing code's trace context.
 GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, unique_key,
-                  priority, limit_key, timeout_s, max_snoozes)
+                  priority, limit_key, timeout_s, max_snoozes, traceparent)
     ON duetime.jobs TO "{producer}";
 GRANT SELECT ON duetime.jobs TO "{producer}";
 GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{producer}";
@@ -116,7 +116,9 @@ GRANT EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[]),
                           duetime.finish_attempt(bigint, timestamptz, integer, text, jsonb),
                           duetime.worker_snooze(bigint, timestamptz, integer, float8),
                           duetime.worker_cancelled(bigint[]),
-                          duetime.worker_progress(bigint, timestamptz, integer, real, text)
+                          duetime.worker_progress(bigint, timestamptz, integer, real, text),
+                          duetime.worker_begin_traced(bigint[], timestamptz[], integer[],
+                                                      bigint[], bigint[], integer[], bigint[])
     TO "{worker}";
 -- `duetime worker --queue NAME` warns at start when NAME is not declared.
 GRANT SELECT ON duetime.queues TO "{worker}";

@@ -32,6 +32,7 @@ from scheduler.sql import compose, fragment, load
 from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.outcomes import wait_for_outcome
 from scheduler.store.rows import JOB_STATUSES, BulkPreview, Job
+from scheduler.tracing import current_traceparent
 
 #: ``BulkPreview`` is a row type (``rows``), re-exported: the public API imports it from here.
 __all__ = ["FILTER", "MAX_PAGE", "NOTIFY_HORIZON", "BulkPreview", "JobFilter", "JobStore"]
@@ -45,7 +46,9 @@ LIST = compose("jobs", "list", filter=FILTER)
 #: once; later ones are found ahead of time by its probe (migrations/0004_wakeups.sql).
 NOTIFY_HORIZON = timedelta(seconds=1)
 
-BULK_COLUMNS = ("task", "payload", "due_at", "queue", "max_attempts", "idempotency_key")
+BULK_COLUMNS = (
+    "task", "payload", "due_at", "queue", "max_attempts", "idempotency_key", "traceparent",
+)  # fmt: skip
 MAX_PAGE = 10_000
 #: Ids per transaction of a bulk cancel/retry: short transactions, so the dispatcher's
 #: SKIP LOCKED claim and the workers are never held up by one large UPDATE.
@@ -446,7 +449,8 @@ def plan_enqueue(
     ``InvalidInput`` before any database work. The unique statement's verdict lives in
     transaction-local settings that the function reads inside the statement, so no
     transaction of its own is needed, and an ``"error"`` refusal comes back as an
-    outcome without aborting the caller's transaction."""
+    outcome without aborting the caller's transaction. The last argument is the
+    enqueuing code's trace context (``scheduler.tracing``; None without OpenTelemetry)."""
     when = resolve_due(due_at=due_at, delay=delay, now=now)
     spec = JobSpec(
         task=task,
@@ -471,7 +475,7 @@ def plan_enqueue(
     if unique_key is None:
         if on_conflict != "skip" or unique_for is not None:
             raise InvalidInput("on_conflict and unique_for need a unique_key")
-        return EnqueueCall("insert", args)
+        return EnqueueCall("insert", (*args, current_traceparent()))
     validate_unique_key(unique_key)
     if on_conflict not in ON_CONFLICT:
         raise InvalidInput(f"on_conflict must be one of {', '.join(ON_CONFLICT)}")
@@ -482,7 +486,9 @@ def plan_enqueue(
         ):
             raise InvalidInput(f"unique_for must be a timedelta from 0 to {MAX_UNIQUE_FOR}")
         window = f"{unique_for.total_seconds()} seconds"
-    return EnqueueCall("insert_unique", (*args, unique_key, on_conflict, window))
+    return EnqueueCall(
+        "insert_unique", (*args, unique_key, on_conflict, window, current_traceparent())
+    )
 
 
 def wakes(job: Job, now: datetime) -> bool:
@@ -493,8 +499,10 @@ def wakes(job: Job, now: datetime) -> bool:
 def copy_lines(specs: Iterable[JobSpec], now: datetime) -> tuple[list[str], bool]:
     """``specs`` as lines of COPY text format for ``BULK_COLUMNS`` (jobs without
     ``due_at`` due ``now``), and whether any is due within ``NOTIFY_HORIZON``. A payload
-    that is not JSON is ``InvalidInput`` before anything is written."""
+    that is not JSON is ``InvalidInput`` before anything is written. Every job carries
+    the trace context of the code that enqueues them (``scheduler.tracing``)."""
     soon = now + NOTIFY_HORIZON
+    traceparent = current_traceparent()
     due_soon = False
     lines: list[str] = []
     for index, s in enumerate(specs):
@@ -512,6 +520,7 @@ def copy_lines(specs: Iterable[JobSpec], now: datetime) -> tuple[list[str], bool
             s.queue,
             str(s.max_attempts),
             s.idempotency_key,
+            traceparent,
         )
         lines.append("\t".join(map(_copy_field, fields)) + "\n")
     return lines, due_soon

@@ -231,6 +231,10 @@ class LockedJob:
     started: bool | None = None
     #: the job's own handler time limit (migration 0019); None: the task's
     timeout_s: float | None = None
+    #: the enqueuing code's W3C traceparent and when the job was inserted (migration
+    #: 0023; ``scheduler.tracing``)
+    traceparent: str | None = None
+    enqueued_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,14 +26,18 @@ from tests.fixtures_tasks.jobs import FENCE_EPOCH, dispatched_job
 
 #: How the worker's functions compute the key of the row they read or settle, as written
 #: there (the row's alias, then these columns): migration 0019, which replaced 0009's
-#: with the job-control versions the worker calls now.
+#: with the job-control versions the worker calls now (its begin read since 0023).
 EXPRESSION = "duetime.effective_key({t}.id, {t}.idempotency_key, {t}.schedule_id, {t}.created_by)"
 RESERVED = "jobs_idempotency_key_reserved"
 MIGRATION = Path(scheduler.sql.__file__).parent / "migrations" / "0019_job_control.sql"
+#: worker_begin_traced: worker_begin_jobs with the trace context, what the worker calls now.
+BEGIN_MIGRATION = MIGRATION.with_name("0023_trace_context.sql")
 
 
 def test_the_worker_statement_computes_the_key_with_this_expression() -> None:
-    assert "duetime.worker_begin_jobs(" in load("execution")["begin_deliveries"]
+    assert "duetime.worker_begin_traced(" in load("execution")["begin_deliveries"]
+    begin = " ".join(BEGIN_MIGRATION.read_text("utf-8").split()).replace("( ", "(")
+    assert EXPRESSION.format(t="r") in begin  # worker_begin_traced (0023)
     text = " ".join(MIGRATION.read_text("utf-8").split()).replace("( ", "(")
     assert EXPRESSION.format(t="r") in text  # worker_begin_jobs
     assert text.count(EXPRESSION.format(t="j")) == 2  # worker_complete, worker_finish_group

@@ -449,6 +449,13 @@ async def test_a_jobs_own_timeout_overrides_the_tasks(
         ("max_snoozes", 10001, "jobs_max_snoozes_out_of_range"),
         ("progress", 1.5, "jobs_progress_out_of_range"),
         ("progress_note", "x" * 201, "jobs_progress_note_too_long"),
+        # migration 0023: W3C traceparent, version 00, lower case, ids not all zeros
+        ("traceparent", "00-abc-def-01", "jobs_traceparent_invalid"),
+        ("traceparent", "00-" + "A" * 32 + "-" + "b" * 16 + "-01", "jobs_traceparent_invalid"),
+        ("traceparent", "00-" + "0" * 32 + "-" + "b" * 16 + "-01", "jobs_traceparent_invalid"),
+        ("traceparent", "00-" + "a" * 32 + "-" + "0" * 16 + "-01", "jobs_traceparent_invalid"),
+        ("traceparent", "01-" + "a" * 32 + "-" + "b" * 16 + "-01", "jobs_traceparent_invalid"),
+        ("traceparent", "00-" + "a" * 32 + "-" + "b" * 16 + "-01-x", "jobs_traceparent_invalid"),
     ],
 )
 async def test_plain_sql_producers_get_named_checks(

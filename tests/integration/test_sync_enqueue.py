@@ -245,7 +245,7 @@ async def test_django_projects_own_tests_pass_with_djangos_runner(
 ) -> None:
     """tests/django_project: ``manage.py test`` (Django's runner creates and drops its
     own test database) with enqueue inside ``transaction.atomic()``: commit, rollback,
-    validation, bulk."""
+    validation, bulk, a drained job's receipt, the stored trace context."""
     base = server_dsn.rsplit("/", 1)[0]
     env = {
         **os.environ,
@@ -273,7 +273,7 @@ async def test_django_projects_own_tests_pass_with_djangos_runner(
         raise
     text_out = out.decode(errors="replace")
     assert proc.returncode == 0, text_out
-    assert "Ran 3 tests" in text_out and "OK" in text_out, text_out
+    assert "Ran 5 tests" in text_out and "OK" in text_out, text_out
 
 
 @pytest.mark.parametrize("driver", sorted(DRIVERS))

@@ -490,9 +490,7 @@ async def test_a_slot_is_free_once_its_handler_returned(
             lock = conn.transaction()
             await lock.start()
             try:  # the first one's outcome cannot commit while this holds its row
-                await conn.execute(
-                    "SELECT 1 FROM duetime.jobs WHERE id = $1 FOR UPDATE", first.id
-                )
+                await conn.execute("SELECT 1 FROM duetime.jobs WHERE id = $1 FOR UPDATE", first.id)
                 go.set()
                 await publish(channel, queue, second.message(1))
                 await wait_for(lambda: started == ["first", "second"], timeout=10)

@@ -59,7 +59,13 @@ def test_duetime_testing_is_the_workers_helper() -> None:
     import duetime.testing
     import workers.testing
 
-    assert duetime.testing.__all__ == ["make_context", "run_task"]
+    assert duetime.testing.__all__ == [
+        "DrainReport",
+        "drain",
+        "drain_async",
+        "make_context",
+        "run_task",
+    ]
     for name in duetime.testing.__all__:
         assert getattr(duetime.testing, name) is getattr(workers.testing, name), name
 
@@ -75,11 +81,21 @@ def test_importing_duetime_and_its_enqueue_loads_no_optional_driver() -> None:
     """psycopg, SQLAlchemy and Django are optional extras: neither ``import duetime``
     nor resolving ``duetime.enqueue`` (nor the worker package) may import them; only a
     call given one of their connections touches them (and Django's default connection
-    is imported only when none is given)."""
+    is imported only when none is given). OpenTelemetry likewise: ``scheduler.tracing``
+    uses it only when the application imported it, so planning an enqueue (which asks
+    for the active span), the publisher, the worker and ``duetime.testing`` load none of
+    it although the dev extra installs it."""
     code = (
         "import sys, duetime, workers.worker\n"
         "duetime.enqueue, duetime.bulk_enqueue, duetime.enqueue_async, duetime.Worker\n"
-        "import scheduler.cli, scheduler.cli.worker_cmd, duetime.contrib\n"
+        "import scheduler.cli, scheduler.publisher, scheduler.tracing, duetime.testing\n"
+        "import scheduler.cli.worker_cmd, duetime.contrib\n"
+        "from datetime import UTC, datetime\n"
+        "from scheduler.store.jobs import copy_lines, plan_enqueue\n"
+        "from scheduler.jobspec import JobSpec\n"
+        "assert plan_enqueue('t', {}, now=datetime.now(UTC)).args[-1] is None\n"
+        "copy_lines([JobSpec('t')], datetime.now(UTC))\n"
+        "assert scheduler.tracing.tracer() is None\n"
         "optional = sorted(m for m in sys.modules if m.split('.')[0] in"
         " ('psycopg', 'psycopg2', 'sqlalchemy', 'django', 'opentelemetry'))\n"
         "print(','.join(optional))\n"

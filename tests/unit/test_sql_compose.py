@@ -47,7 +47,7 @@ def test_format_paramstyle_serves_dbapi_drivers_from_the_same_text() -> None:
     text, order = format_paramstyle("-- $9 is a comment, 50%\nSELECT $2, '5%', $1, $2")
     assert text == "SELECT %s, '5%%', %s, %s" and order == (1, 0, 1)
     insert, order = format_paramstyle(load("jobs")["insert"])
-    assert "$" not in insert and "--" not in insert and insert.count("%s") == 8
-    assert order == tuple(range(8))
+    assert "$" not in insert and "--" not in insert and insert.count("%s") == 9
+    assert order == tuple(range(9))
     unique, order = format_paramstyle(load("jobs")["insert_unique"])
-    assert order == tuple(range(11)) and "duetime.enqueue_unique(" in unique
+    assert order == tuple(range(12)) and "duetime.enqueue_unique(" in unique

@@ -1,5 +1,7 @@
 """``duetime.enqueue`` from Django, run by Django's own test runner against PostgreSQL:
-the job commits or rolls back with the view's writes in ``transaction.atomic()``."""
+the job commits or rolls back with the view's writes in ``transaction.atomic()``; the
+view's job runs end to end with ``duetime.testing.drain``; under an OpenTelemetry span
+the job stores the span's context."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from django.db import connection, transaction
 from django.test import TransactionTestCase
 
 import duetime
+from duetime.testing import drain
 from scheduler.migrate import migrate
+from workers import Registry, SyncJobContext
 
 from .models import Order
 
@@ -71,3 +75,41 @@ class EnqueueInAtomic(TransactionTestCase):
             )
         self.assertEqual(n, 3)
         self.assertEqual(len(_jobs("bulk")), 3)
+
+    def test_the_views_job_sends_the_receipt_when_drained(self) -> None:
+        """Item 7's story with Django: the view enqueues in its atomic block, ``drain``
+        runs the handler through the worker's code path, its ``ctx.db`` write lands."""
+        registry = Registry()
+
+        @registry.task("send_receipt")
+        def send_receipt(ctx: SyncJobContext, payload: dict[str, Any]) -> None:
+            ctx.db.execute(
+                "UPDATE shop_order SET email = email || ' (receipt sent)' WHERE id = $1",
+                payload["order_id"],
+            )
+
+        with transaction.atomic():  # the view
+            order = Order.objects.create(email="c@example.com")
+            duetime.enqueue(task="send_receipt", payload={"order_id": order.id})
+        report = drain(_url(), registry=registry)
+        self.assertEqual((report.runs, report["succeeded"]), (1, 1))
+        order.refresh_from_db()
+        self.assertEqual(order.email, "c@example.com (receipt sent)")
+        self.assertEqual(_jobs("send_receipt"), [(str(order.id), "succeeded")])
+
+    def test_the_job_stores_the_enqueuing_span(self) -> None:
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+
+        tracer = TracerProvider().get_tracer("shop")
+        with tracer.start_as_current_span("checkout") as span, transaction.atomic():
+            order = Order.objects.create(email="d@example.com")
+            duetime.enqueue(task="traced", payload={"order_id": order.id})
+        c = span.get_span_context()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT traceparent FROM duetime.jobs WHERE task = 'traced'")
+            stored = cursor.fetchall()
+        self.assertEqual(
+            stored, [(f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}",)]
+        )
+        self.assertIsNot(trace.get_current_span(), span)
