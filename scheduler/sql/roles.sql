@@ -58,9 +58,9 @@ ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
 -- limit_key (migration 0016): a producer names the key its job counts under; the limits
 -- themselves are the owner's (duetime.limits: no grant here).
 -- timeout_s, max_snoozes (migration 0019): the job's own handler time limit and bound on
--- snoozes.
+-- snoozes. tags, meta (migration 0022): what the job is about, and the producer's own data.
 GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, unique_key,
-                  priority, limit_key, timeout_s, max_snoozes)
+                  priority, limit_key, timeout_s, max_snoozes, tags, meta)
     ON duetime.jobs TO "{producer}";
 GRANT SELECT ON duetime.jobs TO "{producer}";
 GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{producer}";

@@ -449,6 +449,12 @@ async def test_a_jobs_own_timeout_overrides_the_tasks(
         ("max_snoozes", 10001, "jobs_max_snoozes_out_of_range"),
         ("progress", 1.5, "jobs_progress_out_of_range"),
         ("progress_note", "x" * 201, "jobs_progress_note_too_long"),
+        ("tags", ["two words"], "jobs_tags_invalid"),
+        ("tags", ["x" * 65], "jobs_tags_invalid"),
+        ("tags", [f"t{i}" for i in range(33)], "jobs_tags_invalid"),
+        ("tags", ["a", None], "jobs_tags_invalid"),
+        ("meta", [1, 2], "jobs_meta_invalid"),
+        ("meta", {"big": "x" * 70000}, "jobs_meta_invalid"),
     ],
 )
 async def test_plain_sql_producers_get_named_checks(
