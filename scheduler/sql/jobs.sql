@@ -43,6 +43,14 @@ SELECT * FROM duetime.jobs WHERE id = $1;
    AND cardinality(tags) > 0
    AND tags @> $6::text[]
 
+-- name: custom_plans
+-- For the rest of the transaction, plan each statement for its parameters (jobs.
+-- planned_for): a tag filter's best plan depends on how common its tags are (the tag
+-- index for a rare tag; the id order, stopping at the page's end, for a common one), so
+-- a cached generic plan, the index whatever the tag, read 1M rows for a common tag at
+-- 1M stored jobs (919 ms against 8 ms; docs/benchmarks.md "Tag filter").
+SET LOCAL plan_cache_mode = force_custom_plan;
+
 -- name: list
 -- Keyset pagination on id: stable and complete while rows are inserted concurrently.
 -- $7 the status (any when NULL), $8 the last id of the previous page.

@@ -24,7 +24,7 @@ from datetime import datetime
 import asyncpg
 
 from scheduler.sql import compose, load
-from scheduler.store.jobs import FILTERS, MAX_PAGE, JobFilter
+from scheduler.store.jobs import FILTERS, MAX_PAGE, JobFilter, planned_for
 from scheduler.store.rows import (
     DbSnapshot,
     Job,
@@ -146,7 +146,7 @@ class DashboardStore:
         state = PAGE_BY_STATE.get(where.status or "")
         key = state[2] if state else None
         at, after_id = _parse_cursor(cursor, keyed=key is not None)
-        async with self._pool.acquire() as c:
+        async with self._pool.acquire() as c, planned_for(c, where):
             tagged = bool(where.tags)
             if key is None:
                 statement = PAGES[None, tagged]

@@ -124,6 +124,19 @@ def filter_for(where: JobFilter) -> str:
     return FILTERS[bool(where.tags)]
 
 
+@contextlib.asynccontextmanager
+async def planned_for(c: Conn, where: JobFilter) -> AsyncIterator[None]:
+    """Run the statements of a tag filter planned for the tags given (jobs.sql
+    ``custom_plans``), in a transaction (a savepoint in the caller's, whose rest then
+    plans the same way); a filter without tags runs as it is."""
+    if not where.tags:
+        yield
+        return
+    async with c.transaction():
+        await c.execute(Q["custom_plans"])
+        yield
+
+
 class JobStore(PooledStore):
     def __init__(
         self,
@@ -258,7 +271,7 @@ class JobStore(PooledStore):
         )
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidInput(f"limit must be between 1 and {MAX_PAGE}")
-        async with self._db.conn(conn) as c:
+        async with self._db.conn(conn) as c, planned_for(c, where):
             records = await c.fetch(
                 LIST[bool(where.tags)], *where.params(), status, after_id, limit
             )
@@ -372,7 +385,7 @@ class JobStore(PooledStore):
         """How many jobs ``cancel_matching``/``retry_matching`` would change now: shown
         to the operator, who confirms with the returned preview (it pins the set)."""
         states = _bulk_source(action, where)
-        async with self._db.pool.acquire() as c:
+        async with self._db.pool.acquire() as c, planned_for(c, where):
             row = await c.fetchrow(
                 compose("jobs", "matching", states=states, filter=filter_for(where)),
                 *where.params(),
@@ -414,7 +427,7 @@ class JobStore(PooledStore):
         after = 0
         while changed < preview.count:
             size = min(BULK_BATCH, preview.count - changed)
-            async with self._db.pool.acquire() as c, c.transaction():
+            async with self._db.pool.acquire() as c, c.transaction(), planned_for(c, where):
                 ids = [
                     r["id"]
                     for r in await c.fetch(
