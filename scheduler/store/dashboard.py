@@ -24,7 +24,8 @@ from datetime import datetime
 import asyncpg
 
 from scheduler.sql import compose, load
-from scheduler.store.jobs import FILTERS, MAX_PAGE, JobFilter, planned_for
+from scheduler.store.job_filter import FILTERS, JobFilter, planned_for
+from scheduler.store.jobs import MAX_PAGE
 from scheduler.store.rows import (
     DbSnapshot,
     Job,

@@ -25,12 +25,12 @@ from scheduler.jobspec import (
     JobSpec,
     resolve_due,
     validate_limit_key,
-    validate_tag,
     validate_unique_key,
 )
 from scheduler.metrics import JOBS_CANCELLED, UNIQUE_CONFLICTS
-from scheduler.sql import compose, fragment, load
+from scheduler.sql import compose, load
 from scheduler.store.conn import Conn, PooledStore
+from scheduler.store.job_filter import FILTERS, JobFilter, filter_for, planned_for
 from scheduler.store.outcomes import wait_for_outcome
 from scheduler.store.rows import JOB_STATUSES, BulkPreview, Job
 
@@ -45,14 +45,6 @@ __all__ = [
 ]
 
 Q = load("jobs")
-#: The JobFilter predicates ($1..$6), shared by every statement that filters jobs: one
-#: text without tags and one with (``filter_for``), so each is planned on its own.
-FILTERS = {
-    tagged: fragment("jobs", "job_filter")
-    + "\n"
-    + fragment("jobs", "job_filter_tagged" if tagged else "job_filter_untagged")
-    for tagged in (False, True)
-}
 LIST = {tagged: compose("jobs", "list", filter=FILTERS[tagged]) for tagged in (False, True)}
 
 #: Jobs due within this many seconds of now get a NOTIFY so the dispatcher wakes at
@@ -80,61 +72,6 @@ OnConflict = Literal["skip", "replace", "error"]
 ON_CONFLICT: tuple[str, ...] = ("skip", "replace", "error")
 #: The longest ``unique_for`` window; the trigger refuses longer ones too (migration 0014).
 MAX_UNIQUE_FOR = timedelta(days=366)
-
-
-@dataclass(frozen=True, slots=True)
-class JobFilter:
-    """Which jobs a bulk action (and the dashboard's job list) is about. Every field is
-    optional; ``error`` matches a substring of ``last_error``, case-insensitively;
-    ``tags`` matches the jobs holding every tag given (a list is kept as a tuple)."""
-
-    status: str | None = None
-    queue: str | None = None
-    task: str | None = None
-    due_from: datetime | None = None
-    due_to: datetime | None = None
-    error: str | None = None
-    tags: Sequence[str] = ()
-
-    def __post_init__(self) -> None:
-        if self.status is not None and self.status not in JOB_STATUSES:
-            raise InvalidInput(f"unknown status {self.status!r} (one of {', '.join(JOB_STATUSES)})")
-        if self.due_from and self.due_to and self.due_from >= self.due_to:
-            raise InvalidInput("the due window must start before it ends")
-        object.__setattr__(self, "tags", _filter_tags(self.tags))
-
-    def params(self) -> tuple[Any, ...]:
-        """The filter as the statements' $1..$6 (status is matched separately)."""
-        tags = list(self.tags) or None
-        return (self.queue, self.task, self.due_from, self.due_to, self.error, tags)
-
-
-def _filter_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
-    """Tags to filter by, each by the rule a job's tags follow (a tag no job can hold
-    is a mistake worth naming), without repeats."""
-    if tags is None:
-        return ()
-    if isinstance(tags, str) or not isinstance(tags, list | tuple):
-        raise InvalidInput(f"tags must be a list of strings, not {type(tags).__name__}")
-    return tuple(dict.fromkeys(validate_tag(t) for t in tags))
-
-
-def filter_for(where: JobFilter) -> str:
-    """The predicates to splice as ``{filter}`` for ``where``: with or without tags."""
-    return FILTERS[bool(where.tags)]
-
-
-@contextlib.asynccontextmanager
-async def planned_for(c: Conn, where: JobFilter) -> AsyncIterator[None]:
-    """Run the statements of a tag filter planned for the tags given (jobs.sql
-    ``custom_plans``), in a transaction (a savepoint in the caller's, whose rest then
-    plans the same way); a filter without tags runs as it is."""
-    if not where.tags:
-        yield
-        return
-    async with c.transaction():
-        await c.execute(Q["custom_plans"])
-        yield
 
 
 class JobStore(PooledStore):
