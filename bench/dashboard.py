@@ -140,19 +140,20 @@ async def run(services: Services, params: DashboardParams) -> dict[str, Any]:
             "minute_samples": (d["minute_samples"], (SAMPLE_MINUTES, MINUTE_SAMPLE, LAG_SAMPLE)),
             "workers": (d["workers"], (WORKER_WINDOW,)),
         }
-        page, no = PAGES[None], (None,) * 5
+        # the filter's $1..$6 (queue, task, due window, error, tags): none of them here
+        page, no = PAGES[None, False], (None,) * 6
         jobs_page = {  # the statement DashboardStore.jobs_page picks for each filter
             "no filter": (page, (*no, None, None, 50)),
-            "status=pending": (PAGES["pending"], (*no, None, None, 50)),
-            "status=dead": (PAGES["dead"], (*no, None, None, 50)),
+            "status=pending": (PAGES["pending", False], (*no, None, None, 50)),
+            "status=dead": (PAGES["dead", False], (*no, None, None, 50)),
             "status=dead&error~connectionerror": (
-                PAGES["dead"],
-                (*no[:4], "connectionerror", None, None, 50),
+                PAGES["dead", False],
+                (*no[:4], "connectionerror", None, None, None, 50),
             ),
             "status=succeeded&queue=q1": (page, ("q1", *no[1:], "succeeded", None, 50)),
             "queue=q1": (page, ("q1", *no[1:], None, None, 50)),
             "task=bench.cancel": (page, (None, "bench.cancel", *no[2:], None, None, 50)),
-            "error~connectionerror": (page, (*no[:4], "connectionerror", None, None, 50)),
+            "error~connectionerror": (page, (*no[:4], "connectionerror", None, None, None, 50)),
         }
         async with sb.db.acquire() as conn:
             timings = {k: await _time(conn, q, a, params.repeat) for k, (q, a) in overview.items()}

@@ -7,9 +7,11 @@ instead of a constraint name.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -21,6 +23,15 @@ MAX_TASK_LENGTH = 200
 MAX_KEY_LENGTH = 500
 MAX_UNIQUE_KEY_LENGTH = 200
 MAX_ATTEMPTS_LIMIT = 1000
+
+#: The rules of CHECK jobs_tags_invalid and jobs_meta_invalid (migration 0022).
+MAX_TAGS = 32
+MAX_TAG_LENGTH = 64
+MAX_META_BYTES = 65536
+#: What a tag may not contain: ASCII whitespace and control characters, C1 controls, and
+#: the comma (tags are given comma-separated on the dashboard, and the CHECK joins them
+#: with commas).
+TAG_FORBIDDEN = re.compile("[\x00-\x20\x7f-\x9f,]")
 
 #: Largest rate count of a limit (CHECK limits_rate_invalid, migration 0018).
 MAX_RATE_COUNT = 1_000_000
@@ -77,6 +88,49 @@ def validate_limit_key(key: str) -> str:
     return key
 
 
+def validate_tags(tags: Any) -> tuple[str, ...]:
+    """The rule of CHECK jobs_tags_invalid (migration 0022): a list (or tuple) of at most
+    ``MAX_TAGS`` strings, each 1-``MAX_TAG_LENGTH`` characters without whitespace, comma
+    or control character. Returned as a tuple (a ``JobSpec`` is frozen)."""
+    if isinstance(tags, str) or not isinstance(tags, list | tuple):
+        raise InvalidInput(
+            f"tags must be a list of strings, not {type(tags).__name__} (e.g. tags=['tenant:42'])"
+        )
+    if len(tags) > MAX_TAGS:
+        raise InvalidInput(f"a job has at most {MAX_TAGS} tags (got {len(tags)})")
+    for tag in tags:
+        validate_tag(tag)
+    return tuple(tags)
+
+
+def validate_tag(tag: Any) -> str:
+    """One tag, by the rule of ``validate_tags``."""
+    if not isinstance(tag, str) or not 1 <= len(tag) <= MAX_TAG_LENGTH:
+        raise InvalidInput(f"a tag must be a string of 1-{MAX_TAG_LENGTH} characters (got {tag!r})")
+    if TAG_FORBIDDEN.search(tag):
+        raise InvalidInput(
+            f"tag {tag!r} contains whitespace, a comma or a control character "
+            "(use e.g. 'tenant:42', 'import-2026-12')"
+        )
+    return tag
+
+
+def validate_meta(meta: Any) -> dict[str, Any]:
+    """The rule of CHECK jobs_meta_invalid (migration 0022): a JSON object of at most
+    ``MAX_META_BYTES``. Measured here as JSON text (the database measures the stored
+    jsonb, which is about as long); values JSON cannot hold are refused here too."""
+    if not isinstance(meta, dict):
+        raise InvalidInput(f"meta must be a JSON object (a dict), not {type(meta).__name__}")
+    try:
+        text = json.dumps(meta, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"meta is not valid JSON: {exc}") from None
+    size = len(text.encode())
+    if size > MAX_META_BYTES:
+        raise InvalidInput(f"meta is {size} bytes as JSON; at most {MAX_META_BYTES} (64 KiB)")
+    return meta
+
+
 def parse_limit_target(target: str) -> tuple[str, str]:
     """``task:NAME`` or ``queue:NAME`` as (kind, name), by the rule of CHECK
     limits_target_invalid (migration 0016): a task name without control characters, a
@@ -124,10 +178,16 @@ class JobSpec:
     queue: str = DEFAULT_QUEUE
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     idempotency_key: str | None = None
+    #: what the job is about (``JobFilter(tags=...)``); a list is kept as a tuple
+    tags: Sequence[str] = ()
+    #: the producer's own data kept with the job, not passed to the handler
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate_task(self.task)
         validate_payload(self.payload)
+        object.__setattr__(self, "tags", validate_tags(self.tags))
+        validate_meta(self.meta)
         validate_queue(self.queue)
         validate_max_attempts(self.max_attempts)
         if self.due_at is not None:

@@ -137,6 +137,12 @@ JOBS_HELD = Gauge(
     "due pending jobs the dispatcher holds back (reason queue_undeclared: no duetime queues add)",
     ["shard", "reason"],
 )
+QUEUE_PAUSED = Gauge(
+    "duetime_queue_paused",
+    "1 while the queue is paused (duetime queues pause: nothing new of it is dispatched), "
+    "0 for every other declared queue; sampled by the leader with the backlog",
+    ["shard", "queue"],
+)
 LIMIT_HELD = Gauge(
     "duetime_limit_held",
     "due pending jobs of a limited task or queue, held back by its limit (duetime limits)",

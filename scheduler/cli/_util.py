@@ -25,6 +25,7 @@ from scheduler import db
 from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput
+from scheduler.jobspec import validate_tag
 
 T = TypeVar("T", int, float)
 S = TypeVar("S")
@@ -88,22 +89,21 @@ def parse_when(text: str, *, clock: Clock = SYSTEM_CLOCK) -> datetime:
     return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
-def parse_payload(text: str | None) -> dict[str, Any]:
+def parse_payload(text: str | None, *, flag: str = "--payload") -> dict[str, Any]:
+    """A JSON object given as ``flag`` (``--payload``, ``--meta``)."""
     if text is None:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidInput(
-            f"--payload is not valid JSON: {exc.msg} at position {exc.pos}"
-        ) from None
+        raise InvalidInput(f"{flag} is not valid JSON: {exc.msg} at position {exc.pos}") from None
     except (ValueError, RecursionError) as exc:  # int digit limit, nesting depth
-        raise InvalidInput(f"--payload is not acceptable JSON: {exc}") from None
+        raise InvalidInput(f"{flag} is not acceptable JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise InvalidInput(f"--payload must be a JSON object, not {type(value).__name__}")
+        raise InvalidInput(f"{flag} must be a JSON object, not {type(value).__name__}")
     problem = _jsonb_problem(value)
     if problem:
-        raise InvalidInput(f"--payload {problem}")
+        raise InvalidInput(f"{flag} {problem}")
     return value
 
 
@@ -183,6 +183,14 @@ def job_id(text: str) -> int:
     if not 1 <= value <= MAX_ID:
         raise argparse.ArgumentTypeError(f"job id must be between 1 and {MAX_ID}, not {text!r}")
     return value
+
+
+def job_tag(text: str) -> str:
+    """``--tag``: one tag, by the rule of CHECK jobs_tags_invalid (``validate_tag``)."""
+    try:
+        return validate_tag(text)
+    except InvalidInput as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def after_id(text: str) -> int:

@@ -25,6 +25,7 @@ from scheduler.cli._util import (
     after_id,
     emit,
     job_id,
+    job_tag,
     opened,
     parse_duration,
     parse_payload,
@@ -37,12 +38,13 @@ from scheduler.cli._util import (
 from scheduler.config import Settings
 from scheduler.errors import InvalidInput, UniqueKeyTaken
 from scheduler.shards.router import RoutedJob, ShardRouter
-from scheduler.store import JobStore
+from scheduler.store import JobFilter, JobStore
 from scheduler.store.jobs import ON_CONFLICT, OnConflict
 from scheduler.store.rows import JOB_STATUSES, Job
 
 LIST_COLUMNS = (
-    "id", "task", "queue", "status", "attempt", "progress", "due_at", "run_at", "last_error",
+    "id", "task", "queue", "status", "attempt", "progress", "due_at", "run_at", "tags",
+    "last_error",
 )  # fmt: skip
 #: CHECK jobs_priority_range (migration 0015), checked here so the line names the flag.
 PRIORITY_RANGE = (-100, 100)
@@ -95,6 +97,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="what per-key limits and fair queues count the job under (a tenant, a host)",
     )
     add.add_argument(
+        "--tag",
+        dest="tags",
+        action="append",
+        type=job_tag,
+        metavar="TAG",
+        help="what the job is about, to list, cancel or retry it by (repeatable)",
+    )
+    add.add_argument("--meta", help="JSON object kept with the job (not passed to the handler)")
+    add.add_argument(
         "--shard",
         metavar="NAME",
         help="shard to write to (default: by --unique-key, else --key, else round-robin)",
@@ -108,18 +119,48 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     lst.add_argument("--task")
     lst.add_argument("--due-from", help="ISO 8601, inclusive")
     lst.add_argument("--due-to", help="ISO 8601, exclusive")
+    lst.add_argument(
+        "--tag",
+        dest="tags",
+        action="append",
+        type=job_tag,
+        metavar="TAG",
+        help="only jobs holding this tag (repeatable: jobs holding every one)",
+    )
     lst.add_argument("--after", type=after_id, help="show jobs with id greater than this")
     lst.add_argument("--limit", type=positive_int, default=50)
     lst.add_argument("--json", action="store_true")
     add_shard_option(lst)
     lst.set_defaults(func=run_list)
 
-    actions = (
-        ("show", "show one job", run_show),
-        ("cancel", "cancel a pending or running job (its handler is stopped)", run_cancel),
-        ("retry", "send a dead job back to pending (attempts reset)", run_retry),
-    )
-    add_actions(jsub, common, actions, "job_id", type=job_id)
+    add_actions(jsub, common, (("show", "show one job", run_show),), "job_id", type=job_id)
+    bulk_actions = (
+        (
+            "cancel",
+            "cancel a pending or running job (its handler is stopped), or every one with "
+            "--tag",
+            run_cancel,
+        ),
+        ("retry", "send a dead job back to pending (attempts reset), or every one with --tag",
+         run_retry),
+    )  # fmt: skip
+    for name, helptext, func in bulk_actions:
+        parser = jsub.add_parser(name, parents=[common], help=helptext)
+        parser.add_argument("job_id", type=job_id, nargs="?", help="the job (or use --tag)")
+        parser.add_argument(
+            "--tag",
+            dest="tags",
+            action="append",
+            type=job_tag,
+            metavar="TAG",
+            help=f"{name} every job holding this tag instead (repeatable: every one of them)",
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="with --tag: count the jobs, change nothing"
+        )
+        add_shard_option(parser)
+        parser.add_argument("--json", action="store_true")
+        parser.set_defaults(func=func)
 
 
 def _emit(job: Job, as_json: bool) -> None:
@@ -135,6 +176,7 @@ def _emit(job: Job, as_json: bool) -> None:
 
 async def run_add(args: argparse.Namespace, settings: Settings) -> int:
     payload = parse_payload(args.payload)
+    meta = parse_payload(args.meta, flag="--meta") if args.meta is not None else None
     due_at = parse_when(args.at) if args.at else None
     delay = parse_duration(args.in_) if args.in_ else None
     if args.unique_key is None and (args.on_conflict or args.unique_for):
@@ -158,6 +200,8 @@ async def run_add(args: argparse.Namespace, settings: Settings) -> int:
             unique_for=unique_for,
             priority=args.priority,
             limit_key=args.limit_key,
+            tags=args.tags or (),
+            meta=meta,
         )
 
     try:
@@ -217,6 +261,7 @@ async def run_list(args: argparse.Namespace, settings: Settings) -> int:
             task=args.task,
             due_from=due_from,
             due_to=due_to,
+            tags=args.tags or (),
             after_id=args.after,
             limit=args.limit,
         )
@@ -233,9 +278,18 @@ def _row(job: Job) -> dict[str, Any]:
     row = {c: getattr(job, c) for c in LIST_COLUMNS}
     row["attempt"] = f"{job.attempt}/{job.max_attempts}"
     row["progress"] = _progress(job)
+    row["tags"] = _tags(job)
     if job.last_error and len(job.last_error) > 40:
         row["last_error"] = job.last_error[:37] + "..."
     return row
+
+
+def _tags(job: Job) -> str | None:
+    """The tags comma-separated (no tag holds a comma), cut to fit a table."""
+    if not job.tags:
+        return None
+    shown = ",".join(job.tags)
+    return shown if len(shown) <= 30 else shown[:27] + "..."
 
 
 def _progress(job: Job) -> str | None:
@@ -263,7 +317,45 @@ async def run_show(args: argparse.Namespace, settings: Settings) -> int:
     return await _single(args, settings, "get")
 
 
+def _target(args: argparse.Namespace) -> JobFilter | None:
+    """The jobs ``cancel``/``retry`` act on: one id, or (``--tag``) a filter."""
+    if (args.job_id is None) == (not args.tags):
+        raise InvalidInput("give a job id or --tag TAG (not both)")
+    if args.dry_run and not args.tags:
+        raise InvalidInput("--dry-run goes with --tag")
+    return JobFilter(tags=args.tags) if args.tags else None
+
+
+async def _by_tag(args: argparse.Namespace, settings: Settings, where: JobFilter) -> int:
+    """``cancel``/``retry`` ``--tag``: the jobs matching now (pending and running for a
+    cancel, dead for a retry), each changed once, in short batches
+    (``JobStore.cancel_matching``/``retry_matching``)."""
+    action = args.func.__name__.removeprefix("run_")
+    async with opened(settings, JobStore, shard=args.shard) as store:
+        preview = await store.preview_matching(action, where)
+        if args.dry_run:
+            changed = 0
+        elif action == "cancel":
+            changed = await store.cancel_matching(where, preview=preview, by=_who())
+        else:
+            changed = await store.retry_matching(where, preview=preview)
+    tags = ", ".join(where.tags)
+    states = "pending or running" if action == "cancel" else "dead"
+    verb = {"cancel": "cancelled", "retry": "retried"}[action]
+    text = (
+        f"would {action} {preview.count} {states} job(s) tagged {tags} (dry run)"
+        if args.dry_run
+        else f"{verb} {changed} of {preview.count} {states} job(s) tagged {tags}"
+    )
+    data = {"action": action, "tags": list(where.tags), "matched": preview.count,
+            "changed": changed, "dry_run": args.dry_run}  # fmt: skip
+    return emit(args, data, text)
+
+
 async def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    where = _target(args)
+    if where is not None:
+        return await _by_tag(args, settings, where)
     async with opened(settings, JobStore, shard=args.shard) as store:
         job = await store.cancel(args.job_id, by=_who())
     if args.json:
@@ -282,4 +374,7 @@ def _who() -> str:
 
 
 async def run_retry(args: argparse.Namespace, settings: Settings) -> int:
+    where = _target(args)
+    if where is not None:
+        return await _by_tag(args, settings, where)
     return await _single(args, settings, "retry")

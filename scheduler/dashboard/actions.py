@@ -181,7 +181,9 @@ async def bulk(dash: Dashboard, request: Request, form: FormData) -> Response:
     action = fields.get("action", "")
     preview = _confirmed_preview(action, fields)
     if action == "cancel":
-        changed = await site.jobs.cancel_matching(where, preview=preview)
+        changed = await site.jobs.cancel_matching(
+            where, preview=preview, by=f"dashboard:{client_of(request)}"
+        )
     elif action == "retry":
         changed = await site.jobs.retry_matching(where, preview=preview)
     else:

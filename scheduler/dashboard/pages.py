@@ -1,7 +1,8 @@
 """The dashboard's pages (GET): each reads through the stores and renders one template.
 
 Filters arrive as query parameters (DESIGN §9: ``status``, ``queue``, ``task``, plus
-``due_from``/``due_to`` in UTC and ``error``, a substring of ``last_error``) and are
+``due_from``/``due_to`` in UTC, ``error``, a substring of ``last_error``, and ``tags``,
+comma-separated: jobs holding every one) and are
 validated into a ``JobFilter`` before any query runs. A request from htmx (the
 overview's polling) gets only the page's body fragment.
 """
@@ -46,7 +47,7 @@ PAGE_SIZE = 50
 SCHEDULES_SHOWN = 500
 RECENT_RUNS = 20
 UPCOMING = 10
-FILTER_FIELDS = ("status", "queue", "task", "due_from", "due_to", "error")
+FILTER_FIELDS = ("status", "queue", "task", "due_from", "due_to", "error", "tags")
 ORDER_NOTE: dict[str | None, str] = {
     "pending": "soonest runnable first",
     "dead": "most recently dead first",
@@ -72,7 +73,14 @@ def parse_filter(params: Mapping[str, str]) -> JobFilter:
         due_from=_when(values["due_from"], "due_from") if values["due_from"] else None,
         due_to=_when(values["due_to"], "due_to") if values["due_to"] else None,
         error=values["error"],
+        tags=split_tags(values["tags"]),
     )
+
+
+def split_tags(text: str | None) -> list[str]:
+    """The ``tags`` field: tags separated by commas or whitespace (neither can be part
+    of a tag)."""
+    return [t for t in (text or "").replace(",", " ").split() if t]
 
 
 def filter_fields(params: Mapping[str, str]) -> dict[str, str]:
@@ -205,6 +213,7 @@ async def job(dash: Dashboard, request: Request) -> Response:
     found = await site.jobs.get(request.path_params["job_id"])
     detail = await site.views.job_detail(found)
     payload, payload_cut = present.pretty_json(found.payload)
+    meta, meta_cut = present.pretty_json(found.meta) if found.meta else ("", False)
     result, result_cut = (
         present.pretty_json(found.result) if found.result is not None else ("", False)
     )
@@ -215,7 +224,7 @@ async def job(dash: Dashboard, request: Request) -> Response:
     return dash.render(
         request, "job.html", job=found, detail=detail, payload=payload,
         payload_cut=payload_cut, error=error, error_cut=error_cut, lag=lag,
-        result=result, result_cut=result_cut,
+        result=result, result_cut=result_cut, meta=meta, meta_cut=meta_cut,
         actions=[] if dash.read_only else job_actions(found, dash.clock.now()),
         cap=present.PAYLOAD_CAP,
     )  # fmt: skip

@@ -111,6 +111,7 @@ from scheduler.metrics import (
     LIMIT_HELD,
     LIMIT_STARTS,
     PUBLISH_FAILURES,
+    QUEUE_PAUSED,
 )
 from scheduler.publisher import (
     DEFAULT_PUBLISH_TIMEOUT,
@@ -206,6 +207,7 @@ class Dispatcher:
         # the last limited claim's allowance and kept jobs: their starts are logged
         self._rated: tuple[Allowance, list[LimitedJob]] | None = None
         self._limit_series: set[str] = set()  # targets LIMIT_HELD has a series for
+        self._paused_series: set[str] = set()  # queues QUEUE_PAUSED has a series for
         self.out = PublisherAndGate(
             ctx.settings,
             name=self.name,
@@ -270,6 +272,7 @@ class Dispatcher:
                 BACKLOG.labels(self.shard).set(await self.store.backlog())
                 self._report_held(await self.store.held())
                 await self._report_limit_held()
+                self._report_paused(await self.store.queue_flags())
         delay: float | None = await self.out.gate.delay()
         if delay:
             return delay
@@ -557,6 +560,16 @@ class Dispatcher:
             with contextlib.suppress(KeyError):
                 LIMIT_HELD.remove(self.shard, target)
         self._limit_series = set(held)
+
+    def _report_paused(self, flags: dict[str, bool]) -> None:
+        """Gauge each declared queue's pause (1 paused, 0 not); an undeclared queue's
+        series goes."""
+        for queue, paused in flags.items():
+            QUEUE_PAUSED.labels(self.shard, queue).set(1 if paused else 0)
+        for queue in self._paused_series - flags.keys():
+            with contextlib.suppress(KeyError):
+                QUEUE_PAUSED.remove(self.shard, queue)
+        self._paused_series = set(flags)
 
     def _report_held(self, held: HeldQueues) -> None:
         """Gauge the jobs held for undeclared queues; log each such queue once (while

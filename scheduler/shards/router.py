@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -172,10 +172,13 @@ class ShardRouter:
         unique_for: timedelta | None = None,
         priority: int = 0,
         limit_key: str | None = None,
+        tags: Sequence[str] = (),
+        meta: dict[str, Any] | None = None,
         conn: Conn | None = None,
     ) -> RoutedJob:
         """``JobStore.enqueue`` on the routed shard (``unique_key``, ``on_conflict``,
-        ``unique_for``, ``priority`` and ``limit_key`` mean what they mean there; a
+        ``unique_for``, ``priority``, ``limit_key``, ``tags`` and ``meta`` mean what they
+        mean there; a
         limit is enforced per shard, on the rows of the shard the job lands in). ``conn`` (the
         caller's transaction) belongs to one database, so with several shards it needs
         ``shard=`` too; a pinned unique key is unique within that shard only."""
@@ -197,6 +200,8 @@ class ShardRouter:
             unique_for=unique_for,
             priority=priority,
             limit_key=limit_key,
+            tags=tags,
+            meta=meta,
             conn=conn,
         )
         return RoutedJob(name, job)

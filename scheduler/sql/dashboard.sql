@@ -113,22 +113,23 @@ SELECT coalesce(worker, '?') AS worker, count(*) AS completed, max(completed_at)
 
 -- name: jobs_page
 -- The job list, newest first, keyset-paginated on id ($7: the last id of the previous
--- page), for "any state" ($6 NULL), succeeded and cancelled; the filter part is jobs.sql's
--- job_filter ($1..$5). Ordered by jobs_id_idx in every partition (a Merge Append): a page
+-- page), for "any state" ($7 NULL), succeeded and cancelled; the filter part is jobs.sql's
+-- job_filter ($1..$6). Ordered by jobs_id_idx in every partition (a Merge Append): a page
 -- reads about as many entries as it shows when the filter matches often; a rare filter
 -- reads further (up to a whole partition that holds no match), bounded by the pool's
--- statement_timeout. The due window prunes partitions.
+-- statement_timeout; a tag filter reads the tag index instead when its tags are rare
+-- (docs/benchmarks.md "Tag filter"). The due window prunes partitions.
 SELECT *
   FROM duetime.jobs
- WHERE ($6::text IS NULL OR status = $6)
+ WHERE ($7::text IS NULL OR status = $7)
 {filter}
-   AND ($7::bigint IS NULL OR id < $7)
+   AND ($8::bigint IS NULL OR id < $8)
  ORDER BY id DESC
- LIMIT $8;
+ LIMIT $9;
 
 -- name: state_page
 -- The jobs of one state in the order of that state's partial index, keyset-paginated
--- after ($6, $7) = the previous page's last (key, id); the filter part as for jobs_page.
+-- after ($7, $8) = the previous page's last (key, id); the filter part as for jobs_page.
 -- DashboardStore makes one statement per state from this text (PAGE_BY_STATE), with the
 -- state as a literal and the key written exactly as its index's expression, so each is
 -- planned on its own index (ordering by id instead read whole partitions of finished
@@ -142,10 +143,10 @@ SELECT *
   FROM duetime.jobs
  WHERE status = '{status}'
 {filter}
-   AND ($6::timestamptz IS NULL OR {key} {after}= $6)
-   AND ($6::timestamptz IS NULL OR {key} {after} $6 OR id {after} $7)
+   AND ($7::timestamptz IS NULL OR {key} {after}= $7)
+   AND ($7::timestamptz IS NULL OR {key} {after} $7 OR id {after} $8)
  ORDER BY {key} {order}, id {order}
- LIMIT $8;
+ LIMIT $9;
 
 -- name: ledger_row
 SELECT idempotency_key, job_id, attempt, task, worker, completed_at

@@ -156,6 +156,11 @@ SELECT j.queue, count(*) AS jobs,
  ORDER BY jobs DESC, j.queue
  LIMIT $1;
 
+-- name: queue_flags
+-- The declared queues and whether each is paused (sampled with the backlog into the
+-- duetime_queue_paused gauge), at most $1 of them.
+SELECT name, paused FROM duetime.queues ORDER BY name LIMIT $1;
+
 -- name: stalled_columns
 -- What the stalled statements return: claimed_columns and the reconciler's bookkeeping.
 id, task, queue, due_at, run_at, attempt,

@@ -2,22 +2,24 @@
 -- The dispatcher's and the worker's transitions live in dispatch.sql / execution.sql.
 
 -- name: insert
--- $8: limit_key (migration 0016), NULL for none. $9: traceparent (migration 0023), the
--- enqueuing code's trace context (scheduler.tracing), NULL for none.
+-- $8: limit_key (migration 0016), NULL for none; $9 tags, $10 meta (migration 0022);
+-- $11 traceparent (migration 0023), the enqueuing code's trace context
+-- (scheduler.tracing), NULL for none.
 INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key,
-                          priority, limit_key, traceparent)
-VALUES ($1, $2, coalesce($3, now()), $4, $5, $6, $7, $8, $9)
+                          priority, limit_key, tags, meta, traceparent)
+VALUES ($1, $2, coalesce($3, now()), $4, $5, $6, $7, $8, $9::text[], $10::jsonb, $11)
 RETURNING *;
 
 -- name: insert_unique
--- A job with a unique key (duetime.enqueue_unique of migrations 0014 and 0017, one
+-- A job with a unique key (duetime.enqueue_unique of migrations 0014, 0017, 0022 and 0023, one
 -- round trip): $1..$8 as for insert, $9 the key, $10 'skip' | 'replace' | 'error', $11 the
--- unique_for window (an interval as text, '' for none), $12 the traceparent as for
--- insert (the overload of migration 0023). One row: the outcome ('inserted',
--- 'skipped', 'replaced' or 'refused'), the id of the job holding the key, and that job's
--- columns (all NULL when it is no longer stored).
+-- unique_for window (an interval as text, '' for none), $12 tags, $13 meta, $14 the
+-- traceparent as for insert (the overload of migration 0023). One row: the outcome
+-- ('inserted', 'skipped', 'replaced' or 'refused'), the id of the job holding the key,
+-- and that job's columns (all NULL when it is no longer stored).
 SELECT e.outcome, e.holder_id, (e.job).*
-  FROM duetime.enqueue_unique($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) AS e;
+  FROM duetime.enqueue_unique($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11,
+                              $12::text[], $13::jsonb, $14) AS e;
 
 -- name: get
 SELECT * FROM duetime.jobs WHERE id = $1;
@@ -30,24 +32,44 @@ SELECT *, payload::text AS payload_text, result::text AS result_text
   FROM duetime.jobs WHERE id = $1;
 
 -- name: job_filter
--- The predicates of a JobFilter, $1..$5 = JobFilter.params() (queue, task, due window,
--- a substring of last_error): spliced as `{filter}` into the statements that filter jobs,
--- here and in dashboard.sql (scheduler.sql.compose).
+-- The predicates of a JobFilter, $1..$6 = JobFilter.params() (queue, task, due window,
+-- a substring of last_error, tags): spliced as `{filter}` into the statements that filter
+-- jobs, here and in dashboard.sql (scheduler.sql.compose), followed by one of the two
+-- tag fragments below (jobs.filter_for).
    AND ($1::text IS NULL OR queue = $1)
    AND ($2::text IS NULL OR task = $2)
    AND ($3::timestamptz IS NULL OR due_at >= $3)
    AND ($4::timestamptz IS NULL OR due_at < $4)
    AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
 
+-- name: job_filter_untagged
+-- No tag asked for: $6 is NULL (a one-time filter, so every plan is the one without tags).
+   AND $6::text[] IS NULL
+
+-- name: job_filter_tagged
+-- Jobs holding every tag of $6, from the partial GIN index jobs_tags_idx (migration 0022),
+-- whose predicate is repeated so the planner may use it. A statement of its own, not an
+-- `$6 IS NULL OR` branch: a cached generic plan of that form could not use the index.
+   AND cardinality(tags) > 0
+   AND tags @> $6::text[]
+
+-- name: custom_plans
+-- For the rest of the transaction, plan each statement for its parameters (jobs.
+-- planned_for): a tag filter's best plan depends on how common its tags are (the tag
+-- index for a rare tag; the id order, stopping at the page's end, for a common one), so
+-- a cached generic plan, the index whatever the tag, read 1M rows for a common tag at
+-- 1M stored jobs (919 ms against 8 ms; docs/benchmarks.md "Tag filter").
+SET LOCAL plan_cache_mode = force_custom_plan;
+
 -- name: list
 -- Keyset pagination on id: stable and complete while rows are inserted concurrently.
--- $6 the status (any when NULL), $7 the last id of the previous page.
+-- $7 the status (any when NULL), $8 the last id of the previous page.
 SELECT * FROM duetime.jobs
- WHERE ($6::text IS NULL OR status = $6)
+ WHERE ($7::text IS NULL OR status = $7)
 {filter}
-   AND ($7::bigint IS NULL OR id > $7)
+   AND ($8::bigint IS NULL OR id > $8)
  ORDER BY id
- LIMIT $8;
+ LIMIT $9;
 
 -- name: cancel
 -- $1: the ids (one for `jobs cancel`, a batch for a cancel by filter): one transition,
@@ -99,41 +121,48 @@ UPDATE duetime.jobs
 RETURNING *;
 
 -- name: matching
--- Bulk actions by filter (JobFilter): how many jobs in state {status} match, the
+-- Bulk actions by filter (JobFilter): how many jobs in the states {states} match, the
 -- newest id among them and the statement's time (as_of): together they pin the set the
 -- operator confirms (matching_ids), so jobs that arrive, or die, between the preview and
--- the confirmation are left alone. {status} is spliced in by JobStore from a fixed set
--- ('pending' or 'dead'), never from outside: as a literal it lets PostgreSQL use the
--- partial index of that state (jobs_pending_run_idx, jobs_dead_finished_idx) instead of
--- reading every row.
+-- the confirmation are left alone. {states} is spliced in by JobStore from a fixed set
+-- (jobs.BULK_SOURCE: status = 'pending' OR status = 'dispatched' for a cancel, status =
+-- 'dead' for a retry), never from outside: as literals they let PostgreSQL use the
+-- partial indexes of those states (jobs_pending_run_idx, jobs_dispatched_idx,
+-- jobs_dead_finished_idx; a BitmapOr for two) instead of reading every row.
 SELECT count(*) AS n, max(id) AS max_id, now() AS as_of
   FROM duetime.jobs
- WHERE status = '{status}'
+ WHERE ({states})
 {filter}
-   AND id <= $6;
+   AND id <= $7;
 
 -- name: matching_ids
 -- One batch of the ids `matching` counted, oldest first, locked until the caller's
--- transition commits: $6 its max_id, $7 the last id of the previous batch (keyset: a
+-- transition commits: $7 its max_id, $8 the last id of the previous batch (keyset: a
 -- row is offered at most once per confirmation, even if it is retried, dies again and
--- matches again meanwhile), $8 the preview's as_of for dead jobs (a job that died after
--- the preview was not shown, so it is not retried; NULL for pending jobs, which carry
--- no such time), $9 the batch size.
+-- matches again meanwhile), $9 the preview's as_of for dead jobs (a job that died after
+-- the preview was not shown, so it is not retried; NULL for a cancel: live jobs carry
+-- no such time), $10 the batch size.
 SELECT id
   FROM duetime.jobs
- WHERE status = '{status}'
+ WHERE ({states})
 {filter}
-   AND id <= $6
-   AND id > $7
-   AND ($8::timestamptz IS NULL OR finished_at <= $8)
+   AND id <= $7
+   AND id > $8
+   AND ($9::timestamptz IS NULL OR finished_at <= $9)
  ORDER BY id
- LIMIT $9
+ LIMIT $10
    FOR UPDATE;
 
 -- name: copy_jobs
 -- bulk_enqueue from a synchronous driver (scheduler.store.sync_jobs): the columns of
 -- jobs.BULK_COLUMNS, rows in text format (asyncpg's copy_to_table builds the same).
 COPY duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key, traceparent)
+FROM STDIN (FORMAT text);
+
+-- name: copy_jobs_tagged
+-- copy_jobs with jobs.TAGGED_COLUMNS, for a bulk enqueue where any job has tags or meta.
+COPY duetime.jobs (task, payload, due_at, queue, max_attempts, idempotency_key, traceparent,
+                   tags, meta)
 FROM STDIN (FORMAT text);
 
 -- name: notify

@@ -58,9 +58,10 @@ ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
 -- limit_key (migration 0016): a producer names the key its job counts under; the limits
 -- themselves are the owner's (duetime.limits: no grant here).
 -- timeout_s, max_snoozes (migration 0019): the job's own handler time limit and bound on
--- snoozes. traceparent (migration 0023): the enqueuing code's trace context.
+-- snoozes. tags, meta (migration 0022): what the job is about, and the producer's own data.
+-- traceparent (migration 0023): the enqueuing code's trace context.
 GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, unique_key,
-                  priority, limit_key, timeout_s, max_snoozes, traceparent)
+                  priority, limit_key, timeout_s, max_snoozes, tags, meta, traceparent)
     ON duetime.jobs TO "{producer}";
 GRANT SELECT ON duetime.jobs TO "{producer}";
 GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{producer}";

@@ -24,7 +24,8 @@ from datetime import datetime
 import asyncpg
 
 from scheduler.sql import compose, load
-from scheduler.store.jobs import FILTER, MAX_PAGE, JobFilter
+from scheduler.store.job_filter import FILTERS, JobFilter, planned_for
+from scheduler.store.jobs import MAX_PAGE
 from scheduler.store.rows import (
     DbSnapshot,
     Job,
@@ -67,19 +68,22 @@ PAGE_BY_STATE: dict[str, tuple[str, bool, str]] = {
 }
 #: The page statements: one per state of PAGE_BY_STATE (planned on that state's index),
 #: and ``jobs_page`` (None) for the others.
-PAGES: dict[str | None, str] = {
-    state: compose(
+#: Each with and without a tag filter (``FILTERS``), keyed (state, tagged).
+PAGES: dict[tuple[str | None, bool], str] = {
+    (state, tagged): compose(
         "dashboard",
         "state_page",
         status=state,
-        filter=FILTER,
+        filter=FILTERS[tagged],
         key=key,
         after=">" if ascending else "<",
         order="ASC" if ascending else "DESC",
     )
     for state, (key, ascending, _) in PAGE_BY_STATE.items()
+    for tagged in (False, True)
 }
-PAGES[None] = compose("dashboard", "jobs_page", filter=FILTER)
+for _tagged in (False, True):
+    PAGES[None, _tagged] = compose("dashboard", "jobs_page", filter=FILTERS[_tagged])
 
 
 class DashboardStore:
@@ -143,11 +147,14 @@ class DashboardStore:
         state = PAGE_BY_STATE.get(where.status or "")
         key = state[2] if state else None
         at, after_id = _parse_cursor(cursor, keyed=key is not None)
-        async with self._pool.acquire() as c:
+        async with self._pool.acquire() as c, planned_for(c, where):
+            tagged = bool(where.tags)
             if key is None:
-                statement, args = PAGES[None], (*where.params(), where.status, after_id, limit)
+                statement = PAGES[None, tagged]
+                args = (*where.params(), where.status, after_id, limit)
             else:
-                statement, args = PAGES[where.status], (*where.params(), at, after_id, limit)
+                statement = PAGES[where.status, tagged]
+                args = (*where.params(), at, after_id, limit)
             records = await c.fetch(statement, *args)
         jobs = [Job.from_record(r) for r in records]
         if len(jobs) < limit:

@@ -225,6 +225,13 @@ class DispatchStore(PooledStore):
             total_queues=int(records[0]["total_queues"]),
         )
 
+    async def queue_flags(self, limit: int = 1000) -> dict[str, bool]:
+        """The declared queues (at most ``limit``, by name), each with whether it is
+        paused."""
+        async with self._db.acquire() as conn:
+            records = await conn.fetch(Q["queue_flags"], limit)
+        return {r["name"]: bool(r["paused"]) for r in records}
+
     # -- reconciler (inside its fenced transaction) ----------------------------------
 
     async def lock_stalled(

@@ -28,19 +28,25 @@ from scheduler.jobspec import (
     validate_unique_key,
 )
 from scheduler.metrics import JOBS_CANCELLED, UNIQUE_CONFLICTS
-from scheduler.sql import compose, fragment, load
+from scheduler.sql import compose, load
 from scheduler.store.conn import Conn, PooledStore
+from scheduler.store.job_filter import FILTERS, JobFilter, filter_for, planned_for
 from scheduler.store.outcomes import wait_for_outcome
 from scheduler.store.rows import JOB_STATUSES, BulkPreview, Job
 from scheduler.tracing import current_traceparent
 
 #: ``BulkPreview`` is a row type (``rows``), re-exported: the public API imports it from here.
-__all__ = ["FILTER", "MAX_PAGE", "NOTIFY_HORIZON", "BulkPreview", "JobFilter", "JobStore"]
+__all__ = [
+    "MAX_PAGE",
+    "NOTIFY_HORIZON",
+    "BulkPreview",
+    "JobFilter",
+    "JobStore",
+    "filter_for",
+]
 
 Q = load("jobs")
-#: The JobFilter predicates ($1..$5), shared by every statement that filters jobs.
-FILTER = fragment("jobs", "job_filter")
-LIST = compose("jobs", "list", filter=FILTER)
+LIST = {tagged: compose("jobs", "list", filter=FILTERS[tagged]) for tagged in (False, True)}
 
 #: Jobs due within this many seconds of now get a NOTIFY so the dispatcher wakes at
 #: once; later ones are found ahead of time by its probe (migrations/0004_wakeups.sql).
@@ -49,42 +55,26 @@ NOTIFY_HORIZON = timedelta(seconds=1)
 BULK_COLUMNS = (
     "task", "payload", "due_at", "queue", "max_attempts", "idempotency_key", "traceparent",
 )  # fmt: skip
+#: BULK_COLUMNS with tags and meta: COPYed only when a job of the batch has either, so a
+#: bulk enqueue that uses neither sends what it sent before.
+TAGGED_COLUMNS = (*BULK_COLUMNS, "tags", "meta")
 MAX_PAGE = 10_000
 #: Ids per transaction of a bulk cancel/retry: short transactions, so the dispatcher's
 #: SKIP LOCKED claim and the workers are never held up by one large UPDATE.
 BULK_BATCH = 1000
 #: Job ids per cancel NOTIFY (a payload holds at most 8000 bytes).
 CANCEL_NOTIFY_IDS = 300
-#: The state a bulk action starts from: only these may be spliced into ``matching``.
-BULK_SOURCE = {"cancel": "pending", "retry": "dead"}
+#: The states a bulk action starts from: only these may be spliced into ``matching``. A
+#: cancel takes running (dispatched) jobs too: their workers are told (``_cancel_ids``).
+BULK_SOURCE: dict[str, tuple[str, ...]] = {
+    "cancel": ("pending", "dispatched"),
+    "retry": ("dead",),
+}
 
 OnConflict = Literal["skip", "replace", "error"]
 ON_CONFLICT: tuple[str, ...] = ("skip", "replace", "error")
 #: The longest ``unique_for`` window; the trigger refuses longer ones too (migration 0014).
 MAX_UNIQUE_FOR = timedelta(days=366)
-
-
-@dataclass(frozen=True, slots=True)
-class JobFilter:
-    """Which jobs a bulk action (and the dashboard's job list) is about. Every field is
-    optional; ``error`` matches a substring of ``last_error``, case-insensitively."""
-
-    status: str | None = None
-    queue: str | None = None
-    task: str | None = None
-    due_from: datetime | None = None
-    due_to: datetime | None = None
-    error: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.status is not None and self.status not in JOB_STATUSES:
-            raise InvalidInput(f"unknown status {self.status!r} (one of {', '.join(JOB_STATUSES)})")
-        if self.due_from and self.due_to and self.due_from >= self.due_to:
-            raise InvalidInput("the due window must start before it ends")
-
-    def params(self) -> tuple[Any, ...]:
-        """The filter as the statements' $1..$5 (status is matched separately)."""
-        return (self.queue, self.task, self.due_from, self.due_to, self.error)
 
 
 class JobStore(PooledStore):
@@ -115,6 +105,8 @@ class JobStore(PooledStore):
         unique_for: timedelta | None = None,
         priority: int = 0,
         limit_key: str | None = None,
+        tags: Sequence[str] = (),
+        meta: dict[str, Any] | None = None,
         conn: Conn | None = None,
     ) -> Job:
         """Insert one job. ``due_at`` (aware datetime) or ``delay``; neither means now.
@@ -132,7 +124,13 @@ class JobStore(PooledStore):
         refuses others by ``jobs_priority_range``); a replaced holder takes it too.
 
         ``limit_key``: the key per-key limits count this job under (``duetime limits``;
-        docs/api.md "Limits"); a replaced holder keeps its own."""
+        docs/api.md "Limits"); a replaced holder keeps its own.
+
+        ``tags``: what the job is about, to find, cancel and retry it by
+        (``JobFilter(tags=...)``; at most 32, each 1-64 characters without whitespace,
+        comma or control character). ``meta``: a dict of the producer's own kept with
+        the job (at most 64 KiB as JSON), never passed to the handler. A replaced holder
+        keeps its own of both."""
         call = plan_enqueue(
             task,
             payload,
@@ -147,6 +145,8 @@ class JobStore(PooledStore):
             unique_for=unique_for,
             priority=priority,
             limit_key=limit_key,
+            tags=tags,
+            meta=meta,
         )
         async with self._db.conn(conn) as c:
             job = call.job(await c.fetchrow(Q[call.statement], *call.args))
@@ -166,14 +166,14 @@ class JobStore(PooledStore):
         for type jsonb". Every row is encoded before the COPY starts, so a payload that
         is not JSON-serialisable is refused with ``InvalidInput`` and nothing is written.
         """
-        lines, due_soon = copy_lines(specs, self._clock.now())
+        lines, due_soon, tagged = copy_lines(specs, self._clock.now())
         if not lines:
             return 0
         async with self._db.conn(conn) as c:
             result = await c.copy_to_table(
                 "jobs",
                 schema_name="duetime",
-                columns=list(BULK_COLUMNS),
+                columns=list(TAGGED_COLUMNS if tagged else BULK_COLUMNS),
                 source=_chunks(lines),
                 format="text",
             )
@@ -199,18 +199,21 @@ class JobStore(PooledStore):
         task: str | None = None,
         due_from: datetime | None = None,
         due_to: datetime | None = None,
+        tags: Sequence[str] = (),
         after_id: int | None = None,
         limit: int = 100,
         conn: Conn | None = None,
     ) -> list[Job]:
-        """One page ordered by id; pass the last id as ``after_id`` for the next page."""
-        if status is not None and status not in JOB_STATUSES:
-            raise InvalidInput(f"unknown status {status!r} (one of {', '.join(JOB_STATUSES)})")
+        """One page ordered by id; pass the last id as ``after_id`` for the next page.
+        ``tags``: only jobs holding every one of them."""
+        where = JobFilter(
+            status=status, queue=queue, task=task, due_from=due_from, due_to=due_to, tags=tags
+        )
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidInput(f"limit must be between 1 and {MAX_PAGE}")
-        async with self._db.conn(conn) as c:
+        async with self._db.conn(conn) as c, planned_for(c, where):
             records = await c.fetch(
-                LIST, queue, task, due_from, due_to, None, status, after_id, limit
+                LIST[bool(where.tags)], *where.params(), status, after_id, limit
             )
         return [Job.from_record(r) for r in records]
 
@@ -321,39 +324,50 @@ class JobStore(PooledStore):
     async def preview_matching(self, action: str, where: JobFilter) -> BulkPreview:
         """How many jobs ``cancel_matching``/``retry_matching`` would change now: shown
         to the operator, who confirms with the returned preview (it pins the set)."""
-        status = _bulk_source(action, where)
-        async with self._db.pool.acquire() as c:
+        states = _bulk_source(action, where)
+        async with self._db.pool.acquire() as c, planned_for(c, where):
             row = await c.fetchrow(
-                compose("jobs", "matching", status=status, filter=FILTER),
+                compose("jobs", "matching", states=states, filter=filter_for(where)),
                 *where.params(),
                 _BIGINT_MAX,
             )
         assert row is not None  # an aggregate always returns one row
         return BulkPreview(action, int(row["n"]), int(row["max_id"] or 0), row["as_of"])
 
-    async def cancel_matching(self, where: JobFilter, *, preview: BulkPreview) -> int:
-        """Cancel the pending jobs ``preview`` counted (matching ``where``, ids up to its
-        ``up_to_id``, at most its ``count``, each once), in batches of ``BULK_BATCH``,
-        through the same transition as ``cancel``. Returns how many were cancelled."""
-        return await self._bulk("cancel", where, preview)
+    async def cancel_matching(
+        self, where: JobFilter, *, preview: BulkPreview | None = None, by: str | None = None
+    ) -> int:
+        """Cancel the pending and running (dispatched) jobs ``preview`` counted (matching
+        ``where``, ids up to its ``up_to_id``, at most its ``count``, each once), in
+        batches of ``BULK_BATCH``, through the same transition as ``cancel``: the
+        workers running any of them are told at each batch's commit and stop their
+        handlers. ``by`` is recorded as ``cancelled_by`` (default: the database role).
+        Without ``preview`` the set is the one matching now (``preview_matching`` first,
+        in this call). Returns how many were cancelled."""
+        return await self._bulk("cancel", where, preview, by)
 
-    async def retry_matching(self, where: JobFilter, *, preview: BulkPreview) -> int:
+    async def retry_matching(self, where: JobFilter, *, preview: BulkPreview | None = None) -> int:
         """Retry the dead jobs ``preview`` counted, like ``retry`` (attempts reset,
         runnable now): only jobs already dead at the preview, each at most once, at most
-        ``preview.count``. Returns how many were retried."""
-        return await self._bulk("retry", where, preview)
+        ``preview.count`` (without ``preview``: those dead now). Returns how many were
+        retried."""
+        return await self._bulk("retry", where, preview, None)
 
-    async def _bulk(self, action: str, where: JobFilter, preview: BulkPreview) -> int:
-        status = _bulk_source(action, where)
+    async def _bulk(
+        self, action: str, where: JobFilter, preview: BulkPreview | None, by: str | None
+    ) -> int:
+        states = _bulk_source(action, where)
+        if preview is None:
+            preview = await self.preview_matching(action, where)
         if preview.action != action:
             raise InvalidInput(f"the preview was for {preview.action}, not {action}")
-        select = compose("jobs", "matching_ids", status=status, filter=FILTER)
+        select = compose("jobs", "matching_ids", states=states, filter=filter_for(where))
         as_of = preview.as_of if action == "retry" else None
         changed = 0
         after = 0
         while changed < preview.count:
             size = min(BULK_BATCH, preview.count - changed)
-            async with self._db.pool.acquire() as c, c.transaction():
+            async with self._db.pool.acquire() as c, c.transaction(), planned_for(c, where):
                 ids = [
                     r["id"]
                     for r in await c.fetch(
@@ -363,7 +377,7 @@ class JobStore(PooledStore):
                 if not ids:
                     return changed
                 if action == "cancel":
-                    done = await self._cancel_ids(c, ids, None)
+                    done = await self._cancel_ids(c, ids, by)
                 else:
                     done = await c.fetch(Q[action], ids)
                 if action == "retry" and done:
@@ -394,12 +408,18 @@ def _retry_refused(job: Job) -> str:
 
 
 def _bulk_source(action: str, where: JobFilter) -> str:
-    status = BULK_SOURCE.get(action)
-    if status is None:
+    """The state predicate of ``action`` (``BULK_SOURCE``), narrowed to ``where.status``
+    when that is one of its states: SQL text made only from the fixed names above."""
+    states = BULK_SOURCE.get(action)
+    if states is None:
         raise InvalidInput(f"unknown bulk action {action!r} (one of {', '.join(BULK_SOURCE)})")
-    if where.status not in (None, status):
-        raise InvalidInput(f"{action} applies to {status} jobs, not {where.status}")
-    return status
+    if where.status is not None:
+        if where.status not in states:
+            raise InvalidInput(
+                f"{action} applies to {' or '.join(states)} jobs, not {where.status}"
+            )
+        states = (where.status,)
+    return " OR ".join(f"status = '{state}'" for state in states)
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +463,8 @@ def plan_enqueue(
     unique_for: timedelta | None = None,
     priority: int = 0,
     limit_key: str | None = None,
+    tags: Sequence[str] = (),
+    meta: dict[str, Any] | None = None,
 ) -> EnqueueCall:
     """Validate one enqueue (``JobStore.enqueue`` documents the options) into the
     statement that inserts it; ``now`` is the time ``delay`` counts from. Raises
@@ -459,6 +481,8 @@ def plan_enqueue(
         queue=queue,
         max_attempts=max_attempts,
         idempotency_key=idempotency_key,
+        tags=() if tags is None else tags,
+        meta={} if meta is None else meta,
     )
     if limit_key is not None:
         validate_limit_key(limit_key)
@@ -472,10 +496,11 @@ def plan_enqueue(
         priority,
         limit_key,
     )
+    labels = (list(spec.tags), spec.meta)
     if unique_key is None:
         if on_conflict != "skip" or unique_for is not None:
             raise InvalidInput("on_conflict and unique_for need a unique_key")
-        return EnqueueCall("insert", (*args, current_traceparent()))
+        return EnqueueCall("insert", (*args, *labels, current_traceparent()))
     validate_unique_key(unique_key)
     if on_conflict not in ON_CONFLICT:
         raise InvalidInput(f"on_conflict must be one of {', '.join(ON_CONFLICT)}")
@@ -487,7 +512,7 @@ def plan_enqueue(
             raise InvalidInput(f"unique_for must be a timedelta from 0 to {MAX_UNIQUE_FOR}")
         window = f"{unique_for.total_seconds()} seconds"
     return EnqueueCall(
-        "insert_unique", (*args, unique_key, on_conflict, window, current_traceparent())
+        "insert_unique", (*args, unique_key, on_conflict, window, *labels, current_traceparent())
     )
 
 
@@ -496,34 +521,47 @@ def wakes(job: Job, now: datetime) -> bool:
     return job.next_run_at <= now + NOTIFY_HORIZON
 
 
-def copy_lines(specs: Iterable[JobSpec], now: datetime) -> tuple[list[str], bool]:
-    """``specs`` as lines of COPY text format for ``BULK_COLUMNS`` (jobs without
-    ``due_at`` due ``now``), and whether any is due within ``NOTIFY_HORIZON``. A payload
-    that is not JSON is ``InvalidInput`` before anything is written. Every job carries
-    the trace context of the code that enqueues them (``scheduler.tracing``)."""
+def copy_lines(specs: Iterable[JobSpec], now: datetime) -> tuple[list[str], bool, bool]:
+    """``specs`` as lines of COPY text format (jobs without ``due_at`` due ``now``),
+    whether any is due within ``NOTIFY_HORIZON``, and whether the lines are of
+    ``TAGGED_COLUMNS`` (a job has tags or meta) rather than ``BULK_COLUMNS``. A payload
+    or meta that is not JSON is ``InvalidInput`` before anything is written. Every job
+    carries the trace context of the code that enqueues them (``scheduler.tracing``)."""
+    specs = list(specs)
+    tagged = any(s.tags or s.meta for s in specs)
     soon = now + NOTIFY_HORIZON
     traceparent = current_traceparent()
     due_soon = False
     lines: list[str] = []
     for index, s in enumerate(specs):
         due_soon = due_soon or s.due_at is None or s.due_at <= soon
-        try:
-            payload = json.dumps(
-                s.payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")
-            )
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(f"job {index}: payload is not valid JSON: {exc}") from None
-        fields = (
+        fields: tuple[str | None, ...] = (
             s.task,
-            payload,
+            _json_field(index, "payload", s.payload),
             (s.due_at or now).isoformat(),
             s.queue,
             str(s.max_attempts),
             s.idempotency_key,
             traceparent,
         )
+        if tagged:
+            fields = (*fields, _array_literal(s.tags), _json_field(index, "meta", s.meta))
         lines.append("\t".join(map(_copy_field, fields)) + "\n")
-    return lines, due_soon
+    return lines, due_soon, tagged
+
+
+def _json_field(index: int, name: str, value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"job {index}: {name} is not valid JSON: {exc}") from None
+
+
+def _array_literal(items: Sequence[str]) -> str:
+    """A text[] literal (``{"a","b"}``), every element quoted and escaped; ``_copy_field``
+    then escapes it for COPY, as the two layers are read back in reverse."""
+    quoted = ('"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"' for item in items)
+    return "{" + ",".join(quoted) + "}"
 
 
 def _copy_field(value: str | None) -> str:

@@ -76,6 +76,10 @@ class Job:
     progress: float | None = None
     progress_note: str | None = None
     progress_at: datetime | None = None
+    #: what the job is about (migration 0022): ``JobFilter(tags=...)``
+    tags: list[str] = field(default_factory=list)
+    #: the producer's own data kept with the job (migration 0022)
+    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def effective_key(self) -> str:

@@ -47,7 +47,10 @@ __all__ = ["bulk_enqueue", "enqueue", "enqueue_async", "get"]
 #: The statements in the drivers' ``format`` paramstyle, with their argument order.
 _FORMAT = {name: format_paramstyle(fragment("jobs", name)) for name in ("insert", "insert_unique")}
 _GET = format_paramstyle(fragment("jobs", "get_as_text"))
-_COPY = fragment("jobs", "copy_jobs").strip().rstrip(";")
+_COPY = {
+    tagged: fragment("jobs", "copy_jobs_tagged" if tagged else "copy_jobs").strip().rstrip(";")
+    for tagged in (False, True)
+}
 _NOTIFY = fragment("jobs", "notify").strip().rstrip(";")
 _BIGINT_MAX = 2**63 - 1
 
@@ -153,18 +156,23 @@ def _open(conn: Any) -> tuple[Any, Any]:
 
 
 def _job(record: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The row as asyncpg would give it: a jsonb payload some drivers return as text
+    """The row as asyncpg would give it: a jsonb column some drivers return as text
     (Django's psycopg 3 setup) decoded."""
-    if record is not None and isinstance(record.get("payload"), str):
-        record["payload"] = json.loads(record["payload"])
+    if record is not None:
+        for column in ("payload", "meta"):
+            if isinstance(record.get(column), str):
+                record[column] = json.loads(record[column])
     return record
 
 
 def _driver_args(args: tuple[Any, ...], order: tuple[int, ...]) -> list[Any]:
-    """The ``$n`` arguments in ``%s`` order; the payload (``$2``) as JSON text, which
-    PostgreSQL casts to jsonb (no driver-specific JSON adapter needed)."""
-    values = list(args)
-    values[1] = json.dumps(values[1], ensure_ascii=False, allow_nan=False)
+    """The ``$n`` arguments in ``%s`` order; the payload and the meta (the dicts) as JSON
+    text, which PostgreSQL casts to jsonb (no driver-specific JSON adapter needed); the
+    tags a list, which every driver sends as an array."""
+    values = [
+        json.dumps(v, ensure_ascii=False, allow_nan=False) if isinstance(v, dict) else v
+        for v in args
+    ]
     return [values[i] for i in order]
 
 
@@ -179,7 +187,7 @@ def enqueue(
     """Insert one job through ``conn`` in its current transaction (module docstring);
     ``options`` are ``JobStore.enqueue``'s (``due_at``, ``delay``, ``queue``,
     ``max_attempts``, ``idempotency_key``, ``unique_key``, ``on_conflict``,
-    ``unique_for``, ``priority``, ``limit_key``). Returns the ``Job``."""
+    ``unique_for``, ``priority``, ``limit_key``, ``tags``, ``meta``). Returns the ``Job``."""
     if task is None:
         raise InvalidInput("duetime.enqueue needs a task name")
     call = plan_enqueue(task, payload, now=clock.now(), **options)
@@ -198,12 +206,12 @@ def enqueue(
 def bulk_enqueue(conn: Any, specs: Iterable[JobSpec], *, clock: Clock = SYSTEM_CLOCK) -> int:
     """COPY many jobs through ``conn`` in its current transaction, one NOTIFY after when
     any is due soon (as ``JobStore.bulk_enqueue``). Returns the number inserted."""
-    lines, due_soon = copy_lines(specs, clock.now())
+    lines, due_soon, tagged = copy_lines(specs, clock.now())
     if not lines:
         return 0
     adapter, cursor = _open(conn)
     try:
-        count = adapter.copy(_COPY, lines)
+        count = adapter.copy(_COPY[tagged], lines)
         if due_soon:
             adapter.execute(_NOTIFY)
     finally:

@@ -93,6 +93,11 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "jobs.cancel(",
         "raise Snooze(",
         "ctx.progress(",
+        "tags=",
+        "meta=",
+        "JobFilter(tags=",
+        "cancel_matching(",
+        "retry_matching(",
     ):
         assert needle in text, f"docs/api.md has no example using {needle}"
 
@@ -267,11 +272,25 @@ async def check_effects(conn: asyncpg.Connection) -> None:
     ]
     assert [j["timeout_s"] for j in sums if j["result"]["total"] == 3] == [30.0]
     assert sorted(j["progress_note"] for j in sums) == ["summed 2 invoices", "summed 3 invoices"]
-    (export,) = [j for j in jobs if j["task"] == "export_everything"]
+    (export,) = [j for j in jobs if j["task"] == "export_everything" and not j["tags"]]
     assert (export["status"], export["cancelled_by"]) == ("cancelled", "docs-example")
     assert await conn.fetchval("SELECT count(*) FROM exports") == 0
     (later,) = [j for j in jobs if j["task"] == "wait_for_upstream"]
     assert (later["status"], later["attempt"], later["snoozes"]) == ("pending", 1, 1)
+
+    # tags and metadata: set by the API, bulk and plain SQL; a tag's running jobs cancelled
+    letters = [j for j in jobs if j["task"] == "send_newsletter"]
+    assert sorted(tuple(j["tags"]) for j in letters) == [
+        ("campaign:winter",), ("campaign:winter",), ("campaign:winter",),
+        ("campaign:winter", "customer:1"), ("campaign:winter", "plain-sql"),
+    ]  # fmt: skip
+    assert sorted(str(j["meta"]) for j in letters if j["meta"]) == [
+        "{'requested_by': 'ada@example.com'}", "{'source': 'crm'}",
+    ]  # fmt: skip
+    tagged = [j for j in jobs if j["task"] == "export_everything" and j["tags"]]
+    assert [(j["status"], j["cancelled_by"], j["tags"]) for j in tagged] == [
+        ("cancelled", "docs-example", ["export:eu"])
+    ] * 3
 
     # schedules
     nightly = await conn.fetchrow("SELECT * FROM duetime.schedules WHERE name = 'nightly-report'")

@@ -199,6 +199,7 @@ async def test_list_table_json_filters_and_paging(env: dict[str, str], unique: s
         "PROGRESS",
         "DUE_AT",
         "RUN_AT",
+        "TAGS",
         "LAST_ERROR",
     ]
     rows = [line.split() for line in lines[1:]]

@@ -456,6 +456,12 @@ async def test_a_jobs_own_timeout_overrides_the_tasks(
         ("traceparent", "00-" + "a" * 32 + "-" + "0" * 16 + "-01", "jobs_traceparent_invalid"),
         ("traceparent", "01-" + "a" * 32 + "-" + "b" * 16 + "-01", "jobs_traceparent_invalid"),
         ("traceparent", "00-" + "a" * 32 + "-" + "b" * 16 + "-01-x", "jobs_traceparent_invalid"),
+        ("tags", ["two words"], "jobs_tags_invalid"),
+        ("tags", ["x" * 65], "jobs_tags_invalid"),
+        ("tags", [f"t{i}" for i in range(33)], "jobs_tags_invalid"),
+        ("tags", ["a", None], "jobs_tags_invalid"),
+        ("meta", [1, 2], "jobs_meta_invalid"),
+        ("meta", {"big": "x" * 70000}, "jobs_meta_invalid"),
     ],
 )
 async def test_plain_sql_producers_get_named_checks(

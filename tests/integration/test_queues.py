@@ -80,6 +80,10 @@ def held_gauge() -> float | None:
     return REGISTRY.get_sample_value("duetime_jobs_held", labels)
 
 
+def paused_gauge(queue: str) -> float | None:
+    return REGISTRY.get_sample_value("duetime_queue_paused", {"shard": "main", "queue": queue})
+
+
 def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
     return [r.msg for r in caplog.records if isinstance(r.msg, dict) and r.msg.get("event") == name]
 
@@ -148,7 +152,7 @@ async def test_a_paused_queue_dispatches_nothing_new_until_resumed(
 ) -> None:
     """Pause is a row of the database: every leader's claim skips the queue (here a
     dispatcher's passes; a new leader reads the same row), its due jobs stay pending,
-    and resume sends them out."""
+    and resume sends them out. The leader's gauge duetime_queue_paused says which."""
     declared, other = names
     settings = dataclasses.replace(settings, database_url=migrated_dsn)
     await declare_queues(pool, declared, other)
@@ -168,9 +172,14 @@ async def test_a_paused_queue_dispatches_nothing_new_until_resumed(
             await dispatcher.run_once()
         assert await statuses(pool) == {declared: "pending", other: "dispatched"}
         assert [q.paused for q in await store.list() if q.name == declared] == [True]
+        assert (paused_gauge(declared), paused_gauge(other)) == (1, 0)
         assert await store.set_paused(declared, False)
         await dispatcher.run_once()
         assert await statuses(pool) == {declared: "dispatched", other: "dispatched"}
+        assert (paused_gauge(declared), paused_gauge(other)) == (0, 0)
+        await store.remove(other)
+        await dispatcher.run_once()
+        assert paused_gauge(other) is None  # an undeclared queue has no series
     finally:
         await dispatcher.teardown()
 

@@ -157,3 +157,25 @@ def test_a_missing_grant_is_reported_as_permission_denied(
     err = capsys.readouterr().err.strip()
     assert err.startswith("duetime: error: permission denied: permission denied for table jobs")
     assert "\n" not in err and "unavailable" not in err
+
+
+def test_jobs_cancel_and_retry_take_an_id_or_tags() -> None:
+    """``jobs cancel|retry``: one job id or ``--tag`` (repeatable), never both, and
+    ``--dry-run`` only with tags; a tag no job could hold is refused by the parser."""
+    from scheduler.cli._util import job_tag
+    from scheduler.cli.jobs import _target
+
+    def args(job: int | None, tags: list[str] | None, dry_run: bool = False) -> argparse.Namespace:
+        return argparse.Namespace(job_id=job, tags=tags, dry_run=dry_run)
+
+    assert _target(args(7, None)) is None
+    where = _target(args(None, ["a", "b"], dry_run=True))
+    assert where is not None and where.tags == ("a", "b")
+    for bad in (args(7, ["a"]), args(None, None)):
+        with pytest.raises(InvalidInput, match="give a job id or --tag TAG"):
+            _target(bad)
+    with pytest.raises(InvalidInput, match="--dry-run goes with --tag"):
+        _target(args(7, None, dry_run=True))
+    assert job_tag("tenant:42") == "tenant:42"
+    with pytest.raises(argparse.ArgumentTypeError, match="contains whitespace"):
+        job_tag("has space")

@@ -139,3 +139,22 @@ def test_parse_rate_reads_a_count_per_period(text: str, parsed: tuple[int, int])
 def test_parse_rate_refuses_in_one_line(text: str, says: str) -> None:
     with pytest.raises(InvalidInput, match=says):
         parse_rate(text)
+
+
+def test_tags_become_a_tuple_and_copy_lines_escape_them_twice() -> None:
+    """A tag may hold quotes, backslashes and braces: the array literal quotes and
+    escapes each element, then COPY's text format escapes the backslashes again.
+    A batch without tags or meta keeps the columns it had (no tags, no meta sent)."""
+    from datetime import UTC, datetime
+
+    from scheduler.store.jobs import copy_lines
+
+    now = datetime(2026, 12, 3, tzinfo=UTC)
+    spec = JobSpec("t", tags=['q"uote', "back\\slash", "{b}"], meta={"k": "v"})
+    assert spec.tags == ('q"uote', "back\\slash", "{b}")
+    lines, _, tagged = copy_lines([spec], now)
+    assert tagged
+    fields = lines[0].rstrip("\n").split("\t")
+    assert fields[-2:] == ['{"q\\\\"uote","back\\\\\\\\slash","{b}"}', '{"k":"v"}']
+    plain, _, tagged = copy_lines([JobSpec("t")], now)
+    assert not tagged and len(plain[0].split("\t")) == 6

@@ -18,10 +18,18 @@ COMPOSED = {
     "schedules.claim_due": schedules.CLAIM_DUE,
     "schedules.claim_due_ids": schedules.CLAIM_DUE_IDS,
     "schedules.claimed_schedule": schedules.CLAIMED_SCHEDULE,
-    "jobs.list": jobs.LIST,
-    "jobs.matching": compose("jobs", "matching", status="pending", filter=jobs.FILTER),
-    "jobs.matching_ids": compose("jobs", "matching_ids", status="dead", filter=jobs.FILTER),
-    **{f"dashboard.page.{state}": sql for state, sql in dashboard.PAGES.items()},
+    **{f"jobs.list.tagged={tagged}": sql for tagged, sql in jobs.LIST.items()},
+    **{
+        f"jobs.{name}.tagged={tagged}": compose(
+            "jobs", name, states="status = 'pending'", filter=jobs.FILTERS[tagged]
+        )
+        for name in ("matching", "matching_ids")
+        for tagged in (False, True)
+    },
+    **{
+        f"dashboard.page.{state}.tagged={tagged}": sql
+        for (state, tagged), sql in dashboard.PAGES.items()
+    },
 }
 
 
@@ -47,7 +55,7 @@ def test_format_paramstyle_serves_dbapi_drivers_from_the_same_text() -> None:
     text, order = format_paramstyle("-- $9 is a comment, 50%\nSELECT $2, '5%', $1, $2")
     assert text == "SELECT %s, '5%%', %s, %s" and order == (1, 0, 1)
     insert, order = format_paramstyle(load("jobs")["insert"])
-    assert "$" not in insert and "--" not in insert and insert.count("%s") == 9
-    assert order == tuple(range(9))
+    assert "$" not in insert and "--" not in insert and insert.count("%s") == 11
+    assert order == tuple(range(11))
     unique, order = format_paramstyle(load("jobs")["insert_unique"])
-    assert order == tuple(range(12)) and "duetime.enqueue_unique(" in unique
+    assert order == tuple(range(14)) and "duetime.enqueue_unique(" in unique

@@ -14,7 +14,8 @@
 -- statement of worker_begin_jobs with two more columns), so no message grows and no
 -- round trip is added. worker_begin_jobs stays for workers of the previous release
 -- during a rolling deploy. enqueue_unique gets an overload with the trace context as a
--- twelfth argument; the eleven-argument one stays for producers of the previous release.
+-- fourteenth argument (after 0022's tags and meta); the eleven- and thirteen-argument
+-- ones stay for producers of earlier releases.
 
 ALTER TABLE duetime.jobs ADD COLUMN traceparent text;
 
@@ -75,12 +76,13 @@ REVOKE EXECUTE ON FUNCTION duetime.worker_begin_traced(bigint[], timestamptz[], 
                                                       bigint[], bigint[], integer[], bigint[])
     FROM PUBLIC;
 
--- enqueue_unique (0017) with the trace context of the enqueuing code.
+-- enqueue_unique (0022: with tags and meta) with the trace context of the enqueuing code.
 CREATE FUNCTION duetime.enqueue_unique(
         new_task text, new_payload jsonb, new_due_at timestamptz, new_queue text,
         new_max_attempts integer, new_idempotency_key text, new_priority smallint,
         new_limit_key text, new_unique_key text,
-        on_conflict text, unique_for text, new_traceparent text)
+        on_conflict text, unique_for text, new_tags text[], new_meta jsonb,
+        new_traceparent text)
     RETURNS TABLE (outcome text, holder_id bigint, job duetime.jobs)
     LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -94,10 +96,11 @@ BEGIN
         BEGIN
             INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts,
                                       idempotency_key, priority, limit_key, unique_key,
-                                      traceparent)
+                                      tags, meta, traceparent)
             VALUES (new_task, new_payload, coalesce(new_due_at, now()), new_queue,
                     new_max_attempts, new_idempotency_key, new_priority, new_limit_key,
-                    new_unique_key, new_traceparent)
+                    new_unique_key, coalesce(new_tags, '{}'),
+                    coalesce(new_meta, '{}'::jsonb), new_traceparent)
             RETURNING * INTO inserted;
         EXCEPTION WHEN unique_violation THEN
             GET STACKED DIAGNOSTICS failed = CONSTRAINT_NAME,
@@ -111,10 +114,11 @@ BEGIN
     ELSE
         INSERT INTO duetime.jobs (task, payload, due_at, queue, max_attempts,
                                   idempotency_key, priority, limit_key, unique_key,
-                                  traceparent)
+                                  tags, meta, traceparent)
         VALUES (new_task, new_payload, coalesce(new_due_at, now()), new_queue,
                 new_max_attempts, new_idempotency_key, new_priority, new_limit_key,
-                new_unique_key, new_traceparent)
+                new_unique_key, coalesce(new_tags, '{}'),
+                coalesce(new_meta, '{}'::jsonb), new_traceparent)
         RETURNING * INTO inserted;
     END IF;
     IF outcome IS NULL THEN
