@@ -311,7 +311,7 @@ async def check_effects(conn: asyncpg.Connection) -> None:
         " AND (payload->>'order_id')::int IN (1, 2, 6, 7, 9, 10)"
     )
     assert {r["status"] for r in done} == {"succeeded"}, done
-    assert len(done) == 7
+    assert len(done) == 7, [dict(r) for r in done]
     assert await conn.fetchval("SELECT count(*) FROM orders WHERE id = 8") == 0
     assert not [j for j in receipt_jobs if j["payload"]["order_id"] == 8]
     receipts = await conn.fetch("SELECT order_id, sent_with FROM receipts ORDER BY order_id")

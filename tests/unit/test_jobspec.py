@@ -157,4 +157,4 @@ def test_tags_become_a_tuple_and_copy_lines_escape_them_twice() -> None:
     fields = lines[0].rstrip("\n").split("\t")
     assert fields[-2:] == ['{"q\\\\"uote","back\\\\\\\\slash","{b}"}', '{"k":"v"}']
     plain, _, tagged = copy_lines([JobSpec("t")], now)
-    assert not tagged and len(plain[0].split("\t")) == 6
+    assert not tagged and len(plain[0].split("\t")) == 7  # BULK_COLUMNS
