@@ -215,6 +215,7 @@ class Dispatcher:
         self._rated: tuple[Allowance, list[LimitedJob]] | None = None
         self._limit_series: set[str] = set()  # targets LIMIT_HELD has a series for
         self.buckets = RateBuckets(burst=config.rate_burst, clock=clock)
+        self._rated_at: float | None = None  # when the logged starts' buckets were read
         self.out = PublisherAndGate(
             ctx.settings,
             name=self.name,
@@ -335,6 +336,7 @@ class Dispatcher:
         result: PublishResult | None = None
         lags: dict[int, float] = {}
         starts: dict[tuple[str, str], int] = {}
+        self._rated_at = None
         held = self.credit.held()
         limit = self.credit.limit(self.config.batch_size)
         try:
@@ -376,8 +378,9 @@ class Dispatcher:
         assert result is not None
         for (target, _key), count in starts.items():
             LIMIT_STARTS.labels(self.shard, target).inc(count)
-        if starts:
-            self.buckets.charge({lim.target: lim for lim in self._limits}, starts)
+        if starts and self._rated_at is not None:
+            limits = {lim.target: lim for lim in self._limits}
+            self.buckets.charge(limits, starts, self._rated_at)
         later = [job for job in later if job.id in lags]  # marked by this commit
         if later:
             result = await self._publish_after_commit(later, result, epoch)
@@ -492,6 +495,7 @@ class Dispatcher:
                 seen.update(job.job.id for job in more)
         kept, left = allowance.take(found, limit)  # the others stay pending
         self._limits_holding = allowance.holding() or bool(left)
+        self._rate_free_in = allowance.free_in()  # after take: its slices are spent
         if allowance.rated and kept:
             self._rated = (allowance, kept)
         return [job.job for job in kept]
@@ -505,6 +509,7 @@ class Dispatcher:
             return {}
         allowance, kept = self._rated
         self._rated = None
+        self._rated_at = allowance.read_at
         starts = allowance.rate_starts(job for job in kept if job.job.id in lags)
         await self.limits.record_starts(conn, starts)
         return starts

@@ -66,6 +66,7 @@ class Allowance:
     ) -> None:
         self.limits = {lim.target: lim for lim in limits}
         self.buckets = buckets  # spread each rate's starts (None: the window alone)
+        self.read_at = buckets.now() if buckets is not None else 0.0  # tokens as of then
         self._charged: Counter[tuple[str, str]] = Counter()  # kept by ``take``, per slot
         self._used: dict[tuple[str, str], int] = {}  # (target, key or '') -> dispatched
         self._started: dict[tuple[str, str], int] = {}  # (target, key or '') -> in window
@@ -118,7 +119,8 @@ class Allowance:
         if lim.rate_count is not None:
             room = min(room, lim.rate_count - self._started.get(slot, 0))
             if self.buckets is not None:
-                room = min(room, self.buckets.room(lim, slot[1]) - self._charged[slot])
+                tokens = self.buckets.tokens(lim, slot[1], self.read_at)
+                room = min(room, int(tokens + 1e-9) - self._charged[slot])
         return max(0, room)
 
     def closed(self) -> Closed:
@@ -181,7 +183,7 @@ class Allowance:
             if self._started.get(slot, 0) >= lim.rate_count:
                 wait = self._free_in.get(slot, 0.0)
             if self.buckets is not None:
-                wait = max(wait, self.buckets.wait(lim, key))
+                wait = max(wait, self.buckets.wait(lim, key, self._charged[slot]))
             waits.append(wait)
         return max(0.0, min(waits)) if waits else None
 

@@ -41,6 +41,7 @@ def test_tokens_refill_at_the_rate_and_stop_at_the_capacity() -> None:
     clock.advance(0.05)
     assert buckets.room(RATE) == 2
     assert buckets.wait(RATE) == 0
+    buckets.charge(limits, {("task:mail", ""): 1})  # 1 of 2: not behind any more
     clock.advance(10)
     assert buckets.room(RATE) == 5  # never more than the capacity
     buckets.charge(limits, {})
@@ -96,3 +97,30 @@ def test_without_buckets_the_window_alone_decides() -> None:
 def test_a_burst_outside_0_1_is_refused() -> None:
     with pytest.raises(ValueError, match="burst"):
         RateBuckets(burst=1.5, clock=ManualClock())
+
+
+def test_a_slot_behind_is_credited_for_a_slow_pass_and_an_idle_one_is_not() -> None:
+    clock = ManualClock()
+    buckets = RateBuckets(burst=0.1, clock=clock)
+    limits = {RATE.target: RATE}
+    buckets.charge(limits, {("task:mail", ""): 5})  # took every token: behind
+    clock.advance(0.3)  # a slow pass (a loaded machine)
+    assert buckets.room(RATE) == 15  # not clipped at 5: the mean is kept
+    clock.advance(5)
+    assert buckets.room(RATE) == 25  # credited for CATCH_UP (0.5 s) at most
+    buckets.charge(limits, {("task:mail", ""): 2})  # got all it asked for: not behind
+    clock.advance(0.3)
+    assert buckets.room(RATE) == 5
+
+
+def test_a_behind_bucket_is_kept_while_it_is_credited() -> None:
+    """A charge that a slow commit follows must not forget the slot as full: its credit
+    past the capacity would be lost (a 10/s rate started 4.7/s that way)."""
+    clock = ManualClock()
+    buckets = RateBuckets(burst=0.1, clock=clock)
+    slow = Limit("task:x", None, rate_count=10, rate_period=1)
+    buckets.charge({slow.target: slow}, {("task:x", ""): 1})  # capacity 1, all taken
+    clock.advance(0.15)  # the commit
+    buckets.charge({slow.target: slow}, {})
+    clock.advance(0.1)
+    assert buckets.room(slow) == 2
