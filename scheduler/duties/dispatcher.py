@@ -216,6 +216,7 @@ class Dispatcher:
         self._limit_series: set[str] = set()  # targets LIMIT_HELD has a series for
         self.buckets = RateBuckets(burst=config.rate_burst, clock=clock)
         self._rated_at: float | None = None  # when the logged starts' buckets were read
+        self._rated_exhausted: set[tuple[str, str]] = set()  # their slots left with no room
         self.out = PublisherAndGate(
             ctx.settings,
             name=self.name,
@@ -380,7 +381,7 @@ class Dispatcher:
             LIMIT_STARTS.labels(self.shard, target).inc(count)
         if starts and self._rated_at is not None:
             limits = {lim.target: lim for lim in self._limits}
-            self.buckets.charge(limits, starts, self._rated_at)
+            self.buckets.charge(limits, starts, self._rated_at, self._rated_exhausted)
         later = [job for job in later if job.id in lags]  # marked by this commit
         if later:
             result = await self._publish_after_commit(later, result, epoch)
@@ -510,6 +511,7 @@ class Dispatcher:
         allowance, kept = self._rated
         self._rated = None
         self._rated_at = allowance.read_at
+        self._rated_exhausted = allowance.exhausted()
         starts = allowance.rate_starts(job for job in kept if job.job.id in lags)
         await self.limits.record_starts(conn, starts)
         return starts

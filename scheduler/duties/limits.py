@@ -197,6 +197,14 @@ class Allowance:
                     starts[self._slot(lim, job.limit_key)] += 1
         return dict(starts)
 
+    def exhausted(self) -> set[tuple[str, str]]:
+        """The rated slots ``take`` charged that have no room left (their jobs wait)."""
+        return {
+            slot
+            for slot in self._charged
+            if (lim := self.limits.get(slot[0])) is not None and self.room(lim, slot[1]) == 0
+        }
+
     @property
     def fair_queues(self) -> tuple[str, ...]:
         """Queues whose due jobs start round-robin between their keys, with room."""

@@ -18,7 +18,8 @@ slices and 13 ms a tenth less); a bucket's tokens accrue while the claim runs, s
 late pass takes a larger slice and the mean stays at N per period.
 
 A bucket holds at most ``capacity`` tokens, except while its slot is *behind*: its
-last pass took every whole token (jobs were waiting for more). Then the time until the
+last pass took every whole token or all the room the window left (jobs were waiting
+for more). Then the time until the
 next pass is credited in full, up to ``CATCH_UP`` seconds: a pass slower than
 ``capacity / rate`` (a loaded machine: 100-200 ms; a 50/s rate's bucket of 5 fills in
 100 ms) would otherwise lose the tokens past the capacity, and the mean with them
@@ -36,7 +37,7 @@ allows. Full buckets are forgotten, which bounds memory by the slots charged wit
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from scheduler.clock import Clock
@@ -108,18 +109,21 @@ class RateBuckets:
         limits: Mapping[str, Limit],
         starts: Mapping[tuple[str, str], int],
         at: float | None = None,
+        exhausted: Collection[tuple[str, str]] = (),
     ) -> None:
         """Take the tokens of ``starts`` (per (target, key) slot, as logged) as of the
         instant ``at`` their room was read (default now): tokens that accrue while the
-        claim commits are the next pass's, and a pass that took every whole token it
-        saw leaves its slot behind."""
+        claim commits are the next pass's. A slot is left behind when the pass took
+        every whole token it saw, or all the room it had (``exhausted``: the window
+        held it back): its jobs wait, and the wait until the next pass is theirs."""
         at = self._clock.monotonic() if at is None else at
         for (target, key), count in starts.items():
             lim = limits.get(target)
             if lim is None or lim.rate_count is None:
                 continue
             tokens = self.tokens(lim, key, at) - count
-            self._buckets[(target, key)] = _Bucket(tokens, at, behind=tokens < 1)
+            behind = tokens < 1 or (target, key) in exhausted
+            self._buckets[(target, key)] = _Bucket(tokens, at, behind=behind)
         self._forget_full(limits)
 
     def slots(self) -> list[tuple[str, str]]:

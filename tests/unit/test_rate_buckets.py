@@ -124,3 +124,14 @@ def test_a_behind_bucket_is_kept_while_it_is_credited() -> None:
     buckets.charge({slow.target: slow}, {})
     clock.advance(0.1)
     assert buckets.room(slow) == 2
+
+
+def test_a_slot_the_window_held_back_is_behind_too() -> None:
+    clock = ManualClock()
+    buckets = RateBuckets(burst=0.1, clock=clock)
+    a = Allowance([RATE], [], [Started("task:mail", "", 48, 0.1)], buckets)
+    kept, _ = a.take([J("mail")] * 5, limit=100)
+    assert len(kept) == 2 and a.exhausted() == {("task:mail", "")}
+    buckets.charge(a.limits, a.rate_starts(kept), a.read_at, a.exhausted())
+    clock.advance(0.3)
+    assert buckets.room(RATE) == 15  # credited for the wait, not clipped at 5
