@@ -216,6 +216,7 @@ class Dispatcher:
         self._limit_series: set[str] = set()  # targets LIMIT_HELD has a series for
         self.buckets = RateBuckets(burst=config.rate_burst, clock=clock)
         self._rated_at: float | None = None  # when the logged starts' buckets were read
+        self._slack = False  # no limit can bind this claim (``Allowance.slack``)
         self._rated_exhausted: set[tuple[str, str]] = set()  # their slots left with no room
         self.out = PublisherAndGate(
             ctx.settings,
@@ -461,6 +462,7 @@ class Dispatcher:
         self._limits_holding = False
         self._rate_free_in = None
         self._rated = None
+        self._slack = False
         if not self._limits:
             return []
         allowance = Allowance(
@@ -470,6 +472,10 @@ class Dispatcher:
             self.buckets,
         )
         self._rate_free_in = allowance.free_in()
+        if allowance.slack(limit):
+            # no limit can bind this claim: the general claim takes every due job
+            self._slack = True
+            return []
         if allowance.all_closed():
             # every target is full: its claim would only step over their due rows
             self._limits_holding = True
@@ -520,8 +526,9 @@ class Dispatcher:
         """The batch's general claim (without the limited tasks and queues); row by row,
         parking what cannot be read, if it must be."""
         max_wait = self.config.max_wait
-        skip_tasks = sorted({lim.name for lim in self._limits if lim.kind == "task"})
-        held = [*held, *(lim.name for lim in self._limits if lim.kind == "queue")]
+        skipped = [] if self._slack else self._limits
+        skip_tasks = sorted({lim.name for lim in skipped if lim.kind == "task"})
+        held = [*held, *(lim.name for lim in skipped if lim.kind == "queue")]
         try:
             return await self.store.claim(
                 conn, limit, max_wait=max_wait, held=held, skip_tasks=skip_tasks

@@ -155,6 +155,21 @@ class Allowance:
             not lim.per_key and not lim.fair and self.room(lim) == 0 for lim in self.limits.values()
         )
 
+    def slack(self, limit: int) -> bool:
+        """Whether no limit can bind a claim of ``limit`` jobs: every limit is a plain
+        cap (no rate, not fair) with room for ``limit`` more (in its busiest key, per
+        key). Then the general claim may take the limited targets' jobs with the others,
+        as if there were no limits: a job charges one cap of its task and one of its
+        queue at most, and each has room for the whole claim. A limit that does not
+        bind then costs the count alone (docs/benchmarks.md, issue 23's target 6)."""
+        for lim in self.limits.values():
+            if lim.fair or lim.rate_count is not None or lim.max_running is None:
+                return False
+            used = [n for (target, _), n in self._used.items() if target == lim.target]
+            if lim.max_running - max(used, default=0) < limit:
+                return False
+        return True
+
     def bound(self, limits: Sequence[Limit]) -> int | None:
         """At most how many jobs the limited claim should lock for ``limits``: the room
         of a single limit that is not per key, else None (no bound). With several
