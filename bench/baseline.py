@@ -27,7 +27,7 @@ from bench.dispatch_rate import (
     purge,
     reset_jobs,
 )
-from bench.harness import REPO, Sandbox, Services, wait_for_line
+from bench.harness import REPO, Sandbox, Services, set_limits, wait_for_line
 from bench.report import load_average, now_iso, ratio
 from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
@@ -41,6 +41,7 @@ from tests.support.procs import python_module_argv
 class BaselineParams:
     jobs: int = 20_000
     batch: int = 500
+    limits: tuple[str, ...] = ()  # ``--limit``: set before the dispatch and the pipeline
 
     @classmethod
     def quick(cls) -> BaselineParams:
@@ -65,6 +66,7 @@ async def _pipeline(sb: Sandbox, settings: Any, n: int, batch: int) -> dict[str,
     dispatcher = Dispatcher(DutyContext.standalone(settings, sb.db), config=config)
     await dispatcher.setup()
     dispatcher.loop.bind(LeaderTerm(EPOCH, "bench"))
+    await dispatcher.read_limits()  # what run_once does first (``--limit``)
     started = time.time()
     published = 0
     try:
@@ -94,6 +96,7 @@ async def run(services: Services, params: BaselineParams) -> dict[str, Any]:
     async with Sandbox(services, "baseline") as sb:
         settings = sb.settings()
         await FenceStore(sb.db).advance(EPOCH, "bench")
+        limits = await set_limits(sb.db, params.limits)
         await purge(services.amqp_url, sb.queue)
         claim = await bench_claim_only(sb.db, sb.queue, n, batch)
         load_claim = load_average()
@@ -109,7 +112,7 @@ async def run(services: Services, params: BaselineParams) -> dict[str, Any]:
     return {
         "scenario": "baseline",
         "started_at": now_iso(),
-        "params": vars(params),
+        "params": {**vars(params), "limits": limits},
         "claim_only": claim,
         "publish_only": publish,
         "dispatch": dispatch,

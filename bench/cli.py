@@ -65,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-load-seconds", type=float, help="scale: skip sizes slower to load")
     g.add_argument("--concurrency", type=int, help="worker concurrency")
+    g.add_argument(
+        "--limit",
+        action="append",
+        metavar="TARGET=N|N/s",
+        help="storm, baseline: set this limit first (max_running N, or a rate; repeatable)",
+    )
     g.add_argument("--workers", type=int, help="storm: worker processes")
     g.add_argument(
         "--shards", type=_counts, help="shards: shard counts K (e.g. 1,2,4); shardsim: first = K"
@@ -177,6 +183,7 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
                     "start_in": "start_in",
                     "concurrency": "concurrency",
                     "workers": "workers",
+                    "limit": "limits",
                 },
             ),
             out_dir / f"storm{suffix}.png",
@@ -225,7 +232,8 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
     for name in chosen:
         if name == "baseline":
             base = await baseline.run(
-                services, _params(baseline.BaselineParams, args, {"jobs": "jobs"})
+                services,
+                _params(baseline.BaselineParams, args, {"jobs": "jobs", "limit": "limits"}),
             )
             ref = f"same run {base['started_at']}"
             record(base)

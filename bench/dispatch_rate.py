@@ -113,6 +113,7 @@ async def bench_dispatch(
     dispatcher = Dispatcher(DutyContext.standalone(settings, pool), config=config)
     await dispatcher.setup()
     dispatcher.loop.bind(LeaderTerm(EPOCH, "bench"))
+    await dispatcher.read_limits()  # what run_once does first (the bench's ``--limit``)
     timed = Timed()
     store = dispatcher.store
     store.claim = timed.wrap("claim", store.claim)  # type: ignore[method-assign,assignment]

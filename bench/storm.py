@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cpu import CpuMeter
-from bench.harness import Sandbox, Services
+from bench.harness import Sandbox, Services, set_limits
 from bench.lag import summarize
 from bench.report import load_average, now_iso, plot_lag, ratio
 from scheduler.jobspec import JobSpec
@@ -34,6 +34,7 @@ class StormParams:
     start_in: float = 3.0
     workers: int = 1
     concurrency: int = 32
+    limits: tuple[str, ...] = ()  # ``--limit``: set before the scheduler starts
 
     @classmethod
     def quick(cls) -> StormParams:
@@ -45,6 +46,7 @@ async def run(
 ) -> dict[str, Any]:
     load_start = load_average()
     async with Sandbox(services, "storm") as sb:
+        limits = await set_limits(sb.db, params.limits)
         scheduler = await sb.start_scheduler()
         workers = [await sb.start_worker(params.concurrency) for _ in range(params.workers)]
         meter = CpuMeter({"scheduler": [scheduler.pid], "workers": [w.pid for w in workers]})
@@ -79,7 +81,7 @@ async def run(
     result: dict[str, Any] = {
         "scenario": "storm",
         "started_at": now_iso(),
-        "params": vars(params),
+        "params": {**vars(params), "limits": limits},
         "insert": {"jobs": inserted, "seconds": round(insert_s, 3),
                    "jobs_per_s": round(inserted / insert_s)},
         "completed": completed,

@@ -65,15 +65,18 @@ while any exist each claim transaction counts the dispatched jobs of the limited
 (``LimitStore.counts``), takes their due jobs first with a claim of its own, kept only as
 far as the remaining allowance goes (``scheduler.duties.limits``), and the general claim
 skips the limited tasks and queues. A job held by a limit stays ``pending``; while a
-limit holds jobs the loop re-counts every ``limits_poll`` (a worker's outcome does not
-wake it), or sooner when a rate's window frees a start before that.
+limit holds jobs the loop re-counts every ``limits_poll``, or sooner: an outcome that
+frees a ``max_running`` slot NOTIFYs ``duetime_jobs`` from the worker's settling
+transaction (migration 0024), and a rate's next start is known to the millisecond.
 
 Rate limits (``--rate N/s``, migration 0018) are decided in the same transaction: the
 starts of each rate's sliding window are summed from the start log
 (``LimitStore.starts``) with the counts, the allowance keeps no more than the rest, and
 the starts of the jobs marked dispatched are logged (``record_starts``) before the
 commit, so a dispatch and its start become visible together or not at all, and a new
-leader reads the same window (docs/architecture.md, "Rate limits").
+leader reads the same window (docs/architecture.md, "Rate limits"). Within the window a
+token bucket per rate (``scheduler.duties.rate_buckets``, in memory, ``rate_burst``)
+spreads the starts over the period instead of one burst when the window frees.
 
 Only declared queues (``duetime.queues``, migration 0008) are claimed, probed and so
 published: a producer's new ``queue`` value cannot make the broker create a queue. Jobs
@@ -97,6 +100,7 @@ from scheduler.duties.credit import DispatchCredit
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
 from scheduler.duties.limits import Allowance
 from scheduler.duties.pacing import BatchReport, DispatchPacing
+from scheduler.duties.rate_buckets import RateBuckets
 from scheduler.duties.report import MAX_IDS_LOGGED, report_parked, some_ids
 from scheduler.duties.unsettled import Unsettled
 from scheduler.metrics import (
@@ -172,7 +176,11 @@ class DispatcherConfig:
     limits_interval: float = knob(1.0, gt=0)
     """How often the limits are read again (a new or changed limit applies after it)."""
     limits_poll: float = knob(0.05, gt=0)
-    """The pause between claims while a limit holds due jobs back."""
+    """The longest pause between claims while a limit holds due jobs back (an outcome
+    that frees a slot wakes the loop sooner)."""
+    rate_burst: float = knob(0.1, gt=0)
+    """Share of a rate's count that may start at once (its token bucket, at least 1 job);
+    the rest of a period's starts are spread evenly over the period."""
 
     def __post_init__(self) -> None:
         check_knobs(self)
@@ -208,6 +216,10 @@ class Dispatcher:
         self._rated: tuple[Allowance, list[LimitedJob]] | None = None
         self._limit_series: set[str] = set()  # targets LIMIT_HELD has a series for
         self._paused_series: set[str] = set()  # queues QUEUE_PAUSED has a series for
+        self.buckets = RateBuckets(burst=config.rate_burst, clock=clock)
+        self._rated_at: float | None = None  # when the logged starts' buckets were read
+        self._slack = False  # no limit can bind this claim (``Allowance.slack``)
+        self._rated_exhausted: set[tuple[str, str]] = set()  # their slots left with no room
         self.out = PublisherAndGate(
             ctx.settings,
             name=self.name,
@@ -254,6 +266,7 @@ class Dispatcher:
         await self.out.close()
         self.pacing.reset()  # ``unsettled`` is kept: a failed pass tears down too
         self.credit.reset()  # the next term reads the broker's buffers again
+        self.buckets.reset()  # the window, read from the rows, bounds a new term's start
         self._limits_read_at = float("-inf")
 
     @property
@@ -265,7 +278,7 @@ class Dispatcher:
     async def run_once(self) -> float:
         """Dispatch what is due; return how long to sleep (wake() cuts it short)."""
         await self._ensure_listener()
-        if not await self._read_limits():
+        if not await self.read_limits():
             return self.config.limits_poll  # fail closed: a limit must not be skipped
         if self.pacing.backlog_sample_due():
             with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
@@ -328,6 +341,7 @@ class Dispatcher:
         result: PublishResult | None = None
         lags: dict[int, float] = {}
         starts: dict[tuple[str, str], int] = {}
+        self._rated_at = None
         held = self.credit.held()
         limit = self.credit.limit(self.config.batch_size)
         try:
@@ -369,6 +383,9 @@ class Dispatcher:
         assert result is not None
         for (target, _key), count in starts.items():
             LIMIT_STARTS.labels(self.shard, target).inc(count)
+        if starts and self._rated_at is not None:
+            limits = {lim.target: lim for lim in self._limits}
+            self.buckets.charge(limits, starts, self._rated_at, self._rated_exhausted)
         later = [job for job in later if job.id in lags]  # marked by this commit
         if later:
             result = await self._publish_after_commit(later, result, epoch)
@@ -419,7 +436,7 @@ class Dispatcher:
             seconds=result.seconds + after.seconds,
         )
 
-    async def _read_limits(self) -> bool:
+    async def read_limits(self) -> bool:
         """Refresh the cached limits every ``limits_interval`` (a failed read keeps the
         last ones: the counts, not this list, are what keeps a limit exact). False while
         they have not been read once in this term: then nothing may be claimed, since
@@ -448,14 +465,20 @@ class Dispatcher:
         self._limits_holding = False
         self._rate_free_in = None
         self._rated = None
+        self._slack = False
         if not self._limits:
             return []
         allowance = Allowance(
             self._limits,
             await self.limits.counts(conn, self._limits),
             await self.limits.starts(conn, self._limits),
+            self.buckets,
         )
         self._rate_free_in = allowance.free_in()
+        if allowance.slack(limit):
+            # no limit can bind this claim: the general claim takes every due job
+            self._slack = True
+            return []
         if allowance.all_closed():
             # every target is full: its claim would only step over their due rows
             self._limits_holding = True
@@ -482,6 +505,7 @@ class Dispatcher:
                 seen.update(job.job.id for job in more)
         kept, left = allowance.take(found, limit)  # the others stay pending
         self._limits_holding = allowance.holding() or bool(left)
+        self._rate_free_in = allowance.free_in()  # after take: its slices are spent
         if allowance.rated and kept:
             self._rated = (allowance, kept)
         return [job.job for job in kept]
@@ -495,6 +519,8 @@ class Dispatcher:
             return {}
         allowance, kept = self._rated
         self._rated = None
+        self._rated_at = allowance.read_at
+        self._rated_exhausted = allowance.exhausted()
         starts = allowance.rate_starts(job for job in kept if job.job.id in lags)
         await self.limits.record_starts(conn, starts)
         return starts
@@ -503,8 +529,9 @@ class Dispatcher:
         """The batch's general claim (without the limited tasks and queues); row by row,
         parking what cannot be read, if it must be."""
         max_wait = self.config.max_wait
-        skip_tasks = sorted({lim.name for lim in self._limits if lim.kind == "task"})
-        held = [*held, *(lim.name for lim in self._limits if lim.kind == "queue")]
+        skipped = [] if self._slack else self._limits
+        skip_tasks = sorted({lim.name for lim in skipped if lim.kind == "task"})
+        held = [*held, *(lim.name for lim in skipped if lim.kind == "queue")]
         try:
             return await self.store.claim(
                 conn, limit, max_wait=max_wait, held=held, skip_tasks=skip_tasks

@@ -14,6 +14,9 @@ the smaller of what both leave. Then:
   candidate set of the rest, which ``take`` walks in claim order, keeping a job only if
   every limit it falls under has room and charging each of them.
 
+A rate's room is also what its token bucket holds (``scheduler.duties.rate_buckets``:
+the window keeps the rate exact, the bucket spreads its starts over the period).
+
 A job under both a task limit and a queue limit is charged to both. After marking the
 kept jobs dispatched, the dispatcher logs their starts (``rate_starts``) in the same
 transaction, which is what the next claim's window sums. A ``fair`` queue's
@@ -28,6 +31,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeVar
 
+from scheduler.duties.rate_buckets import RateBuckets
 from scheduler.store.limits import Closed, Limit, Running, Started
 
 __all__ = ["Allowance"]
@@ -58,8 +62,12 @@ class Allowance:
         limits: Sequence[Limit],
         running: Iterable[Running],
         started: Iterable[Started] = (),
+        buckets: RateBuckets | None = None,
     ) -> None:
         self.limits = {lim.target: lim for lim in limits}
+        self.buckets = buckets  # spread each rate's starts (None: the window alone)
+        self.read_at = buckets.now() if buckets is not None else 0.0  # tokens as of then
+        self._charged: Counter[tuple[str, str]] = Counter()  # kept by ``take``, per slot
         self._used: dict[tuple[str, str], int] = {}  # (target, key or '') -> dispatched
         self._started: dict[tuple[str, str], int] = {}  # (target, key or '') -> in window
         self._free_in: dict[tuple[str, str], float] = {}  # when the oldest start leaves
@@ -110,6 +118,9 @@ class Allowance:
             room = min(room, lim.max_running - self._used.get(slot, 0))
         if lim.rate_count is not None:
             room = min(room, lim.rate_count - self._started.get(slot, 0))
+            if self.buckets is not None:
+                tokens = self.buckets.tokens(lim, slot[1], self.read_at)
+                room = min(room, int(tokens + 1e-9) - self._charged[slot])
         return max(0, room)
 
     def closed(self) -> Closed:
@@ -125,7 +136,8 @@ class Allowance:
                 if self.room(lim) == 0:
                     (tasks if lim.kind == "task" else queues).append(lim.name)
                 continue
-            keys = {key for target, key in (*self._used, *self._started) if target == lim.target}
+            known = (*self._used, *self._started, *self._bucket_slots())
+            keys = {key for target, key in known if target == lim.target}
             for key in sorted(keys):
                 if self.room(lim, key) == 0:
                     (task_keys if lim.kind == "task" else queue_keys).append((lim.name, key))
@@ -143,6 +155,21 @@ class Allowance:
             not lim.per_key and not lim.fair and self.room(lim) == 0 for lim in self.limits.values()
         )
 
+    def slack(self, limit: int) -> bool:
+        """Whether no limit can bind a claim of ``limit`` jobs: every limit is a plain
+        cap (no rate, not fair) with room for ``limit`` more (in its busiest key, per
+        key). Then the general claim may take the limited targets' jobs with the others,
+        as if there were no limits: a job charges one cap of its task and one of its
+        queue at most, and each has room for the whole claim. A limit that does not
+        bind then costs the count alone (docs/benchmarks.md, issue 23's target 6)."""
+        for lim in self.limits.values():
+            if lim.fair or lim.rate_count is not None or lim.max_running is None:
+                return False
+            used = [n for (target, _), n in self._used.items() if target == lim.target]
+            if lim.max_running - max(used, default=0) < limit:
+                return False
+        return True
+
     def bound(self, limits: Sequence[Limit]) -> int | None:
         """At most how many jobs the limited claim should lock for ``limits``: the room
         of a single limit that is not per key, else None (no bound). With several
@@ -152,14 +179,27 @@ class Allowance:
             return None
         return self.room(limits[0])
 
+    def _bucket_slots(self) -> list[tuple[str, str]]:
+        return self.buckets.slots() if self.buckets is not None else []
+
     def free_in(self) -> float | None:
-        """Seconds until a start leaves the window of a rate that has no room left (the
-        soonest such), or None when no rate holds anything back."""
-        waits = [
-            wait
-            for (target, key), wait in self._free_in.items()
-            if self.room(self.limits[target], key) == 0
-        ]
+        """Seconds until a rate that has no room left admits starts again (the soonest
+        such): its window frees a start and its bucket holds a slice; None when no rate
+        holds anything back (a full ``max_running`` waits for an outcome instead)."""
+        waits = []
+        for target, key in {*self._free_in, *self._bucket_slots()}:
+            lim = self.limits.get(target)
+            if lim is None or lim.rate_count is None or self.room(lim, key) > 0:
+                continue
+            slot = self._slot(lim, key)
+            if lim.max_running is not None and self._used.get(slot, 0) >= lim.max_running:
+                continue
+            wait = 0.0
+            if self._started.get(slot, 0) >= lim.rate_count:
+                wait = self._free_in.get(slot, 0.0)
+            if self.buckets is not None:
+                wait = max(wait, self.buckets.wait(lim, key, self._charged[slot]))
+            waits.append(wait)
         return max(0.0, min(waits)) if waits else None
 
     def rate_starts(self, jobs: Iterable[J]) -> dict[tuple[str, str], int]:
@@ -171,6 +211,14 @@ class Allowance:
                 if lim.rate_count is not None:
                     starts[self._slot(lim, job.limit_key)] += 1
         return dict(starts)
+
+    def exhausted(self) -> set[tuple[str, str]]:
+        """The rated slots ``take`` charged that have no room left (their jobs wait)."""
+        return {
+            slot
+            for slot in self._charged
+            if (lim := self.limits.get(slot[0])) is not None and self.room(lim, slot[1]) == 0
+        }
 
     @property
     def fair_queues(self) -> tuple[str, ...]:
@@ -198,5 +246,6 @@ class Allowance:
                 self._used[slot] = self._used.get(slot, 0) + 1
                 if lim.rate_count is not None:
                     self._started[slot] = self._started.get(slot, 0) + 1
+                    self._charged[slot] += 1
             kept.append(job)
         return kept, left

@@ -25,21 +25,27 @@ from scheduler.store.rows import Completion, JobRef
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, dispatched_job
 
 #: How the worker's functions compute the key of the row they read or settle, as written
-#: there (the row's alias, then these columns): migration 0019, which replaced 0009's
-#: with the job-control versions the worker calls now (its begin read since 0023).
+#: there (the row's alias, then these columns): migration 0019's worker_begin_jobs and
+#: 0023's worker_begin_traced (what the worker calls now: begin with the trace context),
+#: and the settling functions as migration 0024 replaced them (0019's plus the slot
+#: wake-up).
 EXPRESSION = "duetime.effective_key({t}.id, {t}.idempotency_key, {t}.schedule_id, {t}.created_by)"
 RESERVED = "jobs_idempotency_key_reserved"
-MIGRATION = Path(scheduler.sql.__file__).parent / "migrations" / "0019_job_control.sql"
-#: worker_begin_traced: worker_begin_jobs with the trace context, what the worker calls now.
-BEGIN_MIGRATION = MIGRATION.with_name("0023_trace_context.sql")
+MIGRATIONS = Path(scheduler.sql.__file__).parent / "migrations"
+BEGIN = MIGRATIONS / "0019_job_control.sql"
+BEGIN_TRACED = MIGRATIONS / "0023_trace_context.sql"
+SETTLE = MIGRATIONS / "0024_limit_slot_wakeup.sql"
+
+
+def _flat(path: Path) -> str:
+    return " ".join(path.read_text("utf-8").split()).replace("( ", "(")
 
 
 def test_the_worker_statement_computes_the_key_with_this_expression() -> None:
     assert "duetime.worker_begin_traced(" in load("execution")["begin_deliveries"]
-    begin = " ".join(BEGIN_MIGRATION.read_text("utf-8").split()).replace("( ", "(")
-    assert EXPRESSION.format(t="r") in begin  # worker_begin_traced (0023)
-    text = " ".join(MIGRATION.read_text("utf-8").split()).replace("( ", "(")
-    assert EXPRESSION.format(t="r") in text  # worker_begin_jobs
+    assert EXPRESSION.format(t="r") in _flat(BEGIN_TRACED)  # worker_begin_traced
+    assert EXPRESSION.format(t="r") in _flat(BEGIN)  # worker_begin_jobs
+    text = _flat(SETTLE)
     assert text.count(EXPRESSION.format(t="j")) == 2  # worker_complete, worker_finish_group
     assert "duetime.effective_key(id, idempotency_key, schedule_id, created_by)" in text
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import os
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from scheduler.status import limits_holding, read_limits
 from scheduler.store.fence import FenceStore
 from scheduler.store.jobs import JobStore
 from scheduler.store.limits import LimitStore
+from tests.fixtures_tasks.jobs import dispatched_job
 from tests.support.cli import run_duetime
 from tests.support.helpers import declare_queues
 from tests.support.wait import wait_for
@@ -400,6 +402,81 @@ async def test_a_unique_job_carries_its_limit_key(env: Env) -> None:
     assert key == "tenant-7"
 
 
+# -- the slot wake-up (migration 0024) --------------------------------------------------
+
+SETTLERS = {
+    "complete": "SELECT duetime.worker_complete(ARRAY[$1::bigint], ARRAY[$2::timestamptz],"
+    " ARRAY[1], 'w', ARRAY[NULL::jsonb])",
+    "group": "SELECT * FROM duetime.worker_finish_group(ARRAY[$1::bigint],"
+    " ARRAY[$2::timestamptz], ARRAY[1], 'w', $2, $2, ARRAY[NULL::jsonb])",
+    "finish": "SELECT duetime.finish_attempt($1, $2, 1, 'w', NULL::jsonb)",
+    "retry": "SELECT duetime.worker_retry($1, $2, 1, 60, 'e', '{}')",
+    "dead": "SELECT duetime.worker_dead($1, $2, 1, 'e', '{}')",
+    "snooze": "SELECT duetime.worker_snooze($1, $2, 1, 60)",
+}
+
+
+async def test_an_outcome_that_frees_a_slot_wakes_the_dispatcher_and_no_other_does(
+    env: Env,
+) -> None:
+    """Every settling function the worker calls NOTIFYs duetime_jobs in its transaction
+    when the job holds a max_running slot (of its task or of its queue); a job under no
+    cap (none, or a rate only) sends nothing, so unlimited outcomes never take the
+    notify lock."""
+    limits = LimitStore(env.pool)
+    await limits.set(f"task:{TASK}", 3)
+    await limits.set("task:t.rated", None, rate="100/s")
+    other = f"{env.queue}.capped"
+    await declare_queues(env.pool, other)
+    await limits.set(f"queue:{other}", 2)
+    heard: list[str] = []
+    listener = await asyncpg.connect(env.dsn)
+    await listener.add_listener("duetime_jobs", lambda *args: heard.append(args[3]))
+    cases = [(TASK, env.queue, True), ("t.free", env.queue, False)]
+    cases += [("t.rated", env.queue, False), ("t.free", other, True)]
+    try:
+        for settler, sql in SETTLERS.items():
+            for task, queue, wakes in cases:
+                job = await dispatched_job(env.pool, task, queue=queue)
+                async with env.pool.acquire() as conn, conn.transaction():
+                    await conn.execute(sql, job.id, job.due_at)
+                await asyncio.sleep(0.2)  # a NOTIFY arrives within milliseconds
+                assert heard == (["slot"] if wakes else []), (settler, task, queue, heard)
+                heard.clear()
+    finally:
+        await listener.close()
+
+
+async def test_a_capped_job_starts_right_after_the_previous_one_settles(env: Env) -> None:
+    """With a re-count of the limits only every second (``limits_poll`` 1 s), one slot
+    and 8 jobs of 30 ms: each job starts within a claim cycle of the previous one's
+    outcome, woken by the outcome's NOTIFY; before migration 0024 each waited for the
+    re-count (about 0.95 s)."""
+    await LimitStore(env.pool).set(f"task:{TASK}", 1)
+    await insert(env.pool, env.queue, 8)
+    spans: list[tuple[float, float]] = []
+    registry = Registry()
+
+    @registry.task(TASK)
+    async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
+        start = asyncio.get_running_loop().time()
+        await asyncio.sleep(0.03)
+        spans.append((start, asyncio.get_running_loop().time()))
+
+    worker = Worker(
+        env.settings, queues=[env.queue], registry=registry, concurrency=4, grace_period=5
+    )
+    await worker.start()
+    try:
+        async with dispatching(env, limits_poll=1.0):
+            await wait_for(lambda: finished(env.pool, 8), timeout=30, message="all ran")
+    finally:
+        await worker.stop()
+    gaps = sorted(b[0] - a[1] for a, b in itertools.pairwise(spans))
+    print(f"\n[slot wake-up] handler end to next start, ms: {[round(g * 1000) for g in gaps]}")
+    assert gaps[len(gaps) // 2] < 0.3, gaps  # measured ~0.95 s before (the re-count)
+
+
 # -- rate limits (migration 0018) -------------------------------------------------------
 
 
@@ -453,14 +530,16 @@ async def test_a_new_dispatcher_reads_the_rate_budget_from_the_rows(env: Env) ->
     (no memory of its own) must not start more in that second."""
     await LimitStore(env.pool).set(f"task:{TASK}", None, rate="10/s")
     await insert(env.pool, env.queue, 40)
-    async with dispatching(env, epoch=1):
+    # a bucket of the whole count: the window alone shapes the starts, a second's
+    # budget at once, so the first leader stops at exactly 10
+    async with dispatching(env, epoch=1, rate_burst=1.0):
 
         async def first_budget_spent() -> bool:
             return await dispatched(env.pool) >= 10
 
         await wait_for(first_budget_spent, timeout=10, message="first second dispatched")
     assert await FenceStore(env.pool).advance(2, "test-node-2")
-    async with dispatching(env, epoch=2):
+    async with dispatching(env, epoch=2, rate_burst=1.0):
 
         async def all_dispatched() -> bool:
             return await dispatched(env.pool) == 40
@@ -473,6 +552,42 @@ async def test_a_new_dispatcher_reads_the_rate_budget_from_the_rows(env: Env) ->
     assert {r["dispatch_epoch"]: r["n"] for r in epochs} == {1: 10, 2: 30}
     assert busiest_window(jobs) == 10  # no burst when the new leader takes over
     assert busiest_window(log) == 10
+
+
+async def test_a_rate_spreads_its_starts_over_the_period(env: Env) -> None:
+    """50/s on 150 due jobs: a second's budget is not dispatched at once when the
+    window frees (before the token buckets: 50 within a few milliseconds, each second)
+    but in slices, so a fifth of a second holds about a fifth of the rate: 10, plus the
+    bucket's 5, plus what a slow pass catches up (a loaded box: 100-200 ms a pass, so
+    up to 10 more); every second still at most 50."""
+    await insert(env.pool, env.queue, 150)
+    await LimitStore(env.pool).set(f"task:{TASK}", None, rate="50/s")
+    async with dispatching(env):  # no worker: a start is the dispatch
+
+        async def all_dispatched() -> bool:
+            return await dispatched(env.pool) == 150
+
+        await wait_for(all_dispatched, timeout=30, message="all dispatched")
+    jobs, log = await starts_from_rows(env.pool)
+    print(
+        f"\n[rate spread] 50/s: busiest 0.2 s {busiest_window(jobs, 0.2)}, "
+        f"busiest 1 s {busiest_window(jobs)}, mean {whole_seconds_mean(jobs):.1f}/s"
+    )
+    assert busiest_window(jobs) <= 50
+    assert busiest_window(log) <= 50
+    assert busiest_window(jobs, 0.2) <= 30  # 50 before
+
+
+def whole_seconds_mean(stamps: list[Any]) -> float:
+    """Starts per second over the whole 1-second windows from the first start (the last,
+    partial one left out): neither a first burst nor a smooth start skews it."""
+    points = sorted(at for at, _ in stamps)
+    first = points[0]
+    seconds = int((points[-1] - first).total_seconds())
+    if seconds == 0:
+        return float(len(points))
+    counted = sum(1 for at in points if (at - first).total_seconds() < seconds)
+    return counted / seconds
 
 
 async def test_a_per_key_rate_limits_each_key_apart(env: Env) -> None:
@@ -510,12 +625,11 @@ async def test_rate_and_max_running_hold_together(env: Env) -> None:
 async def test_rate_50_per_second_on_2000_jobs_across_a_change_of_leader(env: Env) -> None:
     """Issue 23's rate target, with the production intervals: every 1-second window
     holds at most 50 dispatches (from the rows, exact), the change of leader in the
-    middle bursts nothing, and the mean stays near the rate. Printed for
-    docs/benchmarks.md, with the busiest second of handler starts: the window admits a
-    period's budget at once, so a worker that falls behind for a moment starts two
-    budgets close together; that is printed, not asserted (docs/architecture.md,
-    "Rate limits"). 600 jobs (12 s) in CI; ``DUETIME_TEST_SOAK=1`` runs the 2,000 of
-    docs/benchmarks.md."""
+    middle bursts nothing, the mean stays near the rate, and the handlers' own starts
+    stay near 50 a second too: the token buckets spread the starts, so a worker late
+    for a moment no longer starts two whole budgets close together (84 in a second
+    before). Printed for docs/benchmarks.md. 600 jobs (12 s) in CI;
+    ``DUETIME_TEST_SOAK=1`` runs the 2,000 of docs/benchmarks.md."""
     total = 2000 if os.environ.get("DUETIME_TEST_SOAK") == "1" else 600
     await LimitStore(env.pool).set(f"task:{TASK}", None, rate="50/s")
     await insert(env.pool, env.queue, total)
@@ -553,17 +667,25 @@ async def test_rate_50_per_second_on_2000_jobs_across_a_change_of_leader(env: En
         await worker.stop()
     jobs, log = await starts_from_rows(env.pool)
     first, last = min(at for at, _ in jobs), max(at for at, _ in jobs)
-    mean = (total - 50) / (last - first).total_seconds()  # the windows after the first
+    old_mean = (total - 50) / (last - first).total_seconds()  # the windows after the first
+    mean = whole_seconds_mean(jobs)
     handler = [(datetime.fromtimestamp(t, UTC), 1) for t in started]
+    handler_busiest = busiest_window(handler)
     print(
         f"\n[rate] 50/s on {total} jobs across a change of leader: busiest second "
-        f"{busiest_window(jobs)} dispatched, {busiest_window(handler)} handler starts; "
-        f"mean {mean:.1f}/s over {(last - first).total_seconds():.1f} s"
+        f"{busiest_window(jobs)} dispatched, {handler_busiest} handler starts; "
+        f"mean {mean:.1f}/s over whole seconds ({old_mean:.1f}/s as (n - 50) / span) "
+        f"over {(last - first).total_seconds():.1f} s"
     )
-    assert busiest_window(jobs) == 50
-    assert busiest_window(log) == 50
-    # 44.1 measured on 2,000 on a loaded 2-core box; the leader change weighs more in 600
-    assert (40.0 if total == 2000 else 35.0) <= mean <= 50.0, mean
+    assert busiest_window(jobs) <= 50
+    assert busiest_window(log) <= 50
+    # issue 23 asks 55 at the handlers and 45-50/s. Handlers: 50 quiet and 55 at load 6
+    # measured on 2,000 (68 and 84 before), a little looser on CI's 600. The mean: 48.1
+    # quiet, 44.5 at load 6 (a freed start is taken again only by a pass whose own start
+    # is stamped a claim cycle later; docs/benchmarks.md), so the floor is below 45
+    soak = total == 2000
+    assert handler_busiest <= (55 if soak else 60), handler_busiest
+    assert (42.0 if soak else 40.0) <= mean <= 50.0, mean
 
 
 async def dispatched_ever(pool: asyncpg.Pool) -> int:

@@ -148,3 +148,15 @@ def test_bound_is_the_room_of_a_single_limit_only() -> None:
     # two limits: a bound filled by one target's jobs could starve the other's
     assert a.bound(limits) is None
     assert a.bound([Limit("task:x", 1, per_key=True)]) is None
+
+
+def test_slack_only_when_every_plain_cap_has_room_for_the_whole_claim() -> None:
+    running = [Running("mail", "default", "", 10)]
+    assert Allowance([Limit("task:mail", 1000)], running).slack(500)
+    assert not Allowance([Limit("task:mail", 500)], running).slack(500)  # 490 left
+    per_key = [Running("mail", "q", "a", 600), Running("mail", "q", "b", 1)]
+    assert not Allowance([Limit("task:mail", 1000, per_key=True)], per_key).slack(500)
+    assert Allowance([Limit("task:mail", 1200, per_key=True)], per_key).slack(500)
+    assert not Allowance([rate("task:mail", 100_000)], []).slack(1)  # a rate always binds
+    assert not Allowance([Limit("queue:q", None, fair=True)], []).slack(1)  # fair orders
+    assert Allowance([], []).slack(500)
