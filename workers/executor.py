@@ -115,7 +115,6 @@ from workers.progress import Progress
 from workers.registry import AsyncHandler, Registry, TaskSpec
 from workers.results import DEFAULT_RESULT_MAX_BYTES, encode_result
 from workers.settlement import Attempt, Settler, UnknownTask
-from workers.slots import HandlerSlot
 from workers.threads import ThreadRunner
 from workers.verdicts import Outcome, Verdict
 
@@ -286,14 +285,10 @@ class Executor:
             await self._groups.close()
         await self._store.close()
 
-    async def execute(
-        self, msg: JobMessage, *, redelivered: bool = False, slot: HandlerSlot | None = None
-    ) -> Outcome:
+    async def execute(self, msg: JobMessage, *, redelivered: bool = False) -> Outcome:
         """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be, and
         ``AttemptRunningElsewhere`` for a ``redelivered`` copy of an attempt that another
-        worker process is running (the caller requeues it for later). ``slot``, the
-        delivery's handler slot, is given back as soon as the handler returned
-        (``workers.slots``)."""
+        worker process is running (the caller requeues it for later)."""
         bound = bind_contextvars(job_id=msg.job_id, attempt=msg.attempt, task=msg.task)
         try:
             pointer = (msg.job_id, msg.due_at, msg.attempt, msg.epoch)
@@ -306,15 +301,13 @@ class Executor:
                 return Outcome.SKIPPED
             self._running.add(pointer)
             try:
-                return await self._execute(msg, redelivered, slot)
+                return await self._execute(msg, redelivered)
             finally:
                 self._running.discard(pointer)
         finally:
             reset_contextvars(**bound)  # the values before this delivery, task included
 
-    async def _execute(
-        self, msg: JobMessage, redelivered: bool, slot: HandlerSlot | None
-    ) -> Outcome:
+    async def _execute(self, msg: JobMessage, redelivered: bool) -> Outcome:
         ref = JobRef(msg.job_id, msg.due_at, msg.attempt)
         try:
             job = await self._begins.submit((ref, msg.epoch))
@@ -341,7 +334,7 @@ class Executor:
                     message_task=msg.task[:200],
                     action="running the row's task and payload",
                 )
-            return await self._attempt(Attempt(ref, job, self._registry.get(job.task)), slot)
+            return await self._attempt(Attempt(ref, job, self._registry.get(job.task)))
         finally:
             self._store.release(ref, msg.epoch)
 
@@ -409,7 +402,7 @@ class Executor:
         log.error("job_row_unreadable", error=error, parked=parked)
         return Outcome.DEAD if parked else Outcome.SKIPPED
 
-    async def _attempt(self, attempt: Attempt, slot: HandlerSlot | None = None) -> Outcome:
+    async def _attempt(self, attempt: Attempt) -> Outcome:
         """Run and settle the attempt, inside its span when the application traces
         (``scheduler.tracing``: nothing without OpenTelemetry)."""
         ref, job = attempt.ref, attempt.job
@@ -424,15 +417,13 @@ class Executor:
             enqueued_at=job.enqueued_at,
         )
         if span is None:
-            return await self._settle_attempt(attempt, None, slot)
+            return await self._settle_attempt(attempt, None)
         with span:
-            outcome = await self._settle_attempt(attempt, span, slot)
+            outcome = await self._settle_attempt(attempt, span)
             span.outcome(outcome.value)
             return outcome
 
-    async def _settle_attempt(
-        self, attempt: Attempt, span: tracing.AttemptSpan | None, slot: HandlerSlot | None
-    ) -> Outcome:
+    async def _settle_attempt(self, attempt: Attempt, span: tracing.AttemptSpan | None) -> Outcome:
         """Run the attempt and settle it through the settler. How it commits is chosen
         once, here: a transaction group only for a task that may share one; an attempt
         rolled back with its group (``RERUN``) runs again in a transaction of its own."""
@@ -446,9 +437,7 @@ class Executor:
             return await self._settle(attempt, Verdict.FAILED, unknown)
         grouped = self._groupable(spec)
         while True:
-            if slot is not None:
-                await slot.acquire()  # again for a rerun: at most N handlers run at once
-            verdict, failure = await self._run(attempt, spec, grouped=grouped, slot=slot)
+            verdict, failure = await self._run(attempt, spec, grouped=grouped)
             if span is not None and failure is not None:
                 span.failed(failure)
             outcome = await self._settler.settle(attempt, verdict, failure)
@@ -464,7 +453,7 @@ class Executor:
         return outcome
 
     async def _run(
-        self, attempt: Attempt, spec: TaskSpec, *, grouped: bool, slot: HandlerSlot | None = None
+        self, attempt: Attempt, spec: TaskSpec, *, grouped: bool
     ) -> tuple[Verdict, BaseException | None]:
         """Run the handler once and commit as chosen: the verdict, and the handler's
         failure if it raised (or the server refused its transaction)."""
@@ -475,11 +464,7 @@ class Executor:
             completion=attempt.completion,
         )
         try:
-            try:
-                failure, result = await self._run_handler(attempt, spec, db)
-            finally:
-                if slot is not None:
-                    slot.release()  # the handler returned: its outcome settles meanwhile
+            failure, result = await self._run_handler(attempt, spec, db)
             if result is not None:
                 attempt = dataclasses.replace(attempt, result=result)
             if db.member is not None:  # a share of a transaction group

@@ -48,7 +48,6 @@ from scheduler.store.execution import (
 from workers.cancel import CancelWatch
 from workers.executor import Executor, Outcome
 from workers.registry import Registry
-from workers.slots import HandlerSlot
 from workers.threads import ThreadRunner
 
 __all__ = [
@@ -229,13 +228,11 @@ class ShardExecutors:
     def __contains__(self, shard: object) -> bool:
         return shard in self._executors
 
-    async def execute(
-        self, msg: JobMessage, *, redelivered: bool = False, slot: HandlerSlot | None = None
-    ) -> Outcome:
+    async def execute(self, msg: JobMessage, *, redelivered: bool = False) -> Outcome:
         executor = self._executors.get(msg.shard)
         if executor is None:
             raise UnknownShard(msg.shard, self.names)
-        return await executor.execute(msg, redelivered=redelivered, slot=slot)
+        return await executor.execute(msg, redelivered=redelivered)
 
     def batching(self) -> dict[str, dict[str, float]]:
         """Each shard's ``Executor.batching()``."""

@@ -307,10 +307,10 @@ async def check_effects(conn: asyncpg.Connection) -> None:
     # the ledger without a second receipt
     # (and those enqueued from psycopg, SQLAlchemy and Django: order 8's rolled back)
     done = await conn.fetch(
-        "SELECT id, status FROM duetime.jobs WHERE task = 'send_receipt'"
+        "SELECT id, status, payload, attempt FROM duetime.jobs WHERE task = 'send_receipt'"
         " AND (payload->>'order_id')::int IN (1, 2, 6, 7, 9, 10)"
     )
-    assert {r["status"] for r in done} == {"succeeded"}, done
+    assert {r["status"] for r in done} == {"succeeded"}, [dict(r) for r in done]
     assert len(done) == 7, [dict(r) for r in done]
     assert await conn.fetchval("SELECT count(*) FROM orders WHERE id = 8") == 0
     assert not [j for j in receipt_jobs if j["payload"]["order_id"] == 8]
