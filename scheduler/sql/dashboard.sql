@@ -117,14 +117,17 @@ SELECT coalesce(worker, '?') AS worker, count(*) AS completed, max(completed_at)
 -- job_filter ($1..$6). Ordered by jobs_id_idx in every partition (a Merge Append): a page
 -- reads about as many entries as it shows when the filter matches often; a rare filter
 -- reads further (up to a whole partition that holds no match), bounded by the pool's
--- statement_timeout; a tag filter reads the tag index instead when its tags are rare
--- (docs/benchmarks.md "Tag filter"). The due window prunes partitions.
+-- statement_timeout. A tag filter with few matches (DashboardStore.FEW_MATCHES, counted
+-- first by `tag_matches`) orders by `id + 0` instead, which no index provides: the
+-- planner then reads the tag index and keeps the page's top rows while sorting, instead
+-- of walking every partition's id index to its end when the tag sits in few partitions
+-- (docs/benchmarks.md "Tag filter", 10M). The due window prunes partitions.
 SELECT *
   FROM duetime.jobs
  WHERE ($7::text IS NULL OR status = $7)
 {filter}
    AND ($8::bigint IS NULL OR id < $8)
- ORDER BY id DESC
+ ORDER BY {order_id} DESC
  LIMIT $9;
 
 -- name: state_page
@@ -155,3 +158,12 @@ SELECT idempotency_key, job_id, attempt, task, worker, completed_at
 
 -- name: schedule_name
 SELECT name FROM duetime.schedules WHERE id = $1;
+
+-- name: tag_matches
+-- How many jobs hold every tag of $1, counted up to $2 from the tag index (migration
+-- 0022): a LIMIT under the Append stops at the first buckets for a common tag, and a
+-- rare one reads only small index entries. Decides how DashboardStore pages a tag filter.
+SELECT count(*)
+  FROM (SELECT 1 FROM duetime.jobs
+         WHERE cardinality(tags) > 0 AND tags @> $1::text[]
+         LIMIT $2) AS found;

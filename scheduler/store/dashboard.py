@@ -83,7 +83,27 @@ PAGES: dict[tuple[str | None, bool], str] = {
     for tagged in (False, True)
 }
 for _tagged in (False, True):
-    PAGES[None, _tagged] = compose("dashboard", "jobs_page", filter=FILTERS[_tagged])
+    PAGES[None, _tagged] = compose("dashboard", "jobs_page", filter=FILTERS[_tagged], order_id="id")
+#: A tag filter matching at most this many jobs is paged from the tag index, sorted
+#: (``FEW_PAGES``); a more common one walks the state's index, which finds a page soon.
+FEW_MATCHES = 20_000
+#: The tagged pages ordered by an expression no index provides (``key + 0``), so the
+#: planner reads the tag index and sorts its few matches: walking an index in page
+#: order read every partition without the tag to its end (6.2 s at 10M jobs, a tag in
+#: a few days' partitions; docs/benchmarks.md "Tag filter").
+FEW_PAGES: dict[str | None, str] = {
+    state: compose(
+        "dashboard",
+        "state_page",
+        status=state,
+        filter=FILTERS[True],
+        key=f"({key} + interval '0 s')",
+        after=">" if ascending else "<",
+        order="ASC" if ascending else "DESC",
+    )
+    for state, (key, ascending, _) in PAGE_BY_STATE.items()
+}
+FEW_PAGES[None] = compose("dashboard", "jobs_page", filter=FILTERS[True], order_id="(id + 0)")
 
 
 class DashboardStore:
@@ -149,11 +169,14 @@ class DashboardStore:
         at, after_id = _parse_cursor(cursor, keyed=key is not None)
         async with self._pool.acquire() as c, planned_for(c, where):
             tagged = bool(where.tags)
+            few = tagged and (
+                await c.fetchval(Q["tag_matches"], list(where.tags), FEW_MATCHES + 1) <= FEW_MATCHES
+            )
             if key is None:
-                statement = PAGES[None, tagged]
+                statement = FEW_PAGES[None] if few else PAGES[None, tagged]
                 args = (*where.params(), where.status, after_id, limit)
             else:
-                statement = PAGES[where.status, tagged]
+                statement = FEW_PAGES[where.status] if few else PAGES[where.status, tagged]
                 args = (*where.params(), at, after_id, limit)
             records = await c.fetch(statement, *args)
         jobs = [Job.from_record(r) for r in records]

@@ -263,3 +263,45 @@ async def test_migration_0022_rewrites_no_bucket(fresh_dsn: str) -> None:
         ]
     finally:
         await conn.close()
+
+
+async def test_a_dashboard_page_of_a_tag_in_few_jobs_reads_the_tag_index_and_pages_in_order(
+    pool: asyncpg.Pool,
+) -> None:
+    """A tag held by few jobs is paged from the tag index and sorted (FEW_PAGES), not by
+    walking every bucket's id index, which read each bucket without the tag to its end
+    (6.2 s at 10M jobs). The pages are the same: newest first by id, keyset-paginated,
+    and the pending page soonest first."""
+    from datetime import UTC, datetime, timedelta
+
+    from scheduler.store.dashboard import FEW_PAGES, DashboardStore
+
+    store = JobStore(pool)
+    now = datetime.now(UTC)
+    specs = [JobSpec("t.few", due_at=now - timedelta(days=d)) for d in (0, 1, 2) for _ in range(30)]
+    await store.bulk_enqueue(specs)
+    tagged = [
+        (await store.enqueue("t.few", due_at=now + timedelta(minutes=m), tags=["few"])).id
+        for m in (5, 1, 3)
+    ]
+    views = DashboardStore(pool)
+    seen: list[int] = []
+    cursor = None
+    for _ in range(3):
+        page = await views.jobs_page(JobFilter(tags=["few"]), cursor=cursor, limit=2)
+        seen += [j.id for j in page.jobs]
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert seen == sorted(tagged, reverse=True)
+    pending = await views.jobs_page(JobFilter(status="pending", tags=["few"]), limit=50)
+    assert [j.id for j in pending.jobs] == [tagged[1], tagged[2], tagged[0]]  # soonest first
+
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("SET LOCAL enable_seqscan = off")
+        where = JobFilter(tags=["few"])
+        plan = "\n".join(
+            r[0]
+            for r in await conn.fetch("EXPLAIN " + FEW_PAGES[None], *where.params(), None, None, 50)
+        )
+    assert "tags_idx" in plan and "id_idx" not in plan, plan
