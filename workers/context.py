@@ -12,7 +12,8 @@ job).
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
@@ -22,6 +23,42 @@ from workers.lazydb import LazyTransaction
 from workers.lifecycle import WorkerState
 from workers.progress import check_fraction
 from workers.snooze import Snooze
+
+
+@dataclass(frozen=True, slots=True)
+class Dependency:
+    """The outcome of a job this one depends on (``ctx.dependencies``; migration 0025).
+
+    ``status`` is ``succeeded`` for every dependency unless the job was inserted with
+    ``on_dependency_failure='run'``: then a dependency may be ``dead`` or ``cancelled``,
+    with ``error`` saying why. ``result`` is what its handler returned (None: nothing).
+    """
+
+    id: int
+    task: str
+    status: str
+    result: Any = None
+    error: str | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "succeeded"
+
+
+def dependencies_from(rows: Sequence[dict[str, Any]] | None) -> tuple[Dependency, ...]:
+    """``Dependency`` values from the JSON array the begin statement read (ordered by id)."""
+    if not rows:
+        return ()
+    return tuple(
+        Dependency(
+            id=int(r["id"]),
+            task=str(r["task"]),
+            status=str(r["status"]),
+            result=r.get("result"),
+            error=r.get("error"),
+        )
+        for r in rows
+    )
 
 
 class JobContext:
@@ -41,6 +78,7 @@ class JobContext:
         "attempt",
         "cancelled",
         "db",
+        "dependencies",
         "due_at",
         "idempotency_key",
         "job_id",
@@ -65,6 +103,7 @@ class JobContext:
         cancelled: threading.Event | None = None,
         progress: Callable[[float, str | None], Awaitable[None]] | None = None,
         state: WorkerState | None = None,
+        dependencies: tuple[Dependency, ...] = (),
     ) -> None:
         self.job_id = job_id
         self.attempt = attempt
@@ -84,6 +123,10 @@ class JobContext:
         #: (a ``threading.Event``, so a thread may read it too) and returns early
         self.cancelled = cancelled if cancelled is not None else threading.Event()
         self._progress = progress
+        #: the outcomes of the jobs this one depends on (``depends_on``, workflows), in id
+        #: order, read with the row when the attempt began (no query per dependency); ()
+        #: for a job without dependencies
+        self.dependencies = dependencies
 
     @property
     def log(self) -> Any:

@@ -106,7 +106,7 @@ from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import UNREADABLE, JobRef, LockedJob
 from workers.batching import Coalescer
 from workers.cancel import Cancellations
-from workers.context import JobContext
+from workers.context import JobContext, dependencies_from
 from workers.errors import CONNECTION_ERRORS, AttemptRunningElsewhere, DatabaseUnavailable
 from workers.groups import Groups
 from workers.heartbeat import Heartbeat
@@ -531,6 +531,7 @@ class Executor:
             cancelled=threading.Event(),
             progress=(progress := Progress(self._store, ref, clock=self._clock)).report,
             state=self._registry.lifecycle.state,
+            dependencies=dependencies_from(job.dependencies),
         )
         clock = self._clock
         fire_lag = (clock.now() - job.run_time).total_seconds()

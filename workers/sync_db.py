@@ -158,6 +158,11 @@ class SyncJobContext:
         return self._ctx.due_at
 
     @property
+    def dependencies(self) -> tuple[Any, ...]:
+        """``JobContext.dependencies``: the outcomes of the jobs this one depends on."""
+        return self._ctx.dependencies
+
+    @property
     def state(self) -> Any:
         """What the worker's startup hooks opened for handlers (``workers.lifecycle``);
         share only thread-safe things with plain ``def`` handlers."""

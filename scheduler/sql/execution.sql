@@ -29,10 +29,12 @@
 -- arrays; missing jobs return no row. `timeout_s` (migration 0019): the job's own time
 -- limit, NULL for the task's. `traceparent` and `enqueued_at` (migration 0023): the
 -- enqueuing code's trace context and when the job was inserted (scheduler/tracing.py).
+-- `dependencies` (migration 0025): the outcomes of the jobs it depends on, a JSON array
+-- read in the same statement (ctx.dependencies); NULL for a job without depends_on.
 SELECT i, status, attempt, max_attempts, queue, task, payload, key, run_time, done, epoch,
-       started, timeout_s, traceparent, enqueued_at
-  FROM duetime.worker_begin_traced($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[],
-                                   $5::bigint[], $6::int[], $7::bigint[]);
+       started, timeout_s, traceparent, enqueued_at, dependencies
+  FROM duetime.worker_begin_flow($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[],
+                                 $5::bigint[], $6::int[], $7::bigint[]);
 
 -- name: release_guards
 -- On the guard connection, after the attempts' outcomes committed (or when they ended

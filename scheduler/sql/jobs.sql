@@ -73,7 +73,8 @@ SELECT * FROM duetime.jobs
 
 -- name: cancel
 -- $1: the ids (one for `jobs cancel`, a batch for a cancel by filter): one transition,
--- from pending or dispatched (a running job: its worker is told by cancel_notify in the
+-- from pending, waiting (migration 0025: its dependents are cancelled by the trigger
+-- jobs_release_dependents in the same transaction) or dispatched (a running job: its worker is told by cancel_notify in the
 -- same transaction, migration 0019). $2: who cancels (NULL: the database role). `was`
 -- is the status the row left. The rows are locked first, so a settlement racing this
 -- cancel either committed before (the row is finished: not cancelled here) or finds
@@ -83,7 +84,7 @@ UPDATE duetime.jobs j
        cancelled_by = left(coalesce($2::text, current_user), 200)
   FROM (SELECT id, due_at, status
           FROM duetime.jobs
-         WHERE id = ANY($1::bigint[]) AND status IN ('pending', 'dispatched')
+         WHERE id = ANY($1::bigint[]) AND status IN ('pending', 'dispatched', 'waiting')
            FOR UPDATE) o
  WHERE j.id = o.id AND j.due_at = o.due_at
 RETURNING j.*, o.status AS was;

@@ -61,10 +61,14 @@ ALTER TABLE duetime.schedules ENABLE ROW LEVEL SECURITY;
 -- snoozes. tags, meta (migration 0022): what the job is about, and the producer's own data.
 -- traceparent (migration 0023): the enqueuing code's trace context.
 GRANT INSERT (task, payload, due_at, queue, max_attempts, idempotency_key, unique_key,
-                  priority, limit_key, timeout_s, max_snoozes, tags, meta, traceparent)
+                  priority, limit_key, timeout_s, max_snoozes, tags, meta, traceparent,
+                  depends_on, on_dependency_failure, workflow_id)
     ON duetime.jobs TO "{producer}";
 GRANT SELECT ON duetime.jobs TO "{producer}";
 GRANT USAGE ON SEQUENCE duetime.jobs_id_seq TO "{producer}";
+-- depends_on, on_dependency_failure, workflow_id (migration 0025): workflows; the
+-- dependencies are checked and the edges written by SECURITY DEFINER triggers.
+GRANT USAGE ON SEQUENCE duetime.workflow_id_seq TO "{producer}";
 -- JobStore.result (migration 0019): register as a waiter for a job's outcome.
 GRANT EXECUTE ON FUNCTION duetime.await_job(bigint), duetime.unawait_job(bigint)
     TO "{producer}";
@@ -119,7 +123,9 @@ GRANT EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[]),
                           duetime.worker_cancelled(bigint[]),
                           duetime.worker_progress(bigint, timestamptz, integer, real, text),
                           duetime.worker_begin_traced(bigint[], timestamptz[], integer[],
-                                                      bigint[], bigint[], integer[], bigint[])
+                                                      bigint[], bigint[], integer[], bigint[]),
+                          duetime.worker_begin_flow(bigint[], timestamptz[], integer[],
+                                                    bigint[], bigint[], integer[], bigint[])
     TO "{worker}";
 -- `duetime worker --queue NAME` warns at start when NAME is not declared.
 GRANT SELECT ON duetime.queues TO "{worker}";

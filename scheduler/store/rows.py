@@ -15,8 +15,16 @@ from typing import Any, Literal, TypeVar
 from scheduler.messages import effective_key
 from scheduler.planning import Schedule
 
-JobStatus = Literal["pending", "dispatched", "succeeded", "dead", "cancelled"]
-JOB_STATUSES: tuple[str, ...] = ("pending", "dispatched", "succeeded", "dead", "cancelled")
+JobStatus = Literal["pending", "dispatched", "succeeded", "dead", "cancelled", "waiting"]
+#: ``waiting`` (migration 0025): a job whose dependencies have not all ended yet
+JOB_STATUSES: tuple[str, ...] = (
+    "pending",
+    "dispatched",
+    "succeeded",
+    "dead",
+    "cancelled",
+    "waiting",
+)
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "dead", "cancelled"})
 #: What decoding a row can raise in the client (asyncpg's codecs, scheduler/db.py's jsonb
 #: decoder) as opposed to the database refusing a statement: a date outside Python's
@@ -80,6 +88,12 @@ class Job:
     tags: list[str] = field(default_factory=list)
     #: the producer's own data kept with the job (migration 0022)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the ids of the jobs it waits for (migration 0025: workflows); None: none
+    depends_on: list[int] | None = None
+    #: ``cancel`` or ``run`` when a dependency ends dead or cancelled (migration 0025)
+    on_dependency_failure: str = "cancel"
+    #: the workflow it belongs to (migration 0025), if any
+    workflow_id: int | None = None
 
     @property
     def effective_key(self) -> str:
@@ -239,6 +253,9 @@ class LockedJob:
     #: 0023; ``scheduler.tracing``)
     traceparent: str | None = None
     enqueued_at: datetime | None = None
+    #: the outcomes of the jobs it depends on (migration 0025), a list of
+    #: ``{id, task, status, result, error}``; None for a job without ``depends_on``
+    dependencies: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -462,6 +462,10 @@ async def test_a_jobs_own_timeout_overrides_the_tasks(
         ("tags", ["a", None], "jobs_tags_invalid"),
         ("meta", [1, 2], "jobs_meta_invalid"),
         ("meta", {"big": "x" * 70000}, "jobs_meta_invalid"),
+        # migration 0025: workflows (tests/integration/test_workflows.py has the rest)
+        ("on_dependency_failure", "maybe", "jobs_on_dependency_failure_invalid"),
+        ("workflow_id", 0, "jobs_workflow_id_invalid"),
+        ("depends_on", [1, None], "jobs_depends_on_invalid"),
     ],
 )
 async def test_plain_sql_producers_get_named_checks(

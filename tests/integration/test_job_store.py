@@ -406,7 +406,7 @@ async def test_counts_by_status(store: JobStore, pool: asyncpg.Pool) -> None:
     job = await store.enqueue("counted")
     await _set(pool, job.id, "dead")
     counts = await store.counts_by_status()
-    assert set(counts) == {"pending", "dispatched", "succeeded", "dead", "cancelled"}
+    assert set(counts) == {"pending", "dispatched", "succeeded", "dead", "cancelled", "waiting"}
     for status, n in counts.items():
         expected = await pool.fetchval(
             "SELECT count(*) FROM duetime.jobs WHERE status = $1", status

@@ -291,12 +291,16 @@ async def test_wakeups_cost_producers_nothing_and_api_notifies_due_soon(
     )
     # only the fence's commit-time checks, and only for rows inserted as dispatched, and
     # the unique-key triggers (migration 0014), only for rows with a unique_key; and the
-    # finished-job trigger (migration 0019), only on updates to a finished status; none
-    # fires on an insert
+    # finished-job trigger (migration 0019), only on updates to a finished status; the
+    # workflow triggers (migration 0025), only for rows with depends_on, rows inserted
+    # waiting, and outcomes of rows somebody waits for; none fires on a plain insert
     assert [(t["tgname"], t["conditional"]) for t in triggers] == [
+        ("jobs_add_dependencies", True),
+        ("jobs_check_dependencies", True),
         ("jobs_dispatch_fenced", True),
         ("jobs_dispatch_fenced_insert", True),
         ("jobs_notify_finished", True),
+        ("jobs_release_dependents", True),
         ("jobs_unique_claim", True),
         ("jobs_unique_key_fixed", True),
         ("jobs_unique_release", True),

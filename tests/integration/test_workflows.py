@@ -1,0 +1,306 @@
+"""Workflows (DESIGN §16; migration 0025) against real PostgreSQL and RabbitMQ: jobs that
+wait for other jobs, declared with plain SQL, released by the transaction that commits a
+dependency's outcome, run by a real dispatcher and worker.
+
+Each test has a database of its own (``migrated_dsn``), an in-process dispatcher (as
+tests/integration/test_priority.py) and an in-process worker whose handlers record what
+they saw in ``ctx.dependencies``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import pytest
+
+from scheduler import db
+from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
+from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
+from scheduler.duties.knobs import config_from_settings
+from scheduler.store.fence import FenceStore
+from scheduler.store.jobs import JobStore
+from tests.support.helpers import declare_queues
+from tests.support.wait import wait_for
+from workers import Fail, JobContext, Registry, Retry, Worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclass
+class Env:
+    settings: Settings
+    pool: asyncpg.Pool
+    queue: str
+    #: (job id, task, [(dep id, status, result)]) in start order
+    seen: list[tuple[int, str, list[tuple[int, str, Any]]]] = field(default_factory=list)
+
+
+@pytest.fixture
+async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterator[Env]:
+    pool = await db.create_pool(
+        migrated_dsn, max_size=8, server_settings={"idle_in_transaction_session_timeout": "10000"}
+    )
+    try:
+        assert await FenceStore(pool).advance(1, "test-node")
+        await declare_queues(pool, unique)
+        yield Env(dataclasses.replace(settings, database_url=migrated_dsn), pool, unique)
+    finally:
+        await pool.close()
+
+
+@contextlib.asynccontextmanager
+async def running(env: Env) -> AsyncIterator[None]:
+    """A dispatcher and a worker on the env's queue. Tasks: ``wf.step`` returns its
+    payload's ``value`` (or fails as its payload says), recording what it saw."""
+    registry = Registry()
+
+    @registry.task("wf.step")
+    async def step(ctx: JobContext, payload: dict[str, Any]) -> Any:
+        env.seen.append(
+            (ctx.job_id, ctx.task, [(d.id, d.status, d.result) for d in ctx.dependencies])
+        )
+        if payload.get("fail") == "dead":
+            raise Fail("it broke")
+        if payload.get("fail") == "once" and ctx.attempt == 1:
+            raise Retry(in_=0.3)
+        return payload.get("value")
+
+    config = config_from_settings(DispatcherConfig, env.settings)
+    dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), config=config)
+    dispatcher.loop.start(LeaderTerm(epoch=1, node_id="test-node"))
+    worker = Worker(
+        env.settings, queues=[env.queue], registry=registry, concurrency=8, grace_period=5
+    )
+    await worker.start()
+    try:
+        yield
+    finally:
+        await worker.stop()
+        await dispatcher.loop.stop()
+
+
+async def insert(
+    pool: asyncpg.Pool | asyncpg.Connection,
+    queue: str,
+    payload: dict[str, Any] | None = None,
+    *,
+    depends_on: list[int] | None = None,
+    on_failure: str = "cancel",
+    delay_s: float = 0.0,
+) -> int:
+    """One ``wf.step`` job by plain SQL; its id."""
+    return int(
+        await pool.fetchval(
+            "INSERT INTO duetime.jobs (task, payload, queue, depends_on, on_dependency_failure,"
+            "                          due_at) "
+            "VALUES ('wf.step', $1, $2, $3, $4, now() + make_interval(secs => $5)) "
+            "RETURNING id",
+            payload or {},
+            queue,
+            depends_on,
+            on_failure,
+            delay_s,
+        )
+    )
+
+
+async def status(pool: asyncpg.Pool, job_id: int) -> str:
+    return str(await pool.fetchval("SELECT status FROM duetime.jobs WHERE id = $1", job_id))
+
+
+async def row(pool: asyncpg.Pool, job_id: int) -> asyncpg.Record:
+    record = await pool.fetchrow("SELECT * FROM duetime.jobs WHERE id = $1", job_id)
+    assert record is not None
+    return record
+
+
+async def all_in(pool: asyncpg.Pool, ids: list[int], *statuses: str) -> bool:
+    got = await pool.fetch("SELECT status FROM duetime.jobs WHERE id = ANY($1)", ids)
+    return len(got) == len(ids) and all(r["status"] in statuses for r in got)
+
+
+# -- plain SQL: insert-time rules --------------------------------------------------------
+
+
+async def test_a_dependency_must_exist_and_the_refusal_names_the_constraint(env: Env) -> None:
+    with pytest.raises(asyncpg.ForeignKeyViolationError) as err:
+        await insert(env.pool, env.queue, depends_on=[987654321])
+    assert err.value.constraint_name == "jobs_depends_on_missing"
+    assert "987654321" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "constraint"),
+    [
+        ("on_dependency_failure", "'maybe'", "jobs_on_dependency_failure_invalid"),
+        ("workflow_id", "0", "jobs_workflow_id_invalid"),
+        ("depends_on", "'{{1,2},{3,4}}'::bigint[]", "jobs_depends_on_invalid"),
+        ("depends_on", "ARRAY[NULL]::bigint[]", "jobs_depends_on_invalid"),
+        ("status", "'waiting'", "jobs_waiting_without_dependencies"),
+    ],
+)
+async def test_workflow_columns_are_checked_by_named_constraints(
+    env: Env, column: str, value: str, constraint: str
+) -> None:
+    with pytest.raises(asyncpg.CheckViolationError) as err:
+        await env.pool.execute(
+            f"INSERT INTO duetime.jobs (task, {column}) VALUES ('wf.step', {value})"
+        )
+    assert err.value.constraint_name == constraint
+
+
+async def test_insert_time_classification(env: Env) -> None:
+    """Unfinished dependency: waiting; all succeeded: pending; one dead: cancelled (with
+    the reason), or pending with ``run``; an empty array: a plain job."""
+    a = await insert(env.pool, env.queue, delay_s=3600)
+    waiting = await insert(env.pool, env.queue, depends_on=[a, a])
+    assert await status(env.pool, waiting) == "waiting"
+    edges = await env.pool.fetchval(
+        "SELECT count(*) FROM duetime.job_dependencies WHERE dependent_id = $1", waiting
+    )
+    assert edges == 1  # duplicates collapse
+    await env.pool.execute(
+        "UPDATE duetime.jobs SET status = 'succeeded', finished_at = now() WHERE id = $1", a
+    )
+    assert await status(env.pool, waiting) == "pending"
+    assert await status(env.pool, await insert(env.pool, env.queue, depends_on=[a])) == "pending"
+    dead = await insert(env.pool, env.queue, delay_s=3600)
+    await env.pool.execute(
+        "UPDATE duetime.jobs SET status = 'dead', last_error = 'boom' WHERE id = $1", dead
+    )
+    late = await row(env.pool, await insert(env.pool, env.queue, depends_on=[a, dead]))
+    assert (late["status"], late["cancelled_by"]) == ("cancelled", "dependency")
+    assert late["last_error"] == f"dependency {dead} (wf.step) dead: boom"
+    runs = await insert(env.pool, env.queue, depends_on=[dead], on_failure="run")
+    assert await status(env.pool, runs) == "pending"
+    assert await status(env.pool, await insert(env.pool, env.queue, depends_on=[])) == "pending"
+
+
+async def test_concurrent_last_completions_release_exactly_once(env: Env) -> None:
+    """The tail of a fan-in: the last members' outcomes are settled concurrently, each in
+    a transaction that cannot see the others' deletions before it commits (cases 2 and 3
+    of migration 0025). The callback is released, and its edges are all gone."""
+    for _ in range(20):
+        members = [await insert(env.pool, env.queue, delay_s=3600) for _ in range(3)]
+        callback = await insert(env.pool, env.queue, depends_on=members)
+
+        async def settle(member: int) -> None:
+            async with env.pool.acquire() as c, c.transaction():
+                await c.execute(
+                    "UPDATE duetime.jobs SET status = 'succeeded', finished_at = now() "
+                    "WHERE id = $1",
+                    member,
+                )
+                await asyncio.sleep(0.05)  # the others settle meanwhile, unseen
+
+        await asyncio.gather(*(settle(m) for m in members))
+        assert await status(env.pool, callback) == "pending"
+        assert not await env.pool.fetchval(
+            "SELECT count(*) FROM duetime.job_dependencies WHERE dependent_id = $1", callback
+        )
+
+
+# -- end to end: dispatcher + worker -----------------------------------------------------
+
+
+async def test_a_chain_of_three_runs_in_order_and_passes_results(env: Env) -> None:
+    async with running(env):
+        a = await insert(env.pool, env.queue, {"value": "A"})
+        b = await insert(env.pool, env.queue, {"value": "B"}, depends_on=[a])
+        c = await insert(env.pool, env.queue, {"value": "C"}, depends_on=[b])
+        await wait_for(lambda: all_in(env.pool, [a, b, c], "succeeded"), timeout=30)
+    assert [s[0] for s in env.seen] == [a, b, c]
+    assert env.seen[0][2] == []
+    assert env.seen[1][2] == [(a, "succeeded", "A")]
+    assert env.seen[2][2] == [(b, "succeeded", "B")]
+    rows = [await row(env.pool, j) for j in (a, b, c)]
+    # each step became runnable only once its dependency had finished
+    assert rows[1]["run_at"] >= rows[0]["finished_at"]
+    assert rows[2]["run_at"] >= rows[1]["finished_at"]
+
+
+async def test_fan_in_callback_runs_once_after_every_member(env: Env) -> None:
+    async with running(env):
+        members = [await insert(env.pool, env.queue, {"value": i}) for i in range(40)]
+        callback = await insert(env.pool, env.queue, {"value": "sum"}, depends_on=members)
+        await wait_for(lambda: all_in(env.pool, [*members, callback], "succeeded"), timeout=60)
+    runs = [s for s in env.seen if s[0] == callback]
+    assert len(runs) == 1
+    assert runs[0][2] == [(m, "succeeded", i) for i, m in enumerate(members)]
+    started = [s[0] for s in env.seen]
+    assert started.index(callback) == len(started) - 1
+
+
+async def test_a_dead_member_cancels_the_callback_transitively_with_the_reason(
+    env: Env,
+) -> None:
+    async with running(env):
+        ok = await insert(env.pool, env.queue, {"value": 1})
+        bad = await insert(env.pool, env.queue, {"fail": "dead"})
+        callback = await insert(env.pool, env.queue, depends_on=[ok, bad])
+        after = await insert(env.pool, env.queue, depends_on=[callback])
+        await wait_for(lambda: all_in(env.pool, [after], "cancelled"), timeout=30)
+        await asyncio.sleep(0.3)
+    cb = await row(env.pool, callback)
+    assert (cb["status"], cb["cancelled_by"]) == ("cancelled", "dependency")
+    assert cb["last_error"].startswith(f"dependency {bad} (wf.step) dead: ")
+    assert (await row(env.pool, after))["last_error"].startswith(
+        f"dependency {callback} (wf.step) cancelled: dependency {bad} (wf.step) dead"
+    )
+    assert {s[0] for s in env.seen} == {ok, bad}  # neither dependent ran
+    assert not await env.pool.fetchval("SELECT count(*) FROM duetime.job_dependencies")
+
+
+async def test_run_mode_callback_runs_and_sees_the_failed_member(env: Env) -> None:
+    async with running(env):
+        ok = await insert(env.pool, env.queue, {"value": 1})
+        bad = await insert(env.pool, env.queue, {"fail": "dead"})
+        callback = await insert(env.pool, env.queue, depends_on=[ok, bad], on_failure="run")
+        await wait_for(lambda: all_in(env.pool, [callback], "succeeded"), timeout=30)
+    (run,) = [s for s in env.seen if s[0] == callback]
+    assert run[2] == [(ok, "succeeded", 1), (bad, "dead", None)]
+
+
+async def test_a_dependency_cancelled_while_its_dependent_waits(env: Env) -> None:
+    store = JobStore(env.pool)
+    async with running(env):
+        later = await insert(env.pool, env.queue, delay_s=3600)
+        dependent = await insert(env.pool, env.queue, depends_on=[later])
+        assert await status(env.pool, dependent) == "waiting"
+        await store.cancel(later, by="test")
+        d = await row(env.pool, dependent)
+        assert (d["status"], d["last_error"]) == (
+            "cancelled",
+            f"dependency {later} (wf.step) cancelled",
+        )
+        # a waiting job can be cancelled itself; its edges go with it
+        other = await insert(env.pool, env.queue, delay_s=3600)
+        waiting = await insert(env.pool, env.queue, depends_on=[other])
+        assert (await store.cancel(waiting)).status == "cancelled"
+        assert not await env.pool.fetchval("SELECT count(*) FROM duetime.job_dependencies")
+    assert env.seen == []
+
+
+async def test_a_retried_dependency_keeps_its_dependents_waiting(env: Env) -> None:
+    async with running(env):
+        flaky = await insert(env.pool, env.queue, {"fail": "once", "value": "second try"})
+        dependent = await insert(env.pool, env.queue, depends_on=[flaky])
+        await wait_for(
+            lambda: env.pool.fetchval(
+                "SELECT attempt = 2 AND status = 'pending' FROM duetime.jobs WHERE id = $1",
+                flaky,
+            ),
+            timeout=30,
+        )
+        assert await status(env.pool, dependent) == "waiting"
+        await wait_for(lambda: all_in(env.pool, [dependent], "succeeded"), timeout=30)
+    (run,) = [s for s in env.seen if s[0] == dependent]
+    assert run[2] == [(flaky, "succeeded", "second try")]
