@@ -5,6 +5,7 @@ Producers::
     from duetime import JobStore, ScheduleSpec, ScheduleStore, create_pool, load_settings
     from duetime import ShardRouter  # one store per shard, jobs routed by key
     from duetime import enqueue  # from psycopg / SQLAlchemy / Django, in their transaction
+    from duetime.workflow import chain, chord, group, step  # workflows (Celery's canvas)
 
 Handlers and workers::
 
@@ -79,12 +80,14 @@ __all__ = [
     "Worker",
     "WorkerStartupFailed",
     "WorkerState",
+    "Workflow",
     "bulk_enqueue",
     "connect",
     "create_pool",
     "default_registry",
     "enqueue",
     "enqueue_async",
+    "enqueue_workflow",
     "load_settings",
     "pool_from_settings",
     "run_worker",
@@ -119,11 +122,13 @@ if TYPE_CHECKING:
         Settings,
         ShardRouter,
         UniqueKeyTaken,
+        Workflow,
         bulk_enqueue,
         connect,
         create_pool,
         enqueue,
         enqueue_async,
+        enqueue_workflow,
         load_settings,
         pool_from_settings,
     )

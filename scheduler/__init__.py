@@ -41,6 +41,9 @@ _EXPORTS: dict[str, str] = {
     "enqueue": "scheduler.store.sync_jobs",
     "bulk_enqueue": "scheduler.store.sync_jobs",
     "enqueue_async": "scheduler.store.sync_jobs",
+    # workflows (chain, group, chord: duetime.workflow)
+    "Workflow": "scheduler.workflow",
+    "enqueue_workflow": "scheduler.store.sync_jobs",
     # producers on several shards (one shard, "main", when none are configured)
     "ShardRouter": "scheduler.shards.router",
     "RoutedJob": "scheduler.shards.router",
@@ -89,11 +92,13 @@ __all__ = [
     "Settings",
     "ShardRouter",
     "UniqueKeyTaken",
+    "Workflow",
     "bulk_enqueue",
     "connect",
     "create_pool",
     "enqueue",
     "enqueue_async",
+    "enqueue_workflow",
     "load_settings",
     "pool_from_settings",
 ]
@@ -119,7 +124,8 @@ if TYPE_CHECKING:
     from scheduler.store.jobs import BulkPreview, JobFilter, JobStore
     from scheduler.store.rows import Job
     from scheduler.store.schedules import ScheduleConflict, ScheduleStore
-    from scheduler.store.sync_jobs import bulk_enqueue, enqueue, enqueue_async
+    from scheduler.store.sync_jobs import bulk_enqueue, enqueue, enqueue_async, enqueue_workflow
+    from scheduler.workflow import Workflow
 
 
 def __getattr__(name: str) -> Any:

@@ -40,6 +40,14 @@ class JobNotFound(DuetimeError):
         self.job_id = job_id
 
 
+class WorkflowNotFound(JobNotFound):
+    """No job carries this ``workflow_id`` (migration 0025)."""
+
+    def __init__(self, workflow_id: int) -> None:
+        DuetimeError.__init__(self, f"no workflow {workflow_id} (no job carries that workflow_id)")
+        self.job_id = workflow_id
+
+
 class InvalidTransition(DuetimeError):
     """A state change that the job's current status does not allow."""
 

@@ -28,6 +28,7 @@ from scheduler.log import configure_logging, scrub
 COMMAND_MODULES = (
     "migrate",
     "jobs",
+    "workflows",
     "schedules",
     "queues",
     "limits",

@@ -174,6 +174,23 @@ async def job_action(dash: Dashboard, request: Request, form: FormData) -> Respo
 
 
 @posted()
+async def workflow_cancel(dash: Dashboard, request: Request, form: FormData) -> Response:
+    """Cancel every unfinished job of a workflow (``JobStore.cancel_workflow``: one
+    transaction; running handlers are told at its commit)."""
+    workflow_id = request.path_params["workflow_id"]
+    site = dash.site(request, form)
+    changed = await site.jobs.cancel_workflow(workflow_id, by=f"dashboard:{client_of(request)}")
+    log.info(
+        "dashboard_workflow_cancel", workflow_id=workflow_id, changed=changed,
+        shard=site.name, client=client_of(request),
+    )  # fmt: skip
+    return redirect(
+        site.url(f"/workflows/{workflow_id}"),
+        f"cancel: {changed} unfinished job(s) of workflow {workflow_id} cancelled",
+    )
+
+
+@posted()
 async def bulk(dash: Dashboard, request: Request, form: FormData) -> Response:
     site = dash.site(request, form)
     fields = {k: str(v) for k, v in form.items() if isinstance(v, str)}

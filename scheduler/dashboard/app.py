@@ -233,6 +233,10 @@ def create_app(dash: Dashboard) -> Starlette:
         Route("/jobs/bulk", bind(actions.bulk), methods=["POST"]),
         Route("/jobs/{job_id:int}", bind(pages.job)),
         Route("/jobs/{job_id:int}/{action}", bind(actions.job_action), methods=["POST"]),
+        Route("/workflows/{workflow_id:int}", bind(pages.workflow)),
+        Route(
+            "/workflows/{workflow_id:int}/cancel", bind(actions.workflow_cancel), methods=["POST"]
+        ),
         Route("/schedules", bind(pages.schedules)),
         Route("/schedules/action", bind(actions.schedule_action), methods=["POST"]),
         Route("/schedules/{name:path}", bind(pages.schedule)),

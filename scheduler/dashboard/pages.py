@@ -26,7 +26,7 @@ from scheduler.dashboard import charts, present
 from scheduler.dashboard.auth import local_path
 from scheduler.dashboard.shards import ETCD_TIMEOUT, read_shard_etcd, read_shards
 from scheduler.dashboard.site import DB_ERRORS, Dashboard, ShardSite
-from scheduler.errors import InvalidInput
+from scheduler.errors import InvalidInput, WorkflowNotFound
 from scheduler.log import get_logger, scrub
 from scheduler.planning import upcoming_fire_times
 from scheduler.shards.status import Member
@@ -227,6 +227,26 @@ async def job(dash: Dashboard, request: Request) -> Response:
         result=result, result_cut=result_cut, meta=meta, meta_cut=meta_cut,
         actions=[] if dash.read_only else job_actions(found, dash.clock.now()),
         cap=present.PAYLOAD_CAP,
+    )  # fmt: skip
+
+
+#: the most jobs a workflow page lists
+WORKFLOW_SHOWN = 2000
+
+
+async def workflow(dash: Dashboard, request: Request) -> Response:
+    """One workflow (migration 0025): each job, its state and what it waits for."""
+    workflow_id = request.path_params["workflow_id"]
+    rows = await dash.site(request).jobs.workflow(workflow_id, limit=WORKFLOW_SHOWN)
+    if not rows:
+        raise WorkflowNotFound(workflow_id)
+    counts: dict[str, int] = {}
+    for j in rows:
+        counts[j.status] = counts.get(j.status, 0) + 1
+    unfinished = sum(counts.get(s, 0) for s in ("pending", "dispatched", "waiting"))
+    return dash.render(
+        request, "workflow.html", workflow_id=workflow_id, jobs=rows, counts=counts,
+        capped=len(rows) == WORKFLOW_SHOWN, can_cancel=unfinished > 0 and not dash.read_only,
     )  # fmt: skip
 
 

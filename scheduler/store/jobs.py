@@ -33,7 +33,10 @@ from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.job_filter import FILTERS, JobFilter, filter_for, planned_for
 from scheduler.store.outcomes import wait_for_outcome
 from scheduler.store.rows import JOB_STATUSES, BulkPreview, Job
+from scheduler.store.workflows import Q as WQ
+from scheduler.store.workflows import insert_workflow
 from scheduler.tracing import current_traceparent
+from scheduler.workflow import Workflow, WorkflowJobs
 
 #: ``BulkPreview`` is a row type (``rows``), re-exported: the public API imports it from here.
 __all__ = [
@@ -153,6 +156,41 @@ class JobStore(PooledStore):
             if wakes(job, self._clock.now()):
                 await c.execute(Q["notify"])
         return job
+
+    async def enqueue_workflow(
+        self, workflow: Workflow, *, conn: Conn | None = None
+    ) -> WorkflowJobs:
+        """Insert every step of ``workflow`` (``duetime.workflow``: ``chain``, ``group``,
+        ``chord``, ``Workflow``) in one transaction (the caller's, with ``conn``) under a
+        new ``workflow_id``; the jobs come back in step order. Steps that wait are
+        ``waiting`` until their dependencies end (migration 0025). One NOTIFY when a
+        step is due soon."""
+        async with self._db.conn(conn) as c, c.transaction():
+            run = await insert_workflow(c, workflow, self._clock.now())
+            if any(j.status == "pending" and wakes(j, self._clock.now()) for j in run.jobs):
+                await c.execute(Q["notify"])
+        return run
+
+    async def workflow(
+        self, workflow_id: int, *, limit: int = 10_000, conn: Conn | None = None
+    ) -> list[Job]:
+        """The jobs of workflow ``workflow_id``, oldest first (at most ``limit``)."""
+        if not 1 <= workflow_id <= _BIGINT_MAX:
+            return []
+        async with self._db.conn(conn) as c:
+            records = await c.fetch(WQ["workflow_jobs"], workflow_id, limit)
+        return [Job.from_record(r) for r in records]
+
+    async def cancel_workflow(self, workflow_id: int, *, by: str | None = None) -> int:
+        """Cancel every unfinished job of the workflow (one transaction, the ``cancel``
+        transition: running handlers are told at the commit). Returns how many."""
+        if not 1 <= workflow_id <= _BIGINT_MAX:
+            return 0
+        async with self._db.acquire() as c, c.transaction():
+            ids = [r["id"] for r in await c.fetch(WQ["cancel_workflow_ids"], workflow_id)]
+            if not ids:
+                return 0
+            return len(await self._cancel_ids(c, ids, by))
 
     async def bulk_enqueue(self, specs: Iterable[JobSpec], *, conn: Conn | None = None) -> int:
         """COPY many jobs in one statement (hundreds of thousands per second).

@@ -41,8 +41,10 @@ from scheduler.sql import format_paramstyle, fragment
 from scheduler.store.conn import Conn
 from scheduler.store.jobs import Q, copy_lines, plan_enqueue, wakes
 from scheduler.store.rows import Job
+from scheduler.store.workflows import layer_document, place
+from scheduler.workflow import Workflow, WorkflowJobs
 
-__all__ = ["bulk_enqueue", "enqueue", "enqueue_async", "get"]
+__all__ = ["bulk_enqueue", "enqueue", "enqueue_async", "enqueue_workflow", "get"]
 
 #: The statements in the drivers' ``format`` paramstyle, with their argument order.
 _FORMAT = {name: format_paramstyle(fragment("jobs", name)) for name in ("insert", "insert_unique")}
@@ -52,6 +54,10 @@ _COPY = {
     for tagged in (False, True)
 }
 _NOTIFY = fragment("jobs", "notify").strip().rstrip(";")
+_WORKFLOW = {
+    name: format_paramstyle(fragment("workflows", name))
+    for name in ("next_workflow_id", "insert_layer")
+}
 _BIGINT_MAX = 2**63 - 1
 
 
@@ -70,6 +76,14 @@ class _Cursor:
         if isinstance(row, Mapping):  # a dict row factory
             return dict(row)
         return dict(zip((d[0] for d in self._cursor.description), row, strict=True))
+
+    def fetchall(self, sql: str, args: Sequence[Any]) -> list[dict[str, Any]]:
+        self._cursor.execute(sql, tuple(args))
+        names = [d[0] for d in self._cursor.description]
+        return [
+            dict(row) if isinstance(row, Mapping) else dict(zip(names, row, strict=True))
+            for row in self._cursor.fetchall()
+        ]
 
     def execute(self, sql: str) -> None:
         self._cursor.execute(sql)
@@ -98,6 +112,9 @@ class _SQLAlchemy:
     def fetchrow(self, sql: str, args: Sequence[Any]) -> dict[str, Any] | None:
         row = self._connection.exec_driver_sql(sql, tuple(args)).mappings().first()
         return None if row is None else dict(row)
+
+    def fetchall(self, sql: str, args: Sequence[Any]) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._connection.exec_driver_sql(sql, tuple(args)).mappings()]
 
     def execute(self, sql: str) -> None:
         self._connection.exec_driver_sql(sql)
@@ -218,6 +235,35 @@ def bulk_enqueue(conn: Any, specs: Iterable[JobSpec], *, clock: Clock = SYSTEM_C
         if cursor is not None:
             cursor.close()
     return count if count >= 0 else len(lines)
+
+
+def enqueue_workflow(conn: Any, workflow: Workflow, *, clock: Clock = SYSTEM_CLOCK) -> WorkflowJobs:
+    """``JobStore.enqueue_workflow`` through a synchronous connection, in its current
+    transaction (module docstring): every step, one statement per layer, under a new
+    ``workflow_id``. Outside a transaction each layer commits on its own, so open one
+    (``with conn.transaction()``, ``transaction.atomic()``) for all-or-nothing."""
+    if not len(workflow):
+        raise InvalidInput("an empty workflow: add a step first")
+    adapter, cursor = _open(conn)
+    try:
+        sql, _ = _WORKFLOW["next_workflow_id"]
+        record = adapter.fetchrow(sql, [])
+        assert record is not None
+        workflow_id = int(record["workflow_id"])
+        ids: list[int | None] = [None] * len(workflow)
+        jobs: list[Job | None] = [None] * len(workflow)
+        insert, order = _WORKFLOW["insert_layer"]
+        for layer in workflow.layers():
+            doc = layer_document(workflow, layer, ids, clock.now())
+            records = adapter.fetchall(insert, [(doc, workflow_id)[i] for i in order])
+            place(workflow, layer, records, ids, jobs, lambda r: Job.from_record(_job(r)))
+        run = WorkflowJobs(workflow_id, [j for j in jobs if j is not None])
+        if any(j.status == "pending" and wakes(j, clock.now()) for j in run.jobs):
+            adapter.execute(_NOTIFY)
+    finally:
+        if cursor is not None:
+            cursor.close()
+    return run
 
 
 def get(conn: Any, job_id: int) -> Job | None:

@@ -98,6 +98,9 @@ def test_the_page_has_the_examples_it_promises() -> None:
         "JobFilter(tags=",
         "cancel_matching(",
         "retry_matching(",
+        "enqueue_workflow(",
+        "chord(",
+        "ctx.dependencies",
     ):
         assert needle in text, f"docs/api.md has no example using {needle}"
 
@@ -165,6 +168,7 @@ async def test_every_example_runs_and_has_its_effect(
     assert any("handler test passed" in out for out in outputs), outputs
     assert any("plain def handler test passed" in out for out in outputs), outputs
     assert any("converted 10.8" in out for out in outputs), outputs
+    assert any("canvas: 6 words" in out and "cancelled 2" in out for out in outputs), outputs
     (control,) = [out for out in outputs if "result {'total': 205}" in out]
     assert "was cancelled by docs-example" in control, control
     assert "snoozed pending 1 1" in control, control

@@ -304,3 +304,65 @@ async def test_a_retried_dependency_keeps_its_dependents_waiting(env: Env) -> No
         await wait_for(lambda: all_in(env.pool, [dependent], "succeeded"), timeout=30)
     (run,) = [s for s in env.seen if s[0] == dependent]
     assert run[2] == [(flaky, "succeeded", "second try")]
+
+
+# -- the Python API: duetime.workflow ----------------------------------------------------
+
+
+async def test_enqueue_workflow_runs_a_chord_end_to_end(env: Env) -> None:
+    from duetime.workflow import chain, chord, step
+
+    store = JobStore(env.pool)
+    fan = chord(
+        [step("wf.step", {"value": i}, queue=env.queue) for i in range(5)],
+        step("wf.step", {"value": "cb"}, queue=env.queue),
+    )
+    wf = chain(step("wf.step", {"value": "first"}, queue=env.queue), fan)
+    async with running(env):
+        run = await store.enqueue_workflow(wf)
+        assert [j.status for j in run.jobs] == ["pending"] + ["waiting"] * 6
+        assert {j.workflow_id for j in run.jobs} == {run.workflow_id}
+        assert run.jobs[-1].depends_on == run.ids[1:6]
+        await wait_for(lambda: all_in(env.pool, run.ids, "succeeded"), timeout=30)
+    (cb,) = [s for s in env.seen if s[0] == run.ids[-1]]
+    assert cb[2] == [(run.ids[1 + i], "succeeded", i) for i in range(5)]
+    assert [j.id for j in await store.workflow(run.workflow_id)] == run.ids
+
+
+async def test_enqueue_workflow_is_one_transaction_and_cancel_workflow(env: Env) -> None:
+    from duetime.workflow import chain, step
+
+    store = JobStore(env.pool)
+    bad = chain(step("wf.step", queue=env.queue), step("wf.step", {"x": 1}, max_attempts=0))
+    with pytest.raises(asyncpg.CheckViolationError):
+        await store.enqueue_workflow(bad)
+    assert not await env.pool.fetchval("SELECT count(*) FROM duetime.jobs")
+    run = await store.enqueue_workflow(
+        chain(*(step("wf.step", queue=env.queue, delay=3600) for _ in range(3)))
+    )
+    assert await store.cancel_workflow(run.workflow_id, by="test") == 3
+    assert await all_in(env.pool, run.ids, "cancelled")
+    assert await store.cancel_workflow(run.workflow_id) == 0
+
+
+def test_the_sync_producer_inserts_a_workflow_in_the_callers_transaction(
+    migrated_dsn: str,
+) -> None:
+    import psycopg
+
+    import duetime
+    from duetime.workflow import chord, step
+
+    with psycopg.connect(migrated_dsn) as conn:
+        run = duetime.enqueue_workflow(
+            conn, chord([step("wf.step", {"i": i}) for i in range(3)], step("wf.step"))
+        )
+        assert [j.status for j in run.jobs] == ["pending"] * 3 + ["waiting"]
+        conn.rollback()
+        assert conn.execute("SELECT count(*) FROM duetime.jobs").fetchone() == (0,)
+        run = duetime.enqueue_workflow(conn, chord([step("wf.step")], step("wf.step")))
+        conn.commit()
+        got = conn.execute(
+            "SELECT depends_on, status FROM duetime.jobs WHERE id = %s", (run.ids[-1],)
+        ).fetchone()
+    assert got == ([run.ids[0]], "waiting")

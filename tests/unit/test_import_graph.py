@@ -149,7 +149,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaves", (
         "scheduler.backoff", "scheduler.clock", "scheduler.cron", "scheduler.errors",
         "scheduler.jobspec", "scheduler.log", "scheduler.loopmon", "scheduler.metrics",
-        "scheduler.planning", "scheduler.secrets", "scheduler.tracing",
+        "scheduler.planning", "scheduler.secrets", "scheduler.tracing", "scheduler.workflow",
     )),
     ("config, messages, db, sql, store", (
         "scheduler.config", "scheduler.db", "scheduler.messages", "scheduler.migrate",

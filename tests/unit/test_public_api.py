@@ -128,3 +128,12 @@ def test_the_django_tasks_backend_says_which_django_it_needs() -> None:
         assert verdict == "refused" and "needs Django >= 6.0" in rest[0], out
     else:
         assert out.endswith("DuetimeBackend"), out
+
+
+def test_duetime_workflow_is_the_scheduler_builder() -> None:
+    import duetime.workflow
+    import scheduler.workflow
+
+    for name in duetime.workflow.__all__:
+        assert getattr(duetime.workflow, name) is getattr(scheduler.workflow, name), name
+    assert duetime.Workflow is scheduler.workflow.Workflow
