@@ -127,6 +127,11 @@ JOBS_PARKED = Counter(
     ["shard", "reason"],
 )
 BACKLOG = Gauge("duetime_backlog_jobs", "pending jobs whose run time has passed", ["shard"])
+WAITING = Gauge(
+    "duetime_waiting_jobs",
+    "jobs waiting for their dependencies (workflows); sampled by the leader with the backlog",
+    ["shard"],
+)
 OLDEST_UNSTARTED = Gauge(
     "duetime_oldest_unstarted_seconds",
     "seconds since the oldest dispatched job no worker has started was dispatched (0: none)",

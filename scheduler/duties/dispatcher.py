@@ -116,6 +116,7 @@ from scheduler.metrics import (
     LIMIT_STARTS,
     PUBLISH_FAILURES,
     QUEUE_PAUSED,
+    WAITING,
 )
 from scheduler.publisher import (
     DEFAULT_PUBLISH_TIMEOUT,
@@ -283,6 +284,7 @@ class Dispatcher:
         if self.pacing.backlog_sample_due():
             with contextlib.suppress(asyncpg.PostgresError, TimeoutError):
                 BACKLOG.labels(self.shard).set(await self.store.backlog())
+                WAITING.labels(self.shard).set(await self.store.waiting())
                 self._report_held(await self.store.held())
                 await self._report_limit_held()
                 self._report_paused(await self.store.queue_flags())

@@ -141,6 +141,11 @@ SELECT count(*)
    AND coalesce(run_at, due_at) <= now()
    AND due_at <= now();
 
+-- name: waiting
+-- Jobs waiting for their dependencies (migration 0025), sampled with the backlog for the
+-- WAITING gauge: a count over the partial index jobs_waiting_idx only.
+SELECT count(*) FROM duetime.jobs WHERE status = 'waiting';
+
 -- name: held
 -- Due pending jobs held because their queue is not declared (sampled with the backlog):
 -- per queue name, the most held first, at most $1 names (a producer may write many), and

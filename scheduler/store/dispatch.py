@@ -212,6 +212,11 @@ class DispatchStore(PooledStore):
         async with self._db.acquire() as conn:
             return int(await conn.fetchval(Q["backlog"]))
 
+    async def waiting(self) -> int:
+        """Jobs waiting for their dependencies (workflows, migration 0025)."""
+        async with self._db.acquire() as conn:
+            return int(await conn.fetchval(Q["waiting"]))
+
     async def held(self, names: int = 20) -> HeldQueues:
         """Due pending jobs held because their queue is not declared: the ``names``
         queues holding most, and the totals over all of them."""

@@ -25,6 +25,7 @@ from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duties.knobs import config_from_settings
+from scheduler.store.dispatch import DispatchStore
 from scheduler.store.fence import FenceStore
 from scheduler.store.jobs import JobStore
 from tests.support.helpers import declare_queues
@@ -145,6 +146,7 @@ async def test_a_dependency_must_exist_and_the_refusal_names_the_constraint(env:
         ("depends_on", "'{{1,2},{3,4}}'::bigint[]", "jobs_depends_on_invalid"),
         ("depends_on", "ARRAY[NULL]::bigint[]", "jobs_depends_on_invalid"),
         ("status", "'waiting'", "jobs_waiting_without_dependencies"),
+        ("unique_key, depends_on", "'k', '{}'::bigint[]", "jobs_unique_key_with_depends_on"),
     ],
 )
 async def test_workflow_columns_are_checked_by_named_constraints(
@@ -163,6 +165,7 @@ async def test_insert_time_classification(env: Env) -> None:
     a = await insert(env.pool, env.queue, delay_s=3600)
     waiting = await insert(env.pool, env.queue, depends_on=[a, a])
     assert await status(env.pool, waiting) == "waiting"
+    assert await DispatchStore(env.pool).waiting() == 1  # the duetime_waiting_jobs gauge
     edges = await env.pool.fetchval(
         "SELECT count(*) FROM duetime.job_dependencies WHERE dependent_id = $1", waiting
     )

@@ -92,7 +92,13 @@ ALTER TABLE duetime.jobs ADD CONSTRAINT jobs_workflow_id_invalid
     CHECK (workflow_id IS NULL OR workflow_id > 0) NOT VALID;
 ALTER TABLE duetime.jobs ADD CONSTRAINT jobs_waiting_without_dependencies
     CHECK (status <> 'waiting' OR coalesce(cardinality(depends_on), 0) > 0) NOT VALID;
+-- A unique key is held from insert to outcome by triggers of migration 0014 that know
+-- only pending and dispatched; a waiting job holding one would keep it past a cancel.
+-- Until they learn `waiting`, the two do not go together.
+ALTER TABLE duetime.jobs ADD CONSTRAINT jobs_unique_key_with_depends_on
+    CHECK (unique_key IS NULL OR depends_on IS NULL) NOT VALID;
 ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_status_invalid;
+ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_unique_key_with_depends_on;
 ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_depends_on_invalid;
 ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_on_dependency_failure_invalid;
 ALTER TABLE duetime.jobs VALIDATE CONSTRAINT jobs_workflow_id_invalid;
