@@ -86,7 +86,7 @@ async def run(dsn: str, amqp: str, chains: int) -> dict[str, Any]:
                     await (await conn.channel()).queue_delete(queue_name(queue))
         finally:
             await pool.close()
-    q = statistics.quantiles(gaps, n=100)
+    q = statistics.quantiles(gaps, n=100, method="inclusive")
     return {
         **head,
         "chains": chains,
