@@ -122,6 +122,7 @@ class StatusReport:
                 "broker": asdict(self.broker) if self.broker is not None else None,
                 "queues": [asdict(q) for q in snap.queues],
                 "schedules": asdict(snap.schedules) if snap.schedules is not None else None,
+                "waiting": snap.waiting,
             }
         )
 

@@ -228,6 +228,8 @@ def render(report: StatusReport) -> None:
         print_table(rows, QUEUE_COLUMNS)
     else:
         say("queues     no pending, dispatched or recently dead jobs")
+    if snap.waiting:
+        say(f"workflows  {snap.waiting} job(s) waiting for their dependencies")
     say()
     sched = snap.schedules
     if sched is None:

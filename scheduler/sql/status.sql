@@ -85,3 +85,9 @@ SELECT name, next_fire_at,
  WHERE NOT paused AND next_fire_at IS NOT NULL
  ORDER BY next_fire_at
  LIMIT $1;
+
+-- name: waiting
+-- Jobs waiting for their dependencies (migration 0025): a count over the partial index
+-- jobs_waiting_idx; NULL before the migration (no such index: the status is unknown).
+SELECT CASE WHEN to_regclass('duetime.jobs_waiting_idx') IS NULL THEN NULL
+            ELSE (SELECT count(*) FROM duetime.jobs WHERE status = 'waiting') END;

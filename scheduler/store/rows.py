@@ -362,6 +362,8 @@ class DbSnapshot:
     fence: FenceView
     queues: tuple[QueueStatus, ...]
     schedules: ScheduleSummary | None  # None: no duetime.schedules table (before 0002)
+    #: jobs waiting for their dependencies (workflows, migration 0025); None before it
+    waiting: int | None = None
 
 
 # -- the dashboard -----------------------------------------------------------------------

@@ -69,6 +69,7 @@ class StatusStore:
             if await conn.fetchval(Q["schedules_table"]):
                 schedules = await self._schedules(conn)
             db_now = await conn.fetchval(Q["now"])
+            waiting = await conn.fetchval(Q["waiting"])
         fence = FenceView.from_record(fence_row)
         queues: dict[str, dict[str, Any]] = {}
         for row in pending_rows:
@@ -94,6 +95,7 @@ class StatusStore:
             fence=fence,
             queues=tuple(QueueStatus(queue=q, **queues[q]) for q in sorted(queues)),
             schedules=schedules,
+            waiting=waiting,
         )
 
     async def _declared(self, conn: Conn) -> set[str] | None:

@@ -20,6 +20,7 @@ from playwright.async_api import expect
 from scheduler.jobspec import JobSpec
 from scheduler.planning import ScheduleSpec
 from scheduler.store import JobStore, ScheduleStore
+from scheduler.workflow import chord, step
 from tests.dashboard.conftest import Cluster, Served
 from tests.support.wait import wait_for
 
@@ -237,3 +238,30 @@ async def test_script_in_payload_task_and_error_is_shown_as_text(
     await expect(page.get_by_test_id("job-error")).to_have_text(evil)
     await page.goto(dashboard.url + schedule_path)
     await expect(page.get_by_test_id("schedule-name")).to_have_text(name)
+
+
+async def test_a_workflow_page_shows_each_job_its_edges_and_cancels_it(
+    cluster: Cluster, dashboard: Served, page: Any
+) -> None:
+    task = f"wf.{uuid.uuid4().hex[:6]}"
+    run = await JobStore(cluster.pool).enqueue_workflow(
+        chord([step(task, delay=3600), step(task, delay=3600)], step(task + "-cb"))
+    )
+    first, second, callback = run.ids
+    await page.goto(f"{dashboard.url}/workflows/{run.workflow_id}")
+    await expect(page.locator("table[data-testid=workflow-jobs] tbody tr")).to_have_count(3)
+    await expect(page.get_by_test_id(f"workflow-edges-{callback}")).to_have_text(
+        f"{first}, {second}"
+    )
+    await (
+        page.get_by_test_id(f"workflow-edges-{callback}")
+        .get_by_role("link", name=str(first))
+        .click()
+    )
+    await expect(page.get_by_test_id("job-workflow")).to_have_text(str(run.workflow_id))
+    await page.get_by_test_id("job-workflow").get_by_role("link").click()
+    await page.get_by_test_id("workflow-cancel").click()
+    await expect(page.locator(".flash")).to_contain_text("3 unfinished job(s) of workflow")
+    await expect(page.get_by_test_id("workflow-summary")).to_contain_text("3 cancelled")
+    rows = await cluster.pool.fetch("SELECT status FROM duetime.jobs WHERE id = ANY($1)", run.ids)
+    assert {r["status"] for r in rows} == {"cancelled"}

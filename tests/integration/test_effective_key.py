@@ -25,15 +25,16 @@ from scheduler.store.rows import Completion, JobRef
 from tests.fixtures_tasks.jobs import FENCE_EPOCH, dispatched_job
 
 #: How the worker's functions compute the key of the row they read or settle, as written
-#: there (the row's alias, then these columns): migration 0019's worker_begin_jobs and
-#: 0023's worker_begin_traced (what the worker calls now: begin with the trace context),
-#: and the settling functions as migration 0024 replaced them (0019's plus the slot
-#: wake-up).
+#: there (the row's alias, then these columns): migration 0019's worker_begin_jobs, 0023's
+#: worker_begin_traced (begin with the trace context), 0025's worker_begin_flow (what the
+#: worker calls now: plus the dependencies' outcomes), and the settling functions as
+#: migration 0024 replaced them (0019's plus the slot wake-up).
 EXPRESSION = "duetime.effective_key({t}.id, {t}.idempotency_key, {t}.schedule_id, {t}.created_by)"
 RESERVED = "jobs_idempotency_key_reserved"
 MIGRATIONS = Path(scheduler.sql.__file__).parent / "migrations"
 BEGIN = MIGRATIONS / "0019_job_control.sql"
 BEGIN_TRACED = MIGRATIONS / "0023_trace_context.sql"
+BEGIN_FLOW = MIGRATIONS / "0025_workflows.sql"
 SETTLE = MIGRATIONS / "0024_limit_slot_wakeup.sql"
 
 
@@ -42,7 +43,8 @@ def _flat(path: Path) -> str:
 
 
 def test_the_worker_statement_computes_the_key_with_this_expression() -> None:
-    assert "duetime.worker_begin_traced(" in load("execution")["begin_deliveries"]
+    assert "duetime.worker_begin_flow(" in load("execution")["begin_deliveries"]
+    assert EXPRESSION.format(t="r") in _flat(BEGIN_FLOW)  # worker_begin_flow
     assert EXPRESSION.format(t="r") in _flat(BEGIN_TRACED)  # worker_begin_traced
     assert EXPRESSION.format(t="r") in _flat(BEGIN)  # worker_begin_jobs
     text = _flat(SETTLE)

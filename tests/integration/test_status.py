@@ -267,6 +267,28 @@ async def test_schedules_summary(cluster: Cluster) -> None:
     assert report["schedules"]["upcoming"][0]["name"] == "minutely"
 
 
+async def test_waiting_jobs_are_counted(cluster: Cluster) -> None:
+    """Workflows (migration 0025): jobs waiting for their dependencies, in the snapshot and
+    ``--json``; None on a schema before it."""
+    store = StatusStore(cluster.pool)
+    if not await cluster.pool.fetchval(
+        "SELECT to_regclass('duetime.jobs_waiting_idx') IS NOT NULL"
+    ):
+        assert (await store.snapshot()).waiting is None
+        return
+    before = (await store.snapshot()).waiting or 0
+    first = await cluster.pool.fetchval(
+        "INSERT INTO duetime.jobs (task, due_at) VALUES ('t', now() + interval '1 day') "
+        "RETURNING id"
+    )
+    await cluster.pool.execute(
+        "INSERT INTO duetime.jobs (task, depends_on) VALUES ('t', ARRAY[$1::bigint])", first
+    )
+    assert (await store.snapshot()).waiting == before + 1
+    _, report = await cluster.status_json()
+    assert report["waiting"] == before + 1
+
+
 async def test_help_documents_exit_codes() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUETIME_")}
     out = await run_duetime(env, "status", "--help")
