@@ -310,3 +310,37 @@ async def test_get_reads_a_job_back_the_same_through_every_driver(
         assert missing is None and nonsense is None
     finally:
         await store_pool.close()
+
+
+@pytest.mark.parametrize("driver", sorted(DRIVERS))
+async def test_a_workflow_commits_or_rolls_back_with_the_callers_write(
+    driver: str, migrated_dsn: str
+) -> None:
+    """``duetime.enqueue_workflow`` through each driver (migration 0025): every step in the
+    caller's transaction, the dependents ``waiting`` on the real ids."""
+    import duetime
+    from duetime.workflow import chord, step
+
+    setup = await db.connect(migrated_dsn)
+    try:
+        await setup.execute("CREATE TABLE orders (id bigint PRIMARY KEY)")
+
+        def run() -> list[int]:
+            wf = chord([step("wf.member", {"i": i}) for i in range(3)], step("wf.callback"))
+            with DRIVERS[driver](migrated_dsn) as d:
+                d.write(1)
+                duetime.enqueue_workflow(d.handle, wf)
+                d.rollback()
+                d.write(2)
+                kept = duetime.enqueue_workflow(d.handle, wf)
+                d.commit()
+            assert [j.status for j in kept.jobs] == ["pending"] * 3 + ["waiting"]
+            assert kept.jobs[-1].depends_on == kept.ids[:3]
+            return kept.ids
+
+        ids = await asyncio.to_thread(run)
+        rows = await setup.fetch("SELECT id, status FROM duetime.jobs ORDER BY id")
+        assert [r["id"] for r in rows] == ids
+        assert await setup.fetchval("SELECT array_agg(id) FROM orders") == [2]
+    finally:
+        await setup.close()
