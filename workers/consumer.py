@@ -66,9 +66,12 @@ log = get_logger("duetime.worker")
 #: Unacked deliveries per handler slot. Batched reads and completions settle deliveries
 #: in waves; with prefetch = concurrency the next wave could only arrive after the last
 #: one was acked, and the worker idled between waves (database idle while the event loop
-#: parsed a wave, event loop idle while the database completed it). Two per slot keep
-#: the next wave queued locally; waiting deliveries are nacked back at once on shutdown.
-PREFETCH_PER_SLOT = 2
+#: parsed a wave, event loop idle while the database completed it). A slot is a running
+#: handler (``workers.slots``), so a delivery whose handler returned still holds its
+#: prefetch unit until its outcome committed: three per slot cover N running, N settling
+#: and the next wave of N queued locally (with two, settling deliveries took the queued
+#: wave's place). Waiting deliveries are nacked back at once on shutdown.
+PREFETCH_PER_SLOT = 3
 DB_RETRY_BASE = 0.5
 DB_RETRY_CAP = 10.0
 #: Deliveries a message for an unknown shard gets (each requeued at once, no delay) before
