@@ -387,7 +387,7 @@ class Executor:
         ``--concurrency 1`` the next delivery's ``begin`` can run before the previous
         one's ledger row committed. Run then, a second job with the same key would race
         the first one's effect (a unique violation in its handler, a failed attempt
-        instead of a duplicate; see docs/benchmarks.md, "the freed-slot experiment").
+        instead of a duplicate; docs/benchmarks.md, "A slot is a running handler").
         Waiting here costs nothing to a delivery whose key no other attempt here holds
         (every job without an idempotency key has its own, ``job:<id>``), and one read
         to the rare one that waited. The slot is given back meanwhile (it is not a
