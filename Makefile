@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 SRC := scheduler workers duetime demo tests bench scripts
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install venv-django6 services check test test-fast lint typecheck demo bench chaos clean \
+.PHONY: help venv install venv-django6 services test-postgres check test test-fast lint typecheck demo bench chaos clean \
 	stop-services dashboard-shots
 
 help: ## list the targets, one line each
@@ -45,11 +45,25 @@ typecheck: $(STAMP) ## mypy on the packages
 check: $(STAMP) lint typecheck ## lint, typecheck and the unit tests: no services needed
 	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)
 
-test: $(STAMP) venv-django6 services lint typecheck ## everything: lint, typecheck and every test suite
-	$(BIN)/pytest -q -ra --durations=15 $(PYTEST_ARGS)
+# The suite runs against a server of its own (scripts/test_postgres.sh: the shared one's
+# settings, room for 300 connections) unless DUETIME_TEST_DATABASE_URL names one: all but
+# the chaos tests in TEST_PROCESSES pytest processes (each with its own databases, vhost
+# and etcd prefixes), then the chaos tests alone, as their faults and timings want.
+TEST_PROCESSES ?= 2
+TEST_DB = $${DUETIME_TEST_DATABASE_URL:-$$(bash scripts/test_postgres.sh url)}
 
-test-fast: $(STAMP) venv-django6 services ## the tests without the chaos and slow ones, stop at the first failure
-	$(BIN)/pytest -q -x -m 'not chaos and not slow' $(PYTEST_ARGS)
+test-postgres: ## start the test suite's own PostgreSQL (idempotent; not when DUETIME_TEST_DATABASE_URL is set)
+	@[ -n "$${DUETIME_TEST_DATABASE_URL:-}" ] || bash scripts/test_postgres.sh start
+
+test: $(STAMP) venv-django6 services test-postgres lint typecheck ## everything: lint, typecheck and every test suite
+	DUETIME_TEST_DATABASE_URL=$(TEST_DB) $(BIN)/pytest -q -ra -n $(TEST_PROCESSES) --dist loadfile \
+	  -m 'not chaos' --durations=15 $(PYTEST_ARGS)
+	DUETIME_TEST_DATABASE_URL=$(TEST_DB) $(BIN)/pytest -q -ra -m chaos --durations=10 \
+	  $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS selected no chaos test
+
+test-fast: $(STAMP) venv-django6 services test-postgres ## the tests without the chaos and slow ones, stop at the first failure
+	DUETIME_TEST_DATABASE_URL=$(TEST_DB) $(BIN)/pytest -q -x -n $(TEST_PROCESSES) \
+	  -m 'not chaos and not slow' $(PYTEST_ARGS)
 
 demo: $(STAMP) services ## a local cluster live: jobs, cron, the leader killed, a summary
 	$(BIN)/duetime demo $(DEMO_ARGS)
@@ -62,11 +76,12 @@ dashboard-shots: $(STAMP) services ## screenshot every dashboard page into docs/
 bench: $(STAMP) services ## every benchmark (docs/benchmarks.md); BENCH_ARGS passes options
 	$(BIN)/duetime bench all $(BENCH_ARGS)
 
-chaos: $(STAMP) services ## the fault-injection suite (real processes, signals, a fault proxy)
-	DUETIME_TEST_SOAK=1 $(BIN)/pytest -q -s -m chaos tests/chaos $(PYTEST_ARGS)
+chaos: $(STAMP) services test-postgres ## the fault-injection suite (real processes, signals, a fault proxy)
+	DUETIME_TEST_DATABASE_URL=$(TEST_DB) DUETIME_TEST_SOAK=1 $(BIN)/pytest -q -s -m chaos tests/chaos $(PYTEST_ARGS)
 
-stop-services: ## stop the etcd that `make services` started
+stop-services: ## stop the etcd that `make services` started and the test suite's PostgreSQL
 	-@[ -f .run/etcd.pid ] && kill $$(cat .run/etcd.pid) 2>/dev/null; rm -f .run/etcd.pid
+	-@bash scripts/test_postgres.sh stop
 
 clean: stop-services ## stop-services, then remove caches and .run/
 	rm -rf .run .pytest_cache .mypy_cache .ruff_cache

@@ -15,7 +15,9 @@ dashboard's first page (newest first, and pending soonest first) for a rare tag,
 tenant, the common ``nightly``, two tags together and a tag nobody has; and the bulk
 cancel preview of a tenant. Prints p50 and max per read in ms, the planning and
 execution time of each ``JobStore.list`` statement and the plan of the tenant's, as
-JSON. The database is dropped at the end, whatever happened.
+JSON. The database is dropped at the end, whatever happened, unless ``--keep NAME``
+names it: then a database of that name is filled once, kept, and measured again as it is
+by the next run with the same name (two trees compared on one fill; drop it by hand).
 """
 
 from __future__ import annotations
@@ -69,31 +71,37 @@ async def _timed(fn: Callable[[], Awaitable[Any]], repeat: int) -> dict[str, flo
     return {"p50_ms": round(statistics.median(took), 2), "max_ms": round(max(took), 2)}
 
 
-async def run(server: str, jobs: int, repeat: int) -> dict[str, Any]:
-    name = f"duetime_bench_tags_{uuid.uuid4().hex[:8]}"
+async def run(server: str, jobs: int, repeat: int, keep: str | None = None) -> dict[str, Any]:
+    name = keep or f"duetime_bench_tags_{uuid.uuid4().hex[:8]}"
     admin = await db.connect(server)
-    await admin.execute(f'CREATE DATABASE "{name}"')
+    fill = not await admin.fetchval("SELECT count(*) FROM pg_database WHERE datname = $1", name)
+    if fill:
+        await admin.execute(f'CREATE DATABASE "{name}"')
     url = _with_db(server, name)
     try:
-        await migrate(url)
+        if fill:
+            await migrate(url)
         pool = await db.create_pool(url, min_size=1, max_size=1, timeout=600)
         try:
-            return await _measure(pool, jobs, repeat)
+            return await _measure(pool, jobs, repeat, fill)
         finally:
             await pool.close()
     finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if keep is None:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
 
 
-async def _measure(pool: Any, jobs: int, repeat: int) -> dict[str, Any]:
+async def _measure(pool: Any, jobs: int, repeat: int, fill: bool) -> dict[str, Any]:
     started = time.perf_counter()
     async with pool.acquire() as c:
-        await c.execute("SELECT duetime.ensure_partitions(current_date - 31, 32)")
-        for first in range(1, jobs + 1, SLICE):
-            await c.execute(FILL, first, min(jobs, first + SLICE - 1), jobs, timeout=3600)
+        if fill:
+            await c.execute("SELECT duetime.ensure_partitions(current_date - 31, 32)")
+            for first in range(1, jobs + 1, SLICE):
+                await c.execute(FILL, first, min(jobs, first + SLICE - 1), jobs, timeout=3600)
         filled = time.perf_counter() - started
-        await c.execute("VACUUM ANALYZE duetime.jobs", timeout=3600)
+        if fill:
+            await c.execute("VACUUM ANALYZE duetime.jobs", timeout=3600)
         size = await c.fetchval(
             "SELECT pg_size_pretty(sum(pg_relation_size(i.indexrelid))) FROM pg_inherits h "
             "JOIN pg_index i ON i.indexrelid = h.inhrelid "
@@ -170,8 +178,9 @@ def main() -> None:
             "DUETIME_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
         ),
     )
+    parser.add_argument("--keep", metavar="NAME", help="fill database NAME once and keep it")
     args = parser.parse_args()
-    print(json.dumps(asyncio.run(run(args.server, args.jobs, args.repeat)), indent=2))
+    print(json.dumps(asyncio.run(run(args.server, args.jobs, args.repeat, args.keep)), indent=2))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ newest id first), with an opaque keyset cursor ``"<id>"`` or ``"<timestamp>|<id>
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 import asyncpg
 
@@ -167,18 +168,16 @@ class DashboardStore:
         state = PAGE_BY_STATE.get(where.status or "")
         key = state[2] if state else None
         at, after_id = _parse_cursor(cursor, keyed=key is not None)
-        async with self._pool.acquire() as c, planned_for(c, where):
+        async with self._pool.acquire() as c:
+            # Counted before the custom plans: its generic plan (a LIMIT over the tag
+            # index of every bucket) is right for any tags, and planning it per tag set
+            # cost ~20 ms at 10M jobs (docs/benchmarks.md, "Tags at 10M").
             tagged = bool(where.tags)
             few = tagged and (
                 await c.fetchval(Q["tag_matches"], list(where.tags), FEW_MATCHES + 1) <= FEW_MATCHES
             )
-            if key is None:
-                statement = FEW_PAGES[None] if few else PAGES[None, tagged]
-                args = (*where.params(), where.status, after_id, limit)
-            else:
-                statement = FEW_PAGES[where.status] if few else PAGES[where.status, tagged]
-                args = (*where.params(), at, after_id, limit)
-            records = await c.fetch(statement, *args)
+            async with planned_for(c, where):
+                records = await c.fetch(*self._page_statement(where, few, key, at, after_id, limit))
         jobs = [Job.from_record(r) for r in records]
         if len(jobs) < limit:
             return JobPage(jobs, None)
@@ -191,6 +190,23 @@ class DashboardStore:
             "last_sign_of_life": last.heartbeat_at or last.dispatched_at,
         }[key]
         return JobPage(jobs, f"{value.isoformat() if value else ''}|{last.id}")
+
+    @staticmethod
+    def _page_statement(
+        where: JobFilter,
+        few: bool,
+        key: str | None,
+        at: datetime | None,
+        after_id: int | None,
+        limit: int,
+    ) -> tuple[Any, ...]:
+        """The page statement for ``where`` and its arguments."""
+        tagged = bool(where.tags)
+        if key is None:
+            statement = FEW_PAGES[None] if few else PAGES[None, tagged]
+            return (statement, *where.params(), where.status, after_id, limit)
+        statement = FEW_PAGES[where.status] if few else PAGES[where.status, tagged]
+        return (statement, *where.params(), at, after_id, limit)
 
     async def job_detail(self, job: Job) -> JobDetail:
         """What the job page shows beside the row itself."""
