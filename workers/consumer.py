@@ -2,9 +2,10 @@
 
 Each delivery becomes one asyncio task owned by the ``Consumer`` (aio-pika's own
 callback task only hands it over). A semaphore of size ``concurrency`` bounds the
-handlers running at once; prefetch is ``PREFETCH_PER_SLOT`` x N per queue, so up to
-that many deliveries wait for a slot, unacked, which is harmless (and is what keeps
-the next batch ready while one completes).
+handlers running at once (``workers.slots``: a delivery gives its slot back when its
+handler returned, before its outcome is settled); prefetch is ``PREFETCH_PER_SLOT`` x N
+per queue, so up to that many deliveries wait for a slot or settle, unacked, which is
+harmless (and is what keeps the next batch ready while one completes).
 
 Settlement rules (DESIGN §6):
 
@@ -58,15 +59,19 @@ from scheduler.metrics import DELIVERIES_DROPPED, DELIVERIES_REQUEUED, MALFORMED
 from workers.errors import AttemptRunningElsewhere, DatabaseUnavailable
 from workers.executor import RUNNING_ELSEWHERE_REQUEUE, Executor
 from workers.shards import ShardExecutors, UnknownShard
+from workers.slots import HandlerSlot
 
 log = get_logger("duetime.worker")
 
 #: Unacked deliveries per handler slot. Batched reads and completions settle deliveries
 #: in waves; with prefetch = concurrency the next wave could only arrive after the last
 #: one was acked, and the worker idled between waves (database idle while the event loop
-#: parsed a wave, event loop idle while the database completed it). Two per slot keep
-#: the next wave queued locally; waiting deliveries are nacked back at once on shutdown.
-PREFETCH_PER_SLOT = 2
+#: parsed a wave, event loop idle while the database completed it). A slot is a running
+#: handler (``workers.slots``), so a delivery whose handler returned still holds its
+#: prefetch unit until its outcome committed: three per slot cover N running, N settling
+#: and the next wave of N queued locally (with two, settling deliveries took the queued
+#: wave's place). Waiting deliveries are nacked back at once on shutdown.
+PREFETCH_PER_SLOT = 3
 DB_RETRY_BASE = 0.5
 DB_RETRY_CAP = 10.0
 #: Deliveries a message for an unknown shard gets (each requeued at once, no delay) before
@@ -99,8 +104,8 @@ class Consumer:
         self._consumers: list[tuple[AbstractQueue, str]] = []
         self._db_failures = 0
         self.stopping = False
-        self.active = 0  # deliveries holding a slot right now
-        self.peak = 0  # most deliveries ever holding a slot at once
+        self.active = 0  # handler slots taken right now (workers.slots)
+        self.peak = 0  # most handler slots ever taken at once
         self.requeued = 0  # deliveries nacked back because no outcome could be recorded
 
     @property
@@ -186,18 +191,24 @@ class Consumer:
         task.add_done_callback(self._tasks.discard)
 
     @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
+    async def _slot(self) -> AsyncIterator[HandlerSlot]:
+        """A handler slot for this delivery (``workers.slots``): the executor gives it
+        back when the handler returned; the delivery stays *running* (drained with the
+        grace period, not nacked as waiting) until it is settled."""
         task = asyncio.current_task()
         assert task is not None
-        async with self._slots:
-            self._running.add(task)
-            self.active += 1
-            self.peak = max(self.peak, self.active)
-            try:
-                yield
-            finally:
-                self.active -= 1
-                self._running.discard(task)
+        slot = HandlerSlot(self._slots, self._count_active)
+        await slot.acquire()
+        self._running.add(task)
+        try:
+            yield slot
+        finally:
+            slot.release()
+            self._running.discard(task)
+
+    def _count_active(self, change: int) -> None:
+        self.active += change
+        self.peak = max(self.peak, self.active)
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
         settle = _Settlement(message, self._acks)
@@ -215,11 +226,11 @@ class Consumer:
             executor = self._executor
             if isinstance(executor, ShardExecutors) and msg.shard not in executor:
                 raise UnknownShard(msg.shard, executor.names)
-            async with self._slot():
+            async with self._slot() as slot:
                 if self.stopping:
                     await settle("nack", requeue=True)
                     return
-                await self._executor.execute(msg, redelivered=bool(message.redelivered))
+                await self._executor.execute(msg, redelivered=bool(message.redelivered), slot=slot)
                 committed = True
             self._db_failures = 0
             await settle("ack")

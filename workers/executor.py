@@ -11,6 +11,8 @@ A delivery's way through the worker (DESIGN §6)::
       missing / not 'dispatched' / other attempt   → skipped (stale or duplicate)
       message epoch is not the row's dispatch_epoch → skipped (a copy of another dispatch)
       key already in the ledger (effect applied)    → settled as succeeded, handler not run
+      key held by another attempt here, not yet committed → wait for its commit, read
+                                                      again (``_wait_for_key``)
       task not registered here                      → a failed attempt (retried, rolling
                                                       deploys), dead when attempts run out
     commit     chosen once, before the handler runs: its own transaction, or a share of
@@ -32,7 +34,11 @@ A delivery's way through the worker (DESIGN §6)::
       no ctx.db     → succeeded + ledger rows for many attempts in one statement
                       (``complete``, batched with the others that finished meanwhile)
     failure        → ctx.db work rolled back; then ``pending`` with the next attempt, or
-                      ``dead`` (``workers.retry.decide``), on a connection of its own
+                      ``dead`` (``workers.retry.decide``), on a connection of its own;
+                      a failure that lost to another holder of the key (the ledger
+                      holds it now) is a duplicate instead (``Settler.settle``)
+    slot           given back when the handler returned (``workers.slots``): the next
+                      handler runs while this outcome settles
     settle     whichever way it committed, the attempt's ``Verdict`` goes through one
                ``workers.settlement.Settler``: one outcome, one log line, one metric
 
@@ -115,6 +121,7 @@ from workers.progress import Progress
 from workers.registry import AsyncHandler, Registry, TaskSpec
 from workers.results import DEFAULT_RESULT_MAX_BYTES, encode_result
 from workers.settlement import Attempt, Settler, UnknownTask
+from workers.slots import HandlerSlot
 from workers.threads import ThreadRunner
 from workers.verdicts import Outcome, Verdict
 
@@ -224,6 +231,9 @@ class Executor:
         self._durations: dict[str, float] = {}  # task -> moving average of run time
         # the pointers of the deliveries being executed: a copy is skipped (execute)
         self._running: set[tuple[int, datetime, int, int]] = set()
+        # ledger key -> the newest attempt here holding it, until its outcome committed
+        # (``_wait_for_key``)
+        self._keys: dict[str, asyncio.Future[None]] = {}
         self._begins: Coalescer[tuple[JobRef, int], LockedJob | Unreadable | None] = Coalescer(
             self._begin, name="begin", max_batch=BATCH_SIZE, max_flushes=BEGIN_FLUSHES
         )
@@ -285,10 +295,14 @@ class Executor:
             await self._groups.close()
         await self._store.close()
 
-    async def execute(self, msg: JobMessage, *, redelivered: bool = False) -> Outcome:
+    async def execute(
+        self, msg: JobMessage, *, redelivered: bool = False, slot: HandlerSlot | None = None
+    ) -> Outcome:
         """Settle one delivery; raise ``DatabaseUnavailable`` if it could not be, and
         ``AttemptRunningElsewhere`` for a ``redelivered`` copy of an attempt that another
-        worker process is running (the caller requeues it for later)."""
+        worker process is running (the caller requeues it for later). ``slot``, the
+        delivery's handler slot, is given back as soon as the handler returned
+        (``workers.slots``)."""
         bound = bind_contextvars(job_id=msg.job_id, attempt=msg.attempt, task=msg.task)
         try:
             pointer = (msg.job_id, msg.due_at, msg.attempt, msg.epoch)
@@ -301,13 +315,15 @@ class Executor:
                 return Outcome.SKIPPED
             self._running.add(pointer)
             try:
-                return await self._execute(msg, redelivered)
+                return await self._execute(msg, redelivered, slot)
             finally:
                 self._running.discard(pointer)
         finally:
             reset_contextvars(**bound)  # the values before this delivery, task included
 
-    async def _execute(self, msg: JobMessage, redelivered: bool) -> Outcome:
+    async def _execute(
+        self, msg: JobMessage, redelivered: bool, slot: HandlerSlot | None
+    ) -> Outcome:
         ref = JobRef(msg.job_id, msg.due_at, msg.attempt)
         try:
             job = await self._begins.submit((ref, msg.epoch))
@@ -334,9 +350,74 @@ class Executor:
                     message_task=msg.task[:200],
                     action="running the row's task and payload",
                 )
-            return await self._attempt(Attempt(ref, job, self._registry.get(job.task)))
+            held = self._hold_key(job.key)
+            try:
+                if held.previous is not None:
+                    fresh = await self._wait_for_key(ref, job, held.previous, slot)
+                    if fresh is None or not _still_dispatched(fresh, msg.attempt):
+                        return _skipped(fresh, msg, reason="settled meanwhile")
+                    job = dataclasses.replace(job, done=fresh.done)
+                return await self._attempt(Attempt(ref, job, self._registry.get(job.task)), slot)
+            finally:
+                held.release()
         finally:
             self._store.release(ref, msg.epoch)
+
+    def _hold_key(self, key: str) -> _KeyHold:
+        """Register this attempt as the newest holder of its ledger key here; the
+        previous holder, if any, is what it waits for (``_wait_for_key``)."""
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        previous = self._keys.get(key)
+        self._keys[key] = mine
+        return _KeyHold(self._keys, key, mine, previous)
+
+    async def _wait_for_key(
+        self,
+        ref: JobRef,
+        job: LockedJob,
+        previous: asyncio.Future[None],
+        slot: HandlerSlot | None,
+    ) -> LockedJob | None:
+        """Another attempt in this executor holds the same ledger key and has not
+        committed its outcome yet: wait until it has, then read the row and the ledger
+        again (no guard lock: this attempt holds its own), so that this attempt sees the
+        key exactly as ``begin`` would have had it started after the other one's commit.
+
+        Why: a slot is freed when its handler returns (``workers.slots``), so at
+        ``--concurrency 1`` the next delivery's ``begin`` can run before the previous
+        one's ledger row committed. Run then, a second job with the same key would race
+        the first one's effect (a unique violation in its handler, a failed attempt
+        instead of a duplicate; docs/benchmarks.md, "A slot is a running handler").
+        Waiting here costs nothing to a delivery whose key no other attempt here holds
+        (every job without an idempotency key has its own, ``job:<id>``), and one read
+        to the rare one that waited. The slot is given back meanwhile (it is not a
+        running handler), and the attempt heartbeats, since the other one may run long.
+        Across worker processes the ledger still decides at commit, and a failure that
+        lost to another holder of the key is settled as a duplicate
+        (``Settler.settle``)."""
+        if slot is not None:
+            slot.release()
+        log.info("delivery_waits_for_key", idempotency_key=job.key)
+        heartbeat = Heartbeat(
+            self._store,
+            job_id=ref.job_id,
+            due_at=ref.due_at,
+            attempt=ref.attempt,
+            interval=self._heartbeat_interval,
+            log=log,
+        )
+        heartbeat.start()
+        try:
+            await asyncio.shield(previous)
+        finally:
+            await heartbeat.stop()
+        try:
+            (fresh,) = await self._store.begin([ref])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return fresh
 
     def _running_elsewhere(self, redelivered: bool) -> Outcome:
         """Another worker process holds this attempt's guard: it is running there.
@@ -402,7 +483,7 @@ class Executor:
         log.error("job_row_unreadable", error=error, parked=parked)
         return Outcome.DEAD if parked else Outcome.SKIPPED
 
-    async def _attempt(self, attempt: Attempt) -> Outcome:
+    async def _attempt(self, attempt: Attempt, slot: HandlerSlot | None = None) -> Outcome:
         """Run and settle the attempt, inside its span when the application traces
         (``scheduler.tracing``: nothing without OpenTelemetry)."""
         ref, job = attempt.ref, attempt.job
@@ -417,17 +498,21 @@ class Executor:
             enqueued_at=job.enqueued_at,
         )
         if span is None:
-            return await self._settle_attempt(attempt, None)
+            return await self._settle_attempt(attempt, None, slot)
         with span:
-            outcome = await self._settle_attempt(attempt, span)
+            outcome = await self._settle_attempt(attempt, span, slot)
             span.outcome(outcome.value)
             return outcome
 
-    async def _settle_attempt(self, attempt: Attempt, span: tracing.AttemptSpan | None) -> Outcome:
+    async def _settle_attempt(
+        self, attempt: Attempt, span: tracing.AttemptSpan | None, slot: HandlerSlot | None
+    ) -> Outcome:
         """Run the attempt and settle it through the settler. How it commits is chosen
         once, here: a transaction group only for a task that may share one; an attempt
         rolled back with its group (``RERUN``) runs again in a transaction of its own."""
         spec = attempt.spec
+        if slot is not None and (attempt.job.done or spec is None):
+            slot.release()  # no handler runs: settling it is no running handler
         if attempt.job.done:  # the ledger holds the key: the effect was applied before
             return await self._settle(attempt, Verdict.DUPLICATE)
         if spec is None:
@@ -437,7 +522,9 @@ class Executor:
             return await self._settle(attempt, Verdict.FAILED, unknown)
         grouped = self._groupable(spec)
         while True:
-            verdict, failure = await self._run(attempt, spec, grouped=grouped)
+            if slot is not None:
+                await slot.acquire()  # again for a rerun: at most N handlers run at once
+            verdict, failure = await self._run(attempt, spec, grouped=grouped, slot=slot)
             if span is not None and failure is not None:
                 span.failed(failure)
             outcome = await self._settler.settle(attempt, verdict, failure)
@@ -453,7 +540,7 @@ class Executor:
         return outcome
 
     async def _run(
-        self, attempt: Attempt, spec: TaskSpec, *, grouped: bool
+        self, attempt: Attempt, spec: TaskSpec, *, grouped: bool, slot: HandlerSlot | None = None
     ) -> tuple[Verdict, BaseException | None]:
         """Run the handler once and commit as chosen: the verdict, and the handler's
         failure if it raised (or the server refused its transaction)."""
@@ -464,7 +551,11 @@ class Executor:
             completion=attempt.completion,
         )
         try:
-            failure, result = await self._run_handler(attempt, spec, db)
+            try:
+                failure, result = await self._run_handler(attempt, spec, db)
+            finally:
+                if slot is not None:
+                    slot.release()  # the handler returned: its outcome settles meanwhile
             if result is not None:
                 attempt = dataclasses.replace(attempt, result=result)
             if db.member is not None:  # a share of a transaction group
@@ -563,6 +654,28 @@ class Executor:
             took = clock.monotonic() - started
             JOB_DURATION.labels(self.shard, spec.name).observe(took)
             self._learn(spec.name, took - (db.member.waited if db.member is not None else 0.0))
+
+
+@dataclass(slots=True)
+class _KeyHold:
+    """One attempt's hold on its ledger key in an executor (``Executor._hold_key``):
+    ``release`` once its outcome committed (or it ended without one) wakes the next
+    attempt with the same key."""
+
+    keys: dict[str, asyncio.Future[None]]
+    key: str
+    mine: asyncio.Future[None]
+    previous: asyncio.Future[None] | None
+
+    def release(self) -> None:
+        if not self.mine.done():
+            self.mine.set_result(None)
+        if self.keys.get(self.key) is self.mine:
+            del self.keys[self.key]
+
+
+def _still_dispatched(job: LockedJob, attempt: int) -> bool:
+    return job.status == "dispatched" and job.attempt == attempt
 
 
 def _skipped(

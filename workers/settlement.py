@@ -11,7 +11,9 @@ verdict     meaning                                outcome             log line
 COMMITTED   succeeded, its ledger row committed    ``succeeded``       ``job_succeeded``
 DUPLICATE   the key was in the ledger: the effect  ``skipped``         ``delivery_duplicate``
             was applied before; the row is
-            settled as succeeded
+            settled as succeeded. Also a
+            FAILED attempt that lost to another
+            holder of its key (``_key_applied``)
 SUPERSEDED  the row moved on (settled by another   ``skipped``         ``attempt_superseded``
             delivery, or a newer attempt)
 FAILED      the handler raised (or the server      ``retried``/``dead`` ``job_retry_scheduled``
@@ -151,9 +153,18 @@ class Settler:
         elif verdict is Verdict.SUPERSEDED:
             log.warning("attempt_superseded")
             outcome = Outcome.SKIPPED
-        elif verdict is Verdict.DUPLICATE:
+        elif verdict is Verdict.DUPLICATE or (
+            verdict is Verdict.FAILED
+            and not isinstance(failure, (HandlerCancelled, Snooze))
+            and await self._key_applied(attempt)
+        ):
             settled = await self.complete(attempt)
-            log.info("delivery_duplicate", idempotency_key=attempt.job.key, settled=settled)
+            log.info(
+                "delivery_duplicate",
+                idempotency_key=attempt.job.key,
+                settled=settled,
+                **({"failure": describe(failure)} if failure is not None else {}),
+            )
             outcome = Outcome.SKIPPED
         elif isinstance(failure, HandlerCancelled):
             log.info("job_cancelled", effects="rolled back")
@@ -166,6 +177,30 @@ class Settler:
         label = attempt.job.task if attempt.spec is not None else "unknown"
         JOBS_FINISHED.labels(self._shard, label, outcome.value).inc()
         return outcome
+
+    async def _key_applied(self, attempt: Attempt) -> bool:
+        """Whether another job holding this attempt's ledger key committed meanwhile (the
+        ledger holds the key now, the row is still this attempt's): a failed attempt that
+        lost to a concurrent holder of its key — its handler's write hit that job's
+        effect (a unique violation), or its own commit did — is a duplicate, settled as
+        if ``begin`` had found the key, never a failed attempt. Its ``ctx.db`` work was
+        rolled back before this (the failure's transaction). A job whose key is its own
+        default (``job:<id>``) has no other holder and pays no read; any other failure
+        pays one ``begin`` read (no guard lock: the attempt holds its own)."""
+        if attempt.spec is None or attempt.job.key == f"job:{attempt.ref.job_id}":
+            return False
+        try:
+            (row,) = await self._store.begin([attempt.ref])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return (
+            row is not None
+            and row.done
+            and row.status == "dispatched"
+            and row.attempt == attempt.ref.attempt
+        )
 
     async def _snooze(self, attempt: Attempt, snooze: Snooze) -> Outcome:
         """Pending again at the same attempt after the snooze's delay; past the row's

@@ -14,11 +14,12 @@ measured 16x the steady p99), and keeps few while idle: a connection idle for
 connections (prepared) and ``STORE_WARM`` store ones. So one idle worker holds 6
 connections a minute after its last burst, whatever its concurrency (kept open, two
 workers at concurrency 32 would hold 72 of PostgreSQL's default 100), and at most
-concurrency + 8 under load (one store connection is the attempt guard's while attempts
-run: ``scheduler.store.execution_guard``). Handlers that never use ``ctx.db`` never
-take a handler connection. With K > 1 shards each shard opens and keeps 1 + 2 and grows
-on demand. The concurrency limit is one limit across shards (the consumer's), so the
-handler pools together never run more than ``concurrency`` handlers.
+concurrency + ``settling_headroom(concurrency)`` + 8 under load (one store connection is
+the attempt guard's while attempts run: ``scheduler.store.execution_guard``). Handlers
+that never use ``ctx.db`` never take a handler connection. With K > 1 shards each shard
+opens and keeps 1 + 2 and grows on demand. The concurrency limit is one limit across
+shards (the consumer's), so the handler pools together never run more than
+``concurrency`` handlers.
 
 A delivery for a shard this worker is not configured with is not its to settle: it is
 requeued at once a bounded number of times, so a worker that knows the shard can take
@@ -48,6 +49,7 @@ from scheduler.store.execution import (
 from workers.cancel import CancelWatch
 from workers.executor import Executor, Outcome
 from workers.registry import Registry
+from workers.slots import HandlerSlot
 from workers.threads import ThreadRunner
 
 __all__ = [
@@ -81,6 +83,24 @@ SHARDED_HANDLER_MIN = 1
 SHARDED_STORE_MIN = 2
 #: A pooled connection idle this long is closed (down to the pool's minimum).
 IDLE_SECONDS = 60.0
+#: Most handler connections a worker holds beyond ``concurrency`` (``settling_headroom``).
+SETTLING_HEADROOM_MAX = 4
+
+
+def settling_headroom(concurrency: int) -> int:
+    """Handler connections beyond ``concurrency``: a quarter of it, 1 to
+    ``SETTLING_HEADROOM_MAX``.
+
+    A slot is a running handler (``workers.slots``): a handler that used ``ctx.db``
+    gives its slot back when it returned, while its transaction stays open until its
+    outcome committed (``finish_attempt`` + COMMIT, one round trip). So up to
+    ``concurrency`` running handlers and the ones settling hold transactions at once; the
+    handler pool's size is what bounds them (``concurrency`` + this headroom): a handler
+    whose first ``ctx.db`` statement finds every connection taken waits for a settling
+    one to commit, one round trip. The headroom only spares that wait; it is kept small
+    because PostgreSQL's connections are shared (two workers at concurrency 64 would
+    otherwise add 32 backends)."""
+    return min(SETTLING_HEADROOM_MAX, max(1, concurrency // 4))
 
 
 class UnknownShard(DuetimeError):
@@ -113,7 +133,7 @@ def pool_sizes(shards: int, concurrency: int) -> PoolSizes:
     if shards == 1:
         return PoolSizes(
             min(concurrency, HANDLER_WARM),
-            concurrency,
+            concurrency + settling_headroom(concurrency),
             STORE_WARM,
             STORE_CONNECTIONS,
             handler_init=concurrency,
@@ -121,7 +141,7 @@ def pool_sizes(shards: int, concurrency: int) -> PoolSizes:
         )
     return PoolSizes(
         SHARDED_HANDLER_MIN,
-        concurrency,
+        concurrency + settling_headroom(concurrency),
         SHARDED_STORE_MIN,
         STORE_CONNECTIONS,
         handler_init=SHARDED_HANDLER_MIN,
@@ -228,11 +248,13 @@ class ShardExecutors:
     def __contains__(self, shard: object) -> bool:
         return shard in self._executors
 
-    async def execute(self, msg: JobMessage, *, redelivered: bool = False) -> Outcome:
+    async def execute(
+        self, msg: JobMessage, *, redelivered: bool = False, slot: HandlerSlot | None = None
+    ) -> Outcome:
         executor = self._executors.get(msg.shard)
         if executor is None:
             raise UnknownShard(msg.shard, self.names)
-        return await executor.execute(msg, redelivered=redelivered)
+        return await executor.execute(msg, redelivered=redelivered, slot=slot)
 
     def batching(self) -> dict[str, dict[str, float]]:
         """Each shard's ``Executor.batching()``."""

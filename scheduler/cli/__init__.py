@@ -10,7 +10,6 @@ codes: a ``DuetimeError`` prints one line and exits with its code (2 for bad inp
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import inspect
 import os
@@ -20,6 +19,7 @@ from typing import Any, NoReturn
 
 import asyncpg
 
+from scheduler import eventloop
 from scheduler.cli._util import printable
 from scheduler.config import Settings, load_settings
 from scheduler.errors import DuetimeError
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         func = args.func
         result = func(args, settings)
         if inspect.iscoroutine(result):
-            result = asyncio.run(result)
+            result = eventloop.run(result)
         return int(result or 0)
     except DuetimeError as exc:
         print(f"duetime: error: {printable(scrub(str(exc)))}", file=sys.stderr)

@@ -73,7 +73,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         action=SettingOverride,
         default=argparse.SUPPRESS,
         metavar="N",
-        help="handlers run at once = prefetch (env DUETIME_WORKER_CONCURRENCY; default 16)",
+        help="handlers run at once; prefetch is 3x (env DUETIME_WORKER_CONCURRENCY; default 16)",
     )
     parser.add_argument(
         "--threads",

@@ -123,11 +123,11 @@ async def clear(pools: dict[str, tuple[str, asyncpg.Pool]]) -> None:
 
 def test_pool_budget_few_connections_at_idle_concurrency_under_load() -> None:
     one = pool_sizes(1, 16)
-    assert (one.handler_min, one.handler_max, one.store_min, one.store_max) == (4, 16, 2, 8)
+    assert (one.handler_min, one.handler_max, one.store_min, one.store_max) == (4, 20, 2, 8)
     assert pool_sizes(1, 2).handler_min == 2
     assert (one.handler_init, one.store_init) == (16, 4)  # open full: no cold start
     three = pool_sizes(3, 8)
-    assert (three.handler_min, three.handler_max, three.store_min, three.store_max) == (1, 8, 2, 8)
+    assert (three.handler_min, three.handler_max, three.store_min, three.store_max) == (1, 10, 2, 8)
     assert 3 * (three.handler_max + three.store_max) < 100  # max_connections default
 
 

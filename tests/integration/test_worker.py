@@ -462,6 +462,47 @@ async def test_concurrency_is_bounded_in_handlers(
     assert peak == 3
 
 
+async def test_a_slot_is_free_once_its_handler_returned(
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+) -> None:
+    """At concurrency 1, the next handler starts while the first one's outcome is still
+    being settled (its row held by another transaction): the slot bounds running
+    handlers, not settlements. The first is acked only after its outcome committed."""
+    registry = Registry()
+    started: list[str] = []
+    go = asyncio.Event()
+
+    @registry.task("t.slot")
+    async def slot(ctx: JobContext, payload: dict[str, Any]) -> None:
+        started.append(payload["name"])
+        if payload["name"] == "first":
+            await go.wait()
+
+    first = await dispatched_job(db_pool, "t.slot", {"name": "first"}, queue=queue)
+    second = await dispatched_job(db_pool, "t.slot", {"name": "second"}, queue=queue)
+    async with running(settings, registry, queue, concurrency=1) as worker:
+        await publish(channel, queue, first.message(1))
+        await wait_for(lambda: started == ["first"], timeout=10)
+        async with db_pool.acquire() as conn:
+            lock = conn.transaction()
+            await lock.start()
+            try:  # the first one's outcome cannot commit while this holds its row
+                await conn.execute("SELECT 1 FROM duetime.jobs WHERE id = $1 FOR UPDATE", first.id)
+                go.set()
+                await publish(channel, queue, second.message(1))
+                await wait_for(lambda: started == ["first", "second"], timeout=10)
+                assert worker.consumer is not None and worker.consumer.peak == 1
+                assert (await job_row(db_pool, first))["status"] == "dispatched"
+            finally:
+                await lock.rollback()
+        for job in (first, second):
+            await wait_for(lambda j=job: status_is(db_pool, j, "succeeded", 1), timeout=15)
+    assert await queue_depth(channel, queue) == (0, 0)
+
+
 async def test_long_handler_heartbeats(
     settings: Settings,
     db_pool: asyncpg.Pool,
