@@ -98,7 +98,7 @@ from scheduler.duties.base import DutyLoop
 from scheduler.duties.context import DutyContext, FencedWrites, duty_listener
 from scheduler.duties.credit import DispatchCredit
 from scheduler.duties.knobs import check_knobs, config_from_settings, knob
-from scheduler.duties.limits import Allowance
+from scheduler.duties.limits import Allowance, RunningBound
 from scheduler.duties.pacing import BatchReport, DispatchPacing
 from scheduler.duties.rate_buckets import RateBuckets
 from scheduler.duties.report import MAX_IDS_LOGGED, report_parked, some_ids
@@ -219,6 +219,8 @@ class Dispatcher:
         self.buckets = RateBuckets(burst=config.rate_burst, clock=clock)
         self._rated_at: float | None = None  # when the logged starts' buckets were read
         self._slack = False  # no limit can bind this claim (``Allowance.slack``)
+        # dispatched jobs per limited target at most, between counts (skips the count)
+        self.running_bound = RunningBound(max_age=config.limits_interval)
         self._rated_exhausted: set[tuple[str, str]] = set()  # their slots left with no room
         self.out = PublisherAndGate(
             ctx.settings,
@@ -268,6 +270,7 @@ class Dispatcher:
         self.credit.reset()  # the next term reads the broker's buffers again
         self.buckets.reset()  # the window, read from the rows, bounds a new term's start
         self._limits_read_at = float("-inf")
+        self.running_bound.reset()  # another leader may dispatch before our next term
 
     @property
     def listening(self) -> bool:
@@ -359,6 +362,8 @@ class Dispatcher:
                 result = await self.publisher.publish(fresh, epoch)
                 published_at = self.clock.monotonic()
                 lags = await self.store.mark_dispatched(conn, [*result.confirmed, *later], epoch)
+                # before the commit: one whose answer is lost may still have committed
+                self.running_bound.charge(epoch, (job for job in jobs if job.id in lags))
                 starts = await self._record_starts(conn, lags)
         except BaseException as exc:
             if result is not None and result.confirmed:
@@ -468,35 +473,37 @@ class Dispatcher:
         self._slack = False
         if not self._limits:
             return []
-        allowance = Allowance(
-            self._limits,
-            await self.limits.counts(conn, self._limits),
-            await self.limits.starts(conn, self._limits),
-            self.buckets,
-        )
-        self._rate_free_in = allowance.free_in()
-        if allowance.slack(limit):
-            # no limit can bind this claim: the general claim takes every due job
+        epoch = self.loop.term.epoch
+        now = self.clock.monotonic()
+        if self.running_bound.slack(epoch, self._limits, limit, now):
+            # the bound on the dispatched jobs leaves room for the whole claim: no count
             self._slack = True
             return []
-        if allowance.all_closed():
-            # every target is full: its claim would only step over their due rows
-            self._limits_holding = True
-            return []
-        capped = [lim for lim in self._limits if not lim.fair]
-        fair = [lim.name for lim in self._limits if lim.fair]  # the fair claim's
-        found = []
-        bound = allowance.bound(capped)
-        if capped and bound != 0:
-            # lock only as many candidates as the limits may admit (a 50/s rate takes
-            # 50, not a batch of 500 row locks to leave 450 pending)
-            found = await self.limits.claim(
-                conn,
-                capped,
-                allowance.closed(),
-                limit if bound is None else min(limit, bound),
-                held=[*held, *fair],
-            )
+        async with self.limits.generic_plans(conn):
+            allowance = await self._allowance(conn, epoch, now)
+            self._rate_free_in = allowance.free_in()
+            if allowance.slack(limit):
+                # no limit can bind this claim: the general claim takes every due job
+                self._slack = True
+                return []
+            if allowance.all_closed():
+                # every target is full: its claim would only step over their due rows
+                self._limits_holding = True
+                return []
+            capped = [lim for lim in self._limits if not lim.fair]
+            fair = [lim.name for lim in self._limits if lim.fair]  # the fair claim's
+            found = []
+            bound = allowance.bound(capped)
+            if capped and bound != 0:
+                # lock only as many candidates as the limits may admit (a 50/s rate
+                # takes 50, not a batch of 500 row locks to leave 450 pending)
+                found = await self.limits.claim(
+                    conn,
+                    capped,
+                    allowance.closed(),
+                    limit if bound is None else min(limit, bound),
+                    held=[*held, *fair],
+                )
         seen = {job.job.id for job in found}
         for queue in allowance.fair_queues:
             if queue not in held:
@@ -509,6 +516,14 @@ class Dispatcher:
         if allowance.rated and kept:
             self._rated = (allowance, kept)
         return [job.job for job in kept]
+
+    async def _allowance(self, conn: Conn, epoch: int, now: float) -> Allowance:
+        """Count the dispatched jobs and the window's starts of the limited targets (an
+        exact count, which the running bound starts again from)."""
+        running = await self.limits.counts(conn, self._limits)
+        self.running_bound.observe(epoch, self._limits, running, now)
+        started = await self.limits.starts(conn, self._limits)
+        return Allowance(self._limits, running, started, self.buckets)
 
     async def _record_starts(
         self, conn: Conn, lags: dict[int, float]

@@ -12,7 +12,8 @@ leak a slot nor reset a rate's budget.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -198,6 +199,16 @@ class LimitStore(PooledStore):
         async with self._db.acquire() as conn:
             records = await conn.fetch(Q["all"])
         return [_limit(r) for r in records]
+
+    @contextlib.asynccontextmanager
+    async def generic_plans(self, conn: Conn) -> AsyncIterator[None]:
+        """Within the caller's transaction, run the statements inside on their generic
+        plans (why: ``generic_plans`` in limits.sql); the session's plan choice again
+        after them. After an error the transaction is aborted anyway and the setting
+        ends with it (SET LOCAL)."""
+        await conn.execute(Q["generic_plans"])
+        yield
+        await conn.execute(Q["default_plans"])
 
     async def counts(self, conn: Conn, limits: Sequence[Limit]) -> list[Running]:
         """Dispatched jobs of the targets of ``limits``, inside the caller's fenced
