@@ -26,6 +26,10 @@ from scheduler.store.rows import ClaimedJob
 
 Q = load("limits")
 
+#: The payload of the NOTIFY on ``duetime_jobs`` a settling function sends when the job
+#: it settled held a ``max_running`` slot (migration 0024).
+SLOT_PAYLOAD = "slot"
+
 #: Largest ``max_running`` (CHECK limits_max_running_positive).
 MAX_RUNNING_LIMIT = 1_000_000
 

@@ -746,3 +746,28 @@ async def test_the_limited_claim_runs_on_a_generic_plan_from_its_first_execution
         )
     assert len(plans) == 2
     assert all((r["generic_plans"], r["custom_plans"]) == (7, 0) for r in plans), plans
+
+
+async def test_a_freed_slot_wakes_the_dispatcher_only_while_a_limit_holds_jobs(
+    env: Env,
+) -> None:
+    """Under a limit that does not bind, every outcome's 'slot' NOTIFY made a pass of
+    its own (the storm with ``--max-running 1000000``); now it wakes the loop only while
+    the last claim held jobs back. Other notifications and a lost connection wake it
+    always."""
+    async with dispatching(env) as dispatcher:
+        woken: list[str] = []
+        dispatcher.loop.wake = lambda: woken.append("wake")  # type: ignore[method-assign]
+
+        def hear(payload: str | None) -> int:
+            woken.clear()
+            if payload is not None:
+                dispatcher._heard(payload)
+            dispatcher._woken()
+            return len(woken)
+
+        dispatcher._limits_holding = False
+        assert hear("slot") == 0
+        assert (hear(""), hear(None)) == (1, 1)  # a new job; a lost LISTEN connection
+        dispatcher._limits_holding = True
+        assert hear("slot") == 1
