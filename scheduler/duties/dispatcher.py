@@ -249,6 +249,8 @@ class Dispatcher:
             refill=config.buffer_refill,
         )
         self._slot_heard = False  # the notification being delivered frees a slot
+        # the last finished limited claim held jobs back: a freed slot should wake us
+        self._slots_wanted = False
         self._wakeups = duty_listener(
             ctx,
             JOBS_CHANNEL,
@@ -352,6 +354,7 @@ class Dispatcher:
         try:
             async with self.writes.transaction(epoch) as conn:
                 jobs = await self._claim_limited(conn, limit, held)
+                self._slots_wanted = self._limits_holding  # not while it was deciding
                 if len(jobs) < limit:
                     jobs += await self._claim(conn, limit - len(jobs), held)
                 self.credit.claimed(len(jobs), held)
@@ -647,9 +650,11 @@ class Dispatcher:
         for that slot, and every outcome of a job under a limit that does not bind
         (``--max-running 1000000``) made a pass of its own (issue 23's target 6, the
         storm: docs/benchmarks.md). A job held since is found by the pass that holds
-        it, which then re-counts every ``limits_poll`` and hears the slots."""
+        it, which then re-counts every ``limits_poll`` and hears the slots. The flag
+        is the last *finished* limited claim's: ``_limits_holding`` is cleared while a
+        claim decides, and a slot freed meanwhile must still wake the next pass."""
         slot, self._slot_heard = self._slot_heard, False
-        if slot and not self._limits_holding:
+        if slot and not self._slots_wanted:
             return
         self.loop.wake()
 

@@ -766,8 +766,10 @@ async def test_a_freed_slot_wakes_the_dispatcher_only_while_a_limit_holds_jobs(
             dispatcher._woken()
             return len(woken)
 
-        dispatcher._limits_holding = False
+        dispatcher._slots_wanted = False
         assert hear("slot") == 0
         assert (hear(""), hear(None)) == (1, 1)  # a new job; a lost LISTEN connection
-        dispatcher._limits_holding = True
+        dispatcher._slots_wanted = True
+        assert hear("slot") == 1
+        dispatcher._limits_holding = False  # as while a claim decides: still woken
         assert hear("slot") == 1
