@@ -18,7 +18,13 @@ a claim pass runs, in a transaction that is rolled back:
 - ``limited_claim``: the limited claim (limits.sql ``claim``), nothing closed;
 - ``limited_claim_keys_closed``: the same with 50 of the 100 keys closed (per key);
 - ``fair_claim_ranking``: the fair claim's ranking over the queue (limits.sql
-  ``claim_fair``: 100 keys and the keyless jobs, round-robin), before its lock by id.
+  ``claim_fair``: 100 keys and the keyless jobs, round-robin), before its lock by id;
+- ``limited_claim_room_3``: the limited claim locking at most 3 (a ``--max-running``
+  with 3 slots free), as PostgreSQL plans it by itself (a custom plan on every
+  execution: the generic one, costed for a tenth of the rows, looks dearer);
+- ``*_generic``: ``counts``, ``limited_claim`` and ``limited_claim_room_3`` with
+  ``plan_cache_mode = force_generic_plan``, as the dispatcher runs them
+  (``LimitStore.generic_plans``).
 
 Prints (and with ``--out`` writes) one JSON document: per variant the median and p95
 milliseconds over ``--runs``.
@@ -122,11 +128,22 @@ async def run(dsn: str, rows: int, limit: int, runs: int) -> dict[str, Any]:
                 "limited_claim": (L["claim"], claim_args),
                 "limited_claim_keys_closed": (L["claim"], closed_args),
                 "fair_claim_ranking": (L["claim_fair"], [QUEUE, limit]),
+                "limited_claim_room_3": (L["claim"], [*claim_args[:-1], 3]),
             }
+            for name in ("counts", "limited_claim", "limited_claim_room_3"):
+                variants[f"{name}_generic"] = variants[name]
             out: dict[str, Any] = {**head, "rows": rows, "limit": limit}
             for name, (sql, args) in variants.items():
-                await _time(conn, sql, args, 5)  # warm the cache and the prepared plan
-                times = sorted(await _time(conn, sql, args, runs))
+                # a connection of its own: PostgreSQL's choice of plan for a prepared
+                # statement depends on the executions before it
+                own = await asyncpg.connect(url, timeout=10)
+                try:
+                    mode = "force_generic_plan" if name.endswith("_generic") else "auto"
+                    await own.execute(f"SET plan_cache_mode = {mode}")
+                    await _time(own, sql, args, 5)  # warm the cache and the prepared plan
+                    times = sorted(await _time(own, sql, args, runs))
+                finally:
+                    await own.close()
                 out[name] = {
                     "median_ms": round(statistics.median(times), 3),
                     "p95_ms": round(times[int(0.95 * (len(times) - 1))], 3),

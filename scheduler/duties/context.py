@@ -119,8 +119,10 @@ def duty_listener(
     role: str,
     check_interval: float,
     log: Callable[[], Any],
+    on_payload: Callable[[str], None] | None = None,
 ) -> KeptListener:
-    """The LISTEN connection that wakes a duty, named ``duetime:<node>:<role>``."""
+    """The LISTEN connection that wakes a duty, named ``duetime:<node>:<role>``
+    (``on_payload``: told each notification's payload just before ``wake``)."""
     settings = ctx.settings
     return KeptListener(
         settings.database_url,
@@ -131,4 +133,5 @@ def duty_listener(
         check_interval=check_interval,
         log=log,
         clock=ctx.clock,
+        on_payload=on_payload,
     )

@@ -34,7 +34,7 @@ from typing import Protocol, TypeVar
 from scheduler.duties.rate_buckets import RateBuckets
 from scheduler.store.limits import Closed, Limit, Running, Started
 
-__all__ = ["Allowance"]
+__all__ = ["Allowance", "RunningBound"]
 
 #: The room of a target without a cap (a fair-only queue).
 MAX_ROOM = 1 << 30
@@ -52,6 +52,14 @@ class _Limited(Protocol):
 
 
 J = TypeVar("J", bound=_Limited)
+
+
+class _Targeted(Protocol):
+    @property
+    def task(self) -> str: ...
+
+    @property
+    def queue(self) -> str: ...
 
 
 class Allowance:
@@ -249,3 +257,74 @@ class Allowance:
                     self._charged[slot] += 1
             kept.append(job)
         return kept, left
+
+
+class RunningBound:
+    """An upper bound on the dispatched jobs of each limited target, kept between exact
+    counts so that a claim no limit can bind skips the count (issue 23's target 6: the
+    count read every dispatched job of the limited targets on every pass).
+
+    Why it is safe: within one leader term only this dispatcher makes jobs
+    ``dispatched`` (the commit-time trigger ``jobs_dispatch_fenced`` refuses any other
+    epoch), and outcomes only lower the count. So an exact count read in this term
+    (``observe``) plus every job marked dispatched since (``charge``, called inside the
+    claim transaction before its commit, so a commit whose answer is lost still counts)
+    is never below the truth. The bound is per target, over all its keys, which also
+    bounds each key of a per-key limit. It is dropped on a new term (another leader
+    dispatched meanwhile), when the limits change (a new target has no count), and
+    after ``max_age`` seconds (a dispatched row moved into a limited task by hand is
+    counted from then on)."""
+
+    def __init__(self, *, max_age: float) -> None:
+        self.max_age = max_age
+        self._epoch: int | None = None
+        self._read_at = float("-inf")
+        self._limits: tuple[Limit, ...] = ()
+        self._bound: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self._epoch = None
+        self._bound = {}
+
+    def _valid(self, epoch: int, limits: Sequence[Limit], now: float) -> bool:
+        return (
+            self._epoch == epoch
+            and now - self._read_at < self.max_age
+            and tuple(limits) == self._limits
+        )
+
+    def observe(
+        self, epoch: int, limits: Sequence[Limit], running: Iterable[Running], now: float
+    ) -> None:
+        """Start again from an exact count read at ``now`` in term ``epoch``."""
+        bound = {lim.target: 0 for lim in limits}
+        for row in running:
+            for target in (f"task:{row.task}", f"queue:{row.queue}"):
+                if target in bound:
+                    bound[target] += row.count
+        self._epoch, self._read_at, self._limits, self._bound = epoch, now, tuple(limits), bound
+
+    def charge(self, epoch: int, jobs: Iterable[_Targeted]) -> None:
+        """Count ``jobs`` (just marked dispatched in term ``epoch``) against the bound."""
+        if self._epoch != epoch:
+            return  # not this term's bound: the next claim counts anyway
+        for job in jobs:
+            for target in (f"task:{job.task}", f"queue:{job.queue}"):
+                if target in self._bound:
+                    self._bound[target] += 1
+
+    def bound(self, target: str) -> int | None:
+        """The bound on ``target``'s dispatched jobs, or None without one."""
+        return self._bound.get(target) if self._epoch is not None else None
+
+    def slack(self, epoch: int, limits: Sequence[Limit], limit: int, now: float) -> bool:
+        """Whether, by the bound alone, no limit can bind a claim of ``limit`` jobs (as
+        ``Allowance.slack`` decides from an exact count): then the count is skipped."""
+        if not limits or not self._valid(epoch, limits, now):
+            return False
+        for lim in limits:
+            if lim.fair or lim.rate_count is not None or lim.max_running is None:
+                return False
+            if self._bound.get(lim.target, lim.max_running) + limit > lim.max_running:
+                return False
+        return True

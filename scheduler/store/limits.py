@@ -12,7 +12,8 @@ leak a slot nor reset a rate's budget.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -24,6 +25,10 @@ from scheduler.store.conn import Conn, PooledStore
 from scheduler.store.rows import ClaimedJob
 
 Q = load("limits")
+
+#: The payload of the NOTIFY on ``duetime_jobs`` a settling function sends when the job
+#: it settled held a ``max_running`` slot (migration 0024).
+SLOT_PAYLOAD = "slot"
 
 #: Largest ``max_running`` (CHECK limits_max_running_positive).
 MAX_RUNNING_LIMIT = 1_000_000
@@ -198,6 +203,16 @@ class LimitStore(PooledStore):
         async with self._db.acquire() as conn:
             records = await conn.fetch(Q["all"])
         return [_limit(r) for r in records]
+
+    @contextlib.asynccontextmanager
+    async def generic_plans(self, conn: Conn) -> AsyncIterator[None]:
+        """Within the caller's transaction, run the statements inside on their generic
+        plans (why: ``generic_plans`` in limits.sql); the session's plan choice again
+        after them. After an error the transaction is aborted anyway and the setting
+        ends with it (SET LOCAL)."""
+        await conn.execute(Q["generic_plans"])
+        yield
+        await conn.execute(Q["default_plans"])
 
     async def counts(self, conn: Conn, limits: Sequence[Limit]) -> list[Running]:
         """Dispatched jobs of the targets of ``limits``, inside the caller's fenced

@@ -34,7 +34,7 @@ from scheduler.errors import InvalidInput
 from scheduler.status import limits_holding, read_limits
 from scheduler.store.fence import FenceStore
 from scheduler.store.jobs import JobStore
-from scheduler.store.limits import LimitStore
+from scheduler.store.limits import Closed, LimitStore
 from tests.fixtures_tasks.jobs import dispatched_job
 from tests.support.cli import run_duetime
 from tests.support.helpers import declare_queues
@@ -82,9 +82,8 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
 
 @contextlib.asynccontextmanager
 async def dispatching(env: Env, *, epoch: int = 1, **knobs: Any) -> AsyncIterator[Dispatcher]:
-    config = config_from_settings(
-        DispatcherConfig, env.settings, limits_interval=0.2, backlog_interval=0.2, **knobs
-    )
+    knobs = {"limits_interval": 0.2, "backlog_interval": 0.2, **knobs}
+    config = config_from_settings(DispatcherConfig, env.settings, **knobs)
     dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), config=config)
     dispatcher.loop.start(LeaderTerm(epoch=epoch, node_id=f"test-node-{epoch}"))
     try:
@@ -692,3 +691,85 @@ async def dispatched_ever(pool: asyncpg.Pool) -> int:
     return int(
         await pool.fetchval("SELECT count(*) FROM duetime.jobs WHERE dispatched_at IS NOT NULL")
     )
+
+
+async def test_claims_that_skip_the_count_charge_every_job_they_dispatch(env: Env) -> None:
+    """A claim that no limit can bind skips the count while the bound on the dispatched
+    jobs (the last count plus every job dispatched since) leaves room for the whole
+    batch (``RunningBound``). With batches of 2 and a cap of 5, the first claims go
+    unlimited; a bound that missed their jobs would let a third batch through (6)."""
+    await LimitStore(env.pool).set(f"task:{TASK}", 5)
+    await insert(env.pool, env.queue, 20)
+    async with dispatching(env, batch_size=2, limits_interval=30) as dispatcher:
+        counted = 0
+        real = dispatcher.limits.counts
+
+        async def counts(*args: Any) -> Any:
+            nonlocal counted
+            counted += 1
+            return await real(*args)
+
+        dispatcher.limits.counts = counts  # type: ignore[method-assign]
+
+        async def five() -> bool:
+            return await dispatched(env.pool) >= 5
+
+        await wait_for(five, timeout=10, message="the cap reached")
+        await asyncio.sleep(0.5)  # passes every limits_poll, each counting
+        assert await dispatched(env.pool) == 5
+        assert dispatcher.running_bound.bound(f"task:{TASK}") == 5
+    # the first count (0) let two batches (2 + 2) through without counting again
+    assert counted >= 2
+
+
+async def test_the_limited_claim_runs_on_a_generic_plan_from_its_first_execution(
+    env: Env,
+) -> None:
+    """With a small room (``LIMIT $9`` of 1) PostgreSQL kept planning the limited claim
+    on every execution (a generic plan costed for a tenth of the rows looked dearer):
+    ``generic_plans`` makes the count and the claim planned once per connection, and
+    the session's plan choice comes back after it."""
+    store = LimitStore(env.pool)
+    await store.set(f"task:{TASK}", 3)
+    await insert(env.pool, env.queue, 5)
+    [limit] = await store.all()
+    async with env.pool.acquire() as conn, conn.transaction():
+        for _ in range(7):
+            async with store.generic_plans(conn):
+                await store.counts(conn, [limit])
+                assert len(await store.claim(conn, [limit], Closed(), 1)) == 1
+        assert await conn.fetchval("SHOW plan_cache_mode") == "auto"
+        plans = await conn.fetch(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE (statement LIKE '%FOR UPDATE SKIP LOCKED%' OR statement LIKE '%AS running%')"
+            "   AND statement NOT LIKE '%pg_prepared_statements%'"
+        )
+    assert len(plans) == 2
+    assert all((r["generic_plans"], r["custom_plans"]) == (7, 0) for r in plans), plans
+
+
+async def test_a_freed_slot_wakes_the_dispatcher_only_while_a_limit_holds_jobs(
+    env: Env,
+) -> None:
+    """Under a limit that does not bind, every outcome's 'slot' NOTIFY made a pass of
+    its own (the storm with ``--max-running 1000000``); now it wakes the loop only while
+    the last claim held jobs back. Other notifications and a lost connection wake it
+    always."""
+    async with dispatching(env) as dispatcher:
+        woken: list[str] = []
+        dispatcher.loop.wake = lambda: woken.append("wake")  # type: ignore[method-assign]
+
+        def hear(payload: str | None) -> int:
+            woken.clear()
+            if payload is not None:
+                dispatcher._heard(payload)
+            dispatcher._woken()
+            return len(woken)
+
+        dispatcher._slots_wanted = False
+        assert hear("slot") == 0
+        assert (hear(""), hear(None)) == (1, 1)  # a new job; a lost LISTEN connection
+        dispatcher._slots_wanted = True
+        assert hear("slot") == 1
+        dispatcher._limits_holding = False  # as while a claim decides: still woken
+        assert hear("slot") == 1
