@@ -59,9 +59,10 @@ async def _pipeline(sb: Sandbox, settings: Any, n: int, batch: int) -> dict[str,
         cwd=REPO,
     )  # fmt: skip
     await wait_for_line(consumer, "ready", 60)
-    # a raw limit: the broker's buffer is not bounded here (buffer = every job)
+    # a raw limit: the broker's buffer is not bounded here (twice every job: a queue is
+    # refilled only once a quarter of its buffer is free, scheduler.duties.credit)
     config = config_from_settings(
-        DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0, buffer=max(1, n)
+        DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0, buffer=max(1, 2 * n)
     )
     dispatcher = Dispatcher(DutyContext.standalone(settings, sb.db), config=config)
     await dispatcher.setup()

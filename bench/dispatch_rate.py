@@ -106,9 +106,10 @@ async def bench_dispatch(
     settings: Any, pool: asyncpg.Pool, queue: str, n: int, batch: int
 ) -> dict[str, Any]:
     await reset_jobs(pool, queue, n)
-    # a raw limit: the broker's buffer is not bounded here (buffer = every job)
+    # a raw limit: the broker's buffer is not bounded here (twice every job: a queue is
+    # refilled only once a quarter of its buffer is free, scheduler.duties.credit)
     config = config_from_settings(
-        DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0, buffer=max(1, n)
+        DispatcherConfig, settings, batch_size=batch, publish_timeout=10.0, buffer=max(1, 2 * n)
     )
     dispatcher = Dispatcher(DutyContext.standalone(settings, pool), config=config)
     await dispatcher.setup()
