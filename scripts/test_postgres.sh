@@ -11,6 +11,7 @@
 # refuse to run as root: as root it runs as the `postgres` user) and is started once,
 # then reused: `start` is idempotent.
 set -euo pipefail
+cd /  # runuser drops to postgres, who may not enter the caller's directory
 PORT="${DUETIME_TEST_PG_PORT:-55432}"
 DIR="/tmp/duetime-testpg-$PORT"
 BIN="${DUETIME_TEST_PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1)}"
