@@ -327,7 +327,7 @@ def _target(args: argparse.Namespace) -> JobFilter | None:
 
 
 async def _by_tag(args: argparse.Namespace, settings: Settings, where: JobFilter) -> int:
-    """``cancel``/``retry`` ``--tag``: the jobs matching now (pending and running for a
+    """``cancel``/``retry`` ``--tag``: the jobs matching now (pending, waiting and running for a
     cancel, dead for a retry), each changed once, in short batches
     (``JobStore.cancel_matching``/``retry_matching``)."""
     action = args.func.__name__.removeprefix("run_")
@@ -340,7 +340,7 @@ async def _by_tag(args: argparse.Namespace, settings: Settings, where: JobFilter
         else:
             changed = await store.retry_matching(where, preview=preview)
     tags = ", ".join(where.tags)
-    states = "pending or running" if action == "cancel" else "dead"
+    states = "pending, waiting or running" if action == "cancel" else "dead"
     verb = {"cancel": "cancelled", "retry": "retried"}[action]
     text = (
         f"would {action} {preview.count} {states} job(s) tagged {tags} (dry run)"

@@ -126,10 +126,11 @@ RETURNING *;
 -- newest id among them and the statement's time (as_of): together they pin the set the
 -- operator confirms (matching_ids), so jobs that arrive, or die, between the preview and
 -- the confirmation are left alone. {states} is spliced in by JobStore from a fixed set
--- (jobs.BULK_SOURCE: status = 'pending' OR status = 'dispatched' for a cancel, status =
--- 'dead' for a retry), never from outside: as literals they let PostgreSQL use the
+-- (jobs.BULK_SOURCE: status = 'pending' OR 'dispatched' OR 'waiting' for a cancel, status
+-- = 'dead' for a retry), never from outside: as literals they let PostgreSQL use the
 -- partial indexes of those states (jobs_pending_run_idx, jobs_dispatched_idx,
--- jobs_dead_finished_idx; a BitmapOr for two) instead of reading every row.
+-- jobs_waiting_idx, jobs_dead_finished_idx; a BitmapOr for several) instead of reading
+-- every row.
 SELECT count(*) AS n, max(id) AS max_id, now() AS as_of
   FROM duetime.jobs
  WHERE ({states})

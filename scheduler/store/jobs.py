@@ -70,7 +70,7 @@ CANCEL_NOTIFY_IDS = 300
 #: The states a bulk action starts from: only these may be spliced into ``matching``. A
 #: cancel takes running (dispatched) jobs too: their workers are told (``_cancel_ids``).
 BULK_SOURCE: dict[str, tuple[str, ...]] = {
-    "cancel": ("pending", "dispatched"),
+    "cancel": ("pending", "dispatched", "waiting"),
     "retry": ("dead",),
 }
 
@@ -375,7 +375,7 @@ class JobStore(PooledStore):
     async def cancel_matching(
         self, where: JobFilter, *, preview: BulkPreview | None = None, by: str | None = None
     ) -> int:
-        """Cancel the pending and running (dispatched) jobs ``preview`` counted (matching
+        """Cancel the pending, running (dispatched) and waiting jobs ``preview`` counted (matching
         ``where``, ids up to its ``up_to_id``, at most its ``count``, each once), in
         batches of ``BULK_BATCH``, through the same transition as ``cancel``: the
         workers running any of them are told at each batch's commit and stop their

@@ -163,9 +163,10 @@ async def test_the_cli_adds_lists_shows_cancels_and_retries_by_tag(
     assert 'meta             {"asked_by": "ada"}' in shown.out, shown.out
 
     dry = await run_duetime(env, "jobs", "cancel", "--tag", tag, "--dry-run")
-    assert dry.out.strip() == f"would cancel 2 pending or running job(s) tagged {tag} (dry run)"
+    states = "pending, waiting or running"
+    assert dry.out.strip() == f"would cancel 2 {states} job(s) tagged {tag} (dry run)"
     done = await run_duetime(env, "jobs", "cancel", "--tag", tag)
-    assert done.out.strip() == f"cancelled 2 of 2 pending or running job(s) tagged {tag}"
+    assert done.out.strip() == f"cancelled 2 of 2 {states} job(s) tagged {tag}"
     row = await db_pool.fetchrow(
         "SELECT status, cancelled_by FROM duetime.jobs WHERE id = $1", other.id
     )

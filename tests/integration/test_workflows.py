@@ -27,7 +27,7 @@ from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.duties.knobs import config_from_settings
 from scheduler.store.dispatch import DispatchStore
 from scheduler.store.fence import FenceStore
-from scheduler.store.jobs import JobStore
+from scheduler.store.jobs import JobFilter, JobStore
 from tests.support.helpers import declare_queues
 from tests.support.wait import wait_for
 from workers import Fail, JobContext, Registry, Retry, Worker
@@ -290,6 +290,23 @@ async def test_a_dependency_cancelled_while_its_dependent_waits(env: Env) -> Non
         assert (await store.cancel(waiting)).status == "cancelled"
         assert not await env.pool.fetchval("SELECT count(*) FROM duetime.job_dependencies")
     assert env.seen == []
+
+
+async def test_bulk_cancel_by_tag_takes_waiting_jobs_and_their_dependents(env: Env) -> None:
+    store = JobStore(env.pool)
+    first = await insert(env.pool, env.queue, delay_s=3600)
+    waiting = await insert(env.pool, env.queue, depends_on=[first])
+    after = await insert(env.pool, env.queue, depends_on=[waiting])
+    await env.pool.execute(
+        "UPDATE duetime.jobs SET tags = '{batch:7}' WHERE id = ANY($1)", [first, waiting]
+    )
+    where = JobFilter(tags=["batch:7"])
+    assert (await store.preview_matching("cancel", where)).count == 2
+    assert (await store.preview_matching("cancel", JobFilter(status="waiting"))).count == 2
+    assert await store.cancel_matching(where, by="test") == 2
+    assert await all_in(env.pool, [first, waiting, after], "cancelled")
+    assert (await row(env.pool, after))["last_error"].startswith(f"dependency {waiting} ")
+    assert not await env.pool.fetchval("SELECT count(*) FROM duetime.job_dependencies")
 
 
 async def test_a_retried_dependency_keeps_its_dependents_waiting(env: Env) -> None:
