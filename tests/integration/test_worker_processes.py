@@ -101,17 +101,31 @@ async def test_n_children_consume_a_killed_one_restarts_and_sigterm_stops_all(
     assert await queue_depth(channel, queue) == (0, 0)
 
 
+def _port_with_next_held() -> tuple[int, socket.socket]:
+    """A free port whose successor this process holds listening: free_port() alone says
+    nothing of port + 1, which another process (a parallel test's) may have taken."""
+    for _ in range(100):
+        port = free_port()
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            held.bind(("127.0.0.1", port + 1))
+        except OSError:
+            held.close()
+            continue
+        held.listen()
+        return port, held
+    raise RuntimeError("no free port with a free successor in 100 tries")
+
+
 async def test_a_child_that_cannot_start_fails_the_command(
     procs: Processes, test_env: dict[str, str], queue: str, unique: str
 ) -> None:
     """A child that dies right after every start is given up on: the supervisor stops
     the others and exits with its status instead of restarting it forever. Here child 1
     cannot listen on its metrics port (metrics_port + 1), which the test holds."""
-    port = free_port()
-    with socket.socket() as held:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        held.bind(("127.0.0.1", port + 1))
-        held.listen()
+    port, held = _port_with_next_held()
+    with held:
         argv = duetime_argv(
             "worker", "--import", TASKS, "--queue", queue, "--concurrency", "2",
             "--processes", "2", "--metrics-port", str(port),
