@@ -26,15 +26,15 @@ from tests.fixtures_tasks.jobs import FENCE_EPOCH, dispatched_job
 
 #: How the worker's functions compute the key of the row they read or settle, as written
 #: there (the row's alias, then these columns): migration 0019's worker_begin_jobs, 0023's
-#: worker_begin_traced (begin with the trace context), 0025's worker_begin_flow (what the
-#: worker calls now: plus the dependencies' outcomes), and the settling functions as
-#: migration 0024 replaced them (0019's plus the slot wake-up).
+#: worker_begin_traced (begin with the trace context), worker_begin_flow (what the worker
+#: calls now: plus the dependencies' outcomes; 0025, replaced by 0026), and the settling
+#: functions as migration 0024 replaced them (0019's plus the slot wake-up).
 EXPRESSION = "duetime.effective_key({t}.id, {t}.idempotency_key, {t}.schedule_id, {t}.created_by)"
 RESERVED = "jobs_idempotency_key_reserved"
 MIGRATIONS = Path(scheduler.sql.__file__).parent / "migrations"
 BEGIN = MIGRATIONS / "0019_job_control.sql"
 BEGIN_TRACED = MIGRATIONS / "0023_trace_context.sql"
-BEGIN_FLOW = MIGRATIONS / "0025_workflows.sql"
+BEGIN_FLOW = MIGRATIONS / "0026_begin_without_bucket_scan.sql"
 SETTLE = MIGRATIONS / "0024_limit_slot_wakeup.sql"
 
 
@@ -189,7 +189,11 @@ async def test_a_planted_future_key_does_not_settle_the_job_it_names(
     planner-style job of that fire run instead of being settled as duplicates."""
     store = ExecutionStore(db_pool)
     queue = f"q-{unique}"
-    nxt = await db_pool.fetchval("SELECT last_value + 1 FROM duetime.jobs_id_seq")
+    # a sequence nobody has called yet hands out last_value itself first
+    nxt = await db_pool.fetchval(
+        "SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END "
+        "FROM duetime.jobs_id_seq"
+    )
     fire = f"schedule:77:{datetime(2031, 1, 1, tzinfo=UTC):%Y-%m-%dT%H:%M:%SZ}"
     # each refused INSERT still takes an id (the column default runs first): the two
     # attempts take nxt and nxt + 1, the victim gets nxt + 2
