@@ -319,6 +319,59 @@ async def test_a_dependency_cancelled_while_its_dependent_waits(env: Env) -> Non
     assert env.seen == []
 
 
+async def test_a_long_chain_is_cancelled_by_its_first_step_in_one_statement(env: Env) -> None:
+    """A dependency that ends dead cancels every waiting job downstream in one statement
+    (migration 0027): one nested trigger per level overflowed PostgreSQL's stack from
+    about 500 levels, and the dead outcome could not commit. 1,000 steps here."""
+    ids = [await insert(env.pool, env.queue, delay_s=3600)]
+    async with env.pool.acquire() as conn, conn.transaction():
+        for _ in range(999):
+            ids.append(await insert(conn, env.queue, depends_on=[ids[-1]]))
+    await env.pool.execute(
+        "UPDATE duetime.jobs SET status = 'dead', finished_at = now(), last_error = 'boom' "
+        "WHERE id = $1",
+        ids[0],
+    )
+    assert await all_in(env.pool, ids[1:], "cancelled")
+    second, third, last = [await row(env.pool, i) for i in (ids[1], ids[2], ids[-1])]
+    assert second["last_error"] == f"dependency {ids[0]} (wf.step) dead: boom"
+    # further down: the job it waited for, then the root cause
+    assert third["last_error"] == (
+        f"dependency {ids[1]} (wf.step) cancelled: dependency {ids[0]} (wf.step) dead: boom"
+    )
+    assert last["last_error"].startswith(f"dependency {ids[-2]} (wf.step) cancelled: ")
+    assert {second["cancelled_by"], last["cancelled_by"]} == {"dependency"}
+    assert not await env.pool.fetchval("SELECT count(*) FROM duetime.job_dependencies")
+
+
+async def test_a_cancel_cascade_releases_run_dependents_and_spares_other_branches(
+    env: Env,
+) -> None:
+    """A diamond under a failed root: both sides and their join are cancelled once; a
+    dependent that runs on failure is released (pending) when the cascade reaches it,
+    and a job that also waits for an unrelated, unfinished job stays waiting only on that
+    one if it runs on failure."""
+    root = await insert(env.pool, env.queue, delay_s=3600)
+    other = await insert(env.pool, env.queue, delay_s=3600)
+    left = await insert(env.pool, env.queue, depends_on=[root])
+    right = await insert(env.pool, env.queue, depends_on=[root])
+    join = await insert(env.pool, env.queue, depends_on=[left, right])
+    cleanup = await insert(env.pool, env.queue, depends_on=[join], on_failure="run")
+    mixed = await insert(env.pool, env.queue, depends_on=[join, other], on_failure="run")
+    await env.pool.execute(
+        "UPDATE duetime.jobs SET status = 'dead', finished_at = now() WHERE id = $1", root
+    )
+    assert await all_in(env.pool, [left, right, join], "cancelled")
+    assert (await row(env.pool, join))["last_error"] == (
+        f"dependency {left} (wf.step) cancelled: dependency {root} (wf.step) dead"
+    )
+    assert await status(env.pool, cleanup) == "pending"
+    assert await status(env.pool, mixed) == "waiting"
+    assert await env.pool.fetchval(
+        "SELECT array_agg(dependency_id) FROM duetime.job_dependencies"
+    ) == [other]
+
+
 async def test_bulk_cancel_by_tag_takes_waiting_jobs_and_their_dependents(env: Env) -> None:
     store = JobStore(env.pool)
     first = await insert(env.pool, env.queue, delay_s=3600)
