@@ -47,6 +47,7 @@ __all__ = [
     "BulkPreview",
     "ConfigError",
     "DeclaredSchedule",
+    "Dependency",
     "DuetimeError",
     "DuplicateTask",
     "Fail",
@@ -134,6 +135,7 @@ if TYPE_CHECKING:
     )
     from workers import (
         AttemptAbandoned,
+        Dependency,
         DuplicateTask,
         Fail,
         JobContext,

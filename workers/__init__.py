@@ -28,7 +28,7 @@ once (they commit in the same transaction as the idempotency-ledger row and the 
 ``succeeded`` status); give ``ctx.idempotency_key`` to external APIs.
 """
 
-from workers.context import JobContext
+from workers.context import Dependency, JobContext
 from workers.lifecycle import WorkerStartupFailed, WorkerState
 from workers.registry import (
     DuplicateTask,
@@ -46,6 +46,7 @@ from workers.worker import Worker, run_worker
 
 __all__ = [
     "AttemptAbandoned",
+    "Dependency",
     "DuplicateTask",
     "Fail",
     "JobContext",
