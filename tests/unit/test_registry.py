@@ -113,6 +113,7 @@ def test_task_max_attempts_replaces_the_row_budget_only_when_set() -> None:
 def test_public_api_is_exported_and_does_not_drift() -> None:
     assert sorted(workers.__all__) == [
         "AttemptAbandoned",
+        "Dependency",
         "DuplicateTask",
         "Fail",
         "JobContext",
