@@ -29,24 +29,21 @@ import asyncio
 import contextlib
 import itertools
 import os
-import random
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import aetcd
 import pytest
 
 from tests.chaos.check import Report, lag_timeline
 from tests.chaos.cluster import Node
+from tests.chaos.conftest import SOAK, MakeCluster
 from tests.chaos.harness import RESULTS, TTL, ChaosCluster, Plan
 from tests.support.etcd import PrivateEtcd
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.chaos
 
-SOAK = os.environ.get("DUETIME_TEST_SOAK") == "1"
-SEED = int(os.environ.get("DUETIME_TEST_SEED") or random.SystemRandom().randrange(1, 2**31))
 SOAK_SECONDS = float(os.environ.get("DUETIME_TEST_SOAK_MINUTES", "2")) * 60
 WINDOW = SOAK_SECONDS if SOAK else 15.0  # seconds over which jobs come due and faults hit
 SETTLE = 60.0 if SOAK else 30.0  # after the window, for the backlog to drain
@@ -54,45 +51,12 @@ LIMIT = int(WINDOW + SETTLE + (120 if SOAK else 45))  # pytest-timeout per scena
 TIMELINE = os.environ.get("CHAOS_TIMELINE") == "1"  # print fire lag per second of due time
 ETCD_ERRORS = (aetcd.exceptions.ClientError, TimeoutError)
 
-MakeCluster = Callable[..., ChaosCluster]
-
 
 def jobs(ci: int, soak_rate: float, soak_max: int) -> int:
     """CI: ``ci`` jobs. Soak: ``soak_rate`` jobs per second of window, at most ``soak_max``
     (what two workers on a small box drain while faults hit, so "lost" never just
     means "not finished yet")."""
     return min(soak_max, int(soak_rate * WINDOW)) if SOAK else ci
-
-
-@pytest.fixture
-def chaos(
-    tmp_path: Path,
-    test_env: dict[str, str],
-    migrated_dsn: str,
-    amqp_url: str,
-    etcd_endpoints: str,
-    unique: str,
-) -> MakeCluster:
-    """Build the scenario's cluster (a fresh database, unique prefix and queue)."""
-
-    def make(scenario: str, *, etcd_endpoint: str | None = None, **kw: object) -> ChaosCluster:
-        print(f"\n[chaos] {scenario}: seed {SEED} (replay: DUETIME_TEST_SEED={SEED})")
-        return ChaosCluster(
-            scenario=scenario,
-            seed=SEED,
-            soak=SOAK,
-            tmp_path=tmp_path,
-            base_env=test_env,
-            dsn=migrated_dsn,
-            amqp_url=amqp_url,
-            etcd_endpoint=etcd_endpoint or etcd_endpoints.split(",")[0],
-            prefix=f"duetime-test/{unique}",
-            queue=f"chaos.{scenario}.{unique}",
-            rng=random.Random(f"{SEED}:{scenario}"),
-            **kw,  # type: ignore[arg-type]
-        )
-
-    return make
 
 
 async def settle_and_judge(c: ChaosCluster) -> Report:

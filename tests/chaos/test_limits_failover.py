@@ -20,13 +20,11 @@ mean handler time).
 
 from __future__ import annotations
 
-import random
-from pathlib import Path
-
 import pytest
 
 from tests.chaos.chaos_tasks import TASK
-from tests.chaos.harness import TTL, ChaosCluster, Plan
+from tests.chaos.conftest import MakeCluster
+from tests.chaos.harness import TTL, Plan
 from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
@@ -45,27 +43,8 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
     return most
 
 
-async def test_max_running_holds_across_a_kill_9_of_the_leader(
-    tmp_path: Path,
-    test_env: dict[str, str],
-    migrated_dsn: str,
-    amqp_url: str,
-    etcd_endpoints: str,
-    unique: str,
-) -> None:
-    c = ChaosCluster(
-        scenario="limit_kill9",
-        seed=0,
-        soak=False,
-        tmp_path=tmp_path,
-        base_env=test_env,
-        dsn=migrated_dsn,
-        amqp_url=amqp_url,
-        etcd_endpoint=etcd_endpoints.split(",")[0],
-        prefix=f"duetime-test/{unique}",
-        queue=f"chaos.limit.{unique}",
-        rng=random.Random(f"limit:{unique}"),
-    )
+async def test_max_running_holds_across_a_kill_9_of_the_leader(chaos: MakeCluster) -> None:
+    c = chaos("limit_kill9", seed=0, soak=False)
     async with c:
         await c.db.execute(
             "INSERT INTO duetime.limits (target, max_running) VALUES ($1, $2)",

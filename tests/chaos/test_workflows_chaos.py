@@ -12,13 +12,11 @@ order.
 from __future__ import annotations
 
 import json
-import random
-from pathlib import Path
 
 import pytest
 
 from tests.chaos.chaos_tasks import TASK
-from tests.chaos.harness import ChaosCluster
+from tests.chaos.conftest import MakeCluster
 from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -28,26 +26,9 @@ STEPS = 5
 
 
 async def test_kill9_leader_and_worker_mid_way_through_100_five_step_workflows(
-    tmp_path: Path,
-    test_env: dict[str, str],
-    migrated_dsn: str,
-    amqp_url: str,
-    etcd_endpoints: str,
-    unique: str,
+    chaos: MakeCluster,
 ) -> None:
-    c = ChaosCluster(
-        scenario="workflows_kill9",
-        seed=0,
-        soak=False,
-        tmp_path=tmp_path,
-        base_env=test_env,
-        dsn=migrated_dsn,
-        amqp_url=amqp_url,
-        etcd_endpoint=etcd_endpoints.split(",")[0],
-        prefix=f"duetime-test/{unique}",
-        queue=f"chaos.wf.{unique}",
-        rng=random.Random(f"wf:{unique}"),
-    )
+    c = chaos("workflows_kill9", seed=0, soak=False)
     async with c:
         c.spawn_replicas(3)
         c.spawn_workers(2)
