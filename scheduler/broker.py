@@ -5,7 +5,8 @@ Topology (declared idempotently by whoever connects first):
 - one durable **quorum** queue per *declared* job queue (``duetime.queues``: the
   dispatcher claims nothing else), named ``duetime.<queue>`` (contract),
   with ``x-delivery-limit`` (a message redelivered that often is poison) and a
-  dead-letter exchange;
+  dead-letter exchange; and, once the dispatcher stages jobs ahead of their run time
+  or a worker consumes staged jobs (DESIGN §14), its twin ``duetime.<queue>:staged``;
 - ``duetime.dlx`` (fanout) → ``duetime.dead-letter`` (quorum): unparseable messages and
   messages over the delivery limit end up here, visible, never silently dropped.
 
@@ -85,6 +86,17 @@ def amqp_urls(amqp_url: str) -> tuple[str, ...]:
 def queue_name(queue: str) -> str:
     """Broker queue for a job queue: ``duetime.<queue>`` (validated)."""
     return QUEUE_PREFIX + validate_queue(queue)
+
+
+#: Suffix of a job queue's *staged* queue, ``duetime.<queue>:staged`` (DESIGN §14): the
+#: messages of jobs handed out before their run time. A queue name cannot hold ``:``, so
+#: no job queue is ever named like one.
+STAGED_SUFFIX = ":staged"
+
+
+def staged_queue_name(queue: str) -> str:
+    """Broker queue for the staged jobs of a job queue: ``duetime.<queue>:staged``."""
+    return queue_name(queue) + STAGED_SUFFIX
 
 
 def job_queue_arguments(delivery_limit: int) -> dict[str, Any]:
@@ -285,14 +297,15 @@ async def declare_dead_letter(channel: AbstractChannel) -> AbstractQueue:
 
 
 async def declare_job_queue(
-    channel: AbstractChannel, queue: str, *, delivery_limit: int
+    channel: AbstractChannel, queue: str, *, delivery_limit: int, staged: bool = False
 ) -> AbstractQueue:
-    """Declare ``duetime.<queue>`` (and the dead-letter topology).
+    """Declare ``duetime.<queue>`` (``staged``: ``duetime.<queue>:staged``, the same kind
+    of queue) and the dead-letter topology.
 
     A queue that already exists with other arguments makes RabbitMQ close the channel
     (PRECONDITION_FAILED); that is turned into an error saying which queue and why.
     """
-    name = queue_name(queue)
+    name = staged_queue_name(queue) if staged else queue_name(queue)
     await declare_dead_letter(channel)
     try:
         return await channel.declare_queue(

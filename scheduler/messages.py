@@ -4,7 +4,8 @@ by workers.
 This module is the whole message contract: the body, the AMQP properties it travels with,
 ``message_id`` and a job's effective idempotency key (``effective_key``).
 
-The message is a **pointer**: persistent JSON ``{job_id, due_at, attempt, epoch, task}``;
+The message is a **pointer**: persistent JSON ``{job_id, due_at, attempt, epoch, task}``
+(and ``start_at``, the run time, on a staged job's message: DESIGN §14);
 ``message_id`` is ``<job_id>:<attempt>``; ``type`` carries the task name for operators'
 tools (cut to the 255 bytes an AMQP short string holds). The worker reads the task, the
 payload and the idempotency key from the job row, in the statement that locks it (the
@@ -47,6 +48,9 @@ INT_MAX = 2**31 - 1
 FIELDS = ("job_id", "due_at", "attempt", "epoch")
 OPTIONAL_FIELDS = ("task", "payload", "idempotency_key")
 SHARD_FIELD = "shard"
+#: The run time of a staged job (DESIGN §14): the worker holds the message until then.
+#: Only staged queues carry it; a worker that does not stage never consumes them.
+START_FIELD = "start_at"
 PERSISTENT = 2  # AMQP delivery_mode: written to disk (quorum queues always are)
 MAX_SHORTSTR = 255  # bytes in an AMQP short string (message properties)
 
@@ -69,6 +73,7 @@ class JobMessage:
     payload: dict[str, Any] | None = None
     idempotency_key: str | None = None
     shard: str = DEFAULT_SHARD
+    start_at: datetime | None = None
 
     @property
     def message_id(self) -> str:
@@ -82,6 +87,8 @@ class JobMessage:
             "epoch": self.epoch,
             SHARD_FIELD: self.shard,
         }
+        if self.start_at is not None:
+            body[START_FIELD] = self.start_at.isoformat()
         for name in OPTIONAL_FIELDS:
             value = getattr(self, name)
             if value is not None:
@@ -200,20 +207,9 @@ def decode(body: bytes) -> JobMessage:
         raise MalformedMessage(f"field 'shard' must match [a-z0-9_-]{{1,32}}, got {shard!r:.60}")
     if payload is not None and not isinstance(payload, dict):
         raise MalformedMessage(f"field 'payload' must be an object, got {type(payload).__name__}")
-    raw_due = data["due_at"]
-    try:
-        due_at = datetime.fromisoformat(raw_due) if isinstance(raw_due, str) else None
-    except ValueError:
-        due_at = None
-    if due_at is not None and due_at.tzinfo is not None:
-        try:
-            due_at.astimezone(UTC)
-        except OverflowError:
-            due_at = None
-    if due_at is None or due_at.tzinfo is None:
-        raise MalformedMessage(
-            f"field 'due_at' must be an ISO 8601 time with offset: {raw_due!r:.60}"
-        )
+    due_at = _time(data["due_at"], "due_at")
+    raw_start = data.get(START_FIELD)
+    start_at = None if raw_start is None else _time(raw_start, START_FIELD)
     return JobMessage(
         job_id=_int(data, "job_id", 1, BIGINT_MAX),
         due_at=due_at,
@@ -223,4 +219,21 @@ def decode(body: bytes) -> JobMessage:
         payload=payload,
         idempotency_key=key,
         shard=shard,
+        start_at=start_at,
     )
+
+
+def _time(raw: Any, name: str) -> datetime:
+    """An ISO 8601 time with offset that Python can convert to UTC, or MalformedMessage."""
+    try:
+        value = datetime.fromisoformat(raw) if isinstance(raw, str) else None
+    except ValueError:
+        value = None
+    if value is not None and value.tzinfo is not None:
+        try:
+            value.astimezone(UTC)
+        except OverflowError:
+            value = None
+    if value is None or value.tzinfo is None:
+        raise MalformedMessage(f"field {name!r} must be an ISO 8601 time with offset: {raw!r:.60}")
+    return value

@@ -61,6 +61,22 @@ JOBS_CLAIMED = Counter(
 JOBS_PUBLISHED = Counter(
     "duetime_jobs_published_total", "jobs published and confirmed by RabbitMQ", ["shard", "queue"]
 )
+JOBS_STAGED = Counter(
+    "duetime_jobs_staged_total",
+    "jobs handed to workers before their run time (staging ahead, DESIGN §14)",
+    ["shard", "queue"],
+)
+STAGED_HELD = Gauge(
+    "duetime_staged_held",
+    "staged deliveries this worker holds until their run time (workers)",
+)
+STAGED_RELEASED = Counter(
+    "duetime_staged_released_total",
+    "staged deliveries at their run time (workers): started (handed to a handler slot), "
+    "moved (the row's run time is later: given back to pending), requeued (worker "
+    "stopping: back to the broker)",
+    ["outcome"],
+)
 PUBLISH_FAILURES = Counter(
     "duetime_publish_failures_total",
     "publishes not confirmed (jobs returned to pending)",

@@ -252,19 +252,25 @@ class Publisher:
 
     # -- topology --------------------------------------------------------------------
 
-    async def ensure_queue(self, queue: str) -> None:
-        """Declare ``duetime.<queue>`` once per publisher (until it is forgotten)."""
-        if queue in self._declared:
+    async def ensure_queue(self, queue: str, *, staged: bool = False) -> None:
+        """Declare ``duetime.<queue>`` (``staged``: its staged twin) once per publisher
+        (until it is forgotten)."""
+        key = broker.staged_queue_name(queue) if staged else queue
+        if key in self._declared:
             return
         await asyncio.wait_for(
-            broker.declare_job_queue(self.channel, queue, delivery_limit=self.delivery_limit),
+            broker.declare_job_queue(
+                self.channel, queue, delivery_limit=self.delivery_limit, staged=staged
+            ),
             self.connect_timeout,
         )
-        self._declared.add(queue)
+        self._declared.add(key)
 
     def forget_queue(self, queue: str) -> None:
-        """Re-declare ``queue`` before its next publish (it was deleted or returned)."""
+        """Re-declare ``queue`` (and its staged twin) before its next publish (it was
+        deleted or returned)."""
         self._declared.discard(queue)
+        self._declared.discard(broker.staged_queue_name(queue))
 
     async def ready_messages(self, queue: str) -> int | None:
         """Messages waiting in ``duetime.<queue>`` (declares it); None when unknown."""
@@ -285,7 +291,9 @@ class Publisher:
         count = getattr(ok, "message_count", None)
         return int(count) if count is not None else None
 
-    async def queue_state(self, queue: str, timeout: float) -> QueueState | None:
+    async def queue_state(
+        self, queue: str, timeout: float, *, staged: bool = False
+    ) -> QueueState | None:
         """Ready messages and consumers of ``duetime.<queue>`` from a passive declare
         (creates nothing; one round trip on this channel); None when it failed or took
         longer than ``timeout``. A queue that no longer exists closes the channel
@@ -296,7 +304,8 @@ class Publisher:
         try:
             async with asyncio.timeout_at(deadline):
                 underlay = await self.channel.get_underlay_channel()
-                ok = await underlay.queue_declare(broker.queue_name(queue), passive=True)
+                name = broker.staged_queue_name(queue) if staged else broker.queue_name(queue)
+                ok = await underlay.queue_declare(name, passive=True)
         except (aiormq.exceptions.AMQPError, TimeoutError, ConnectionError, RuntimeError) as exc:
             log.warning("queue_state_unknown", queue=queue, error=repr(exc))
             self.forget_queue(queue)
@@ -309,8 +318,12 @@ class Publisher:
 
     # -- publishing ------------------------------------------------------------------
 
-    async def publish(self, jobs: Sequence[ClaimedJob], epoch: int) -> PublishResult:
+    async def publish(
+        self, jobs: Sequence[ClaimedJob], epoch: int, *, staged: bool = False
+    ) -> PublishResult:
         """Publish every job with its confirm in flight at once; report each outcome.
+        ``staged``: to the queues' staged twins, each message carrying its job's run time
+        (``start_at``, DESIGN §14).
 
         Never raises for a per-message failure: the result says which jobs were
         confirmed and why the others were not. One span per batch when the application
@@ -320,9 +333,11 @@ class Publisher:
             return PublishResult()
         queues = sorted({broker.QUEUE_PREFIX + job.queue for job in jobs})
         with tracing.publish_span(queues, len(jobs)):
-            return await self._publish(jobs, epoch)
+            return await self._publish(jobs, epoch, staged)
 
-    async def _publish(self, jobs: Sequence[ClaimedJob], epoch: int) -> PublishResult:
+    async def _publish(
+        self, jobs: Sequence[ClaimedJob], epoch: int, staged: bool = False
+    ) -> PublishResult:
         result = PublishResult()
         started = self.clock.monotonic()
         loop = asyncio.get_running_loop()
@@ -332,7 +347,7 @@ class Publisher:
         broken: dict[str, str] = {}
         for queue in sorted({job.queue for job in jobs}):
             try:
-                await self.ensure_queue(queue)
+                await self.ensure_queue(queue, staged=staged)
             except (DuetimeError, aiormq.exceptions.AMQPError, TimeoutError, RuntimeError) as exc:
                 broken[queue] = f"{type(exc).__name__}: {exc}"
                 # RabbitMQ closes the channel on a refused declare; the robust channel
@@ -355,7 +370,7 @@ class Publisher:
             underlay = None
 
         outcomes = await asyncio.gather(
-            *(self._publish_one(underlay, job, epoch, deadline) for job in sendable),
+            *(self._publish_one(underlay, job, epoch, deadline, staged) for job in sendable),
             return_exceptions=True,
         )
         returned: set[str] = set()
@@ -405,7 +420,7 @@ class Publisher:
                 log.debug("publisher_old_channel_close_failed", error=repr(exc))
 
     async def _publish_one(
-        self, channel: Any, job: ClaimedJob, epoch: int, deadline: float
+        self, channel: Any, job: ClaimedJob, epoch: int, deadline: float, staged: bool = False
     ) -> None:
         """Publish one job and wait for its confirm; raises what went wrong.
 
@@ -421,13 +436,15 @@ class Publisher:
             epoch=epoch,
             task=job.task,
             shard=self.shard,
+            start_at=(job.run_at or job.due_at) if staged else None,
         )
         body, properties = encode_job(message)
+        name = broker.staged_queue_name(job.queue) if staged else broker.queue_name(job.queue)
         async with asyncio.timeout_at(deadline):
             await channel.basic_publish(
                 body,
                 exchange="",
-                routing_key=broker.queue_name(job.queue),
+                routing_key=name,
                 properties=properties,
                 mandatory=True,
                 wait=False,

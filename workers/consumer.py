@@ -53,13 +53,20 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
 from scheduler.backoff import bounded_jitter
 from scheduler.broker import CLOSE_TIMEOUT, declare_job_queue
+from scheduler.clock import SYSTEM_CLOCK, Clock
 from scheduler.log import get_logger
-from scheduler.messages import MalformedMessage, decode
-from scheduler.metrics import DELIVERIES_DROPPED, DELIVERIES_REQUEUED, MALFORMED_MESSAGES
+from scheduler.messages import JobMessage, MalformedMessage, decode
+from scheduler.metrics import (
+    DELIVERIES_DROPPED,
+    DELIVERIES_REQUEUED,
+    MALFORMED_MESSAGES,
+    STAGED_RELEASED,
+)
 from workers.errors import AttemptRunningElsewhere, DatabaseUnavailable
 from workers.executor import RUNNING_ELSEWHERE_REQUEUE, Executor
 from workers.shards import ShardExecutors, UnknownShard
 from workers.slots import HandlerSlot
+from workers.staging import StagedDeliveries
 
 log = get_logger("duetime.worker")
 
@@ -89,6 +96,8 @@ class Consumer:
         concurrency: int,
         timeout: float = 10.0,
         db_retry_cap: float = DB_RETRY_CAP,
+        stage_limit: int = 0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1 (got {concurrency})")
@@ -107,6 +116,12 @@ class Consumer:
         self.active = 0  # handler slots taken right now (workers.slots)
         self.peak = 0  # most handler slots ever taken at once
         self.requeued = 0  # deliveries nacked back because no outcome could be recorded
+        #: staged deliveries held at most (the staged channel's prefetch; 0: none taken)
+        self.stage_limit = stage_limit
+        self._clock = clock
+        self._staged: StagedDeliveries[tuple[AbstractIncomingMessage, JobMessage]] = (
+            StagedDeliveries(self._start_staged, clock=clock)
+        )
 
     @property
     def ack_frames(self) -> int:
@@ -122,18 +137,40 @@ class Consumer:
 
     @property
     def in_flight(self) -> int:
-        """Deliveries received and not yet settled."""
-        return len(self._tasks)
+        """Deliveries received and not yet settled (staged ones held included)."""
+        return len(self._tasks) + len(self._staged)
+
+    @property
+    def staged(self) -> int:
+        """Staged deliveries held until their run time."""
+        return len(self._staged)
 
     async def start(
-        self, channel: AbstractChannel, queues: Sequence[str], *, delivery_limit: int
+        self,
+        channel: AbstractChannel,
+        queues: Sequence[str],
+        *,
+        delivery_limit: int,
+        staged_channel: AbstractChannel | None = None,
     ) -> None:
         """Declare the queues, set prefetch (``PREFETCH_PER_SLOT`` x concurrency), and
-        start consuming."""
+        start consuming. With ``staged_channel`` and a ``stage_limit``, the queues'
+        staged twins too, on that channel, with prefetch ``stage_limit``
+        (``workers.staging``)."""
         await channel.set_qos(prefetch_count=self.prefetch, timeout=self._timeout)
         for name in queues:
             queue = await declare_job_queue(channel, name, delivery_limit=delivery_limit)
             tag = await queue.consume(self._on_message, no_ack=False, timeout=self._timeout)
+            self._consumers.append((queue, tag))
+        if staged_channel is None or self.stage_limit < 1:
+            return
+        self._staged.start()
+        await staged_channel.set_qos(prefetch_count=self.stage_limit, timeout=self._timeout)
+        for name in queues:
+            queue = await declare_job_queue(
+                staged_channel, name, delivery_limit=delivery_limit, staged=True
+            )
+            tag = await queue.consume(self._on_staged, no_ack=False, timeout=self._timeout)
             self._consumers.append((queue, tag))
 
     async def stop_consuming(self) -> None:
@@ -153,9 +190,11 @@ class Consumer:
             log.info("consuming_stopped", queues=[q.name for q, _ in consumers])
 
     async def drain(self, grace: float) -> int:
-        """Stop: nack waiting deliveries, give running ones ``grace`` seconds, cancel the
-        rest. Returns how many running deliveries had to be cancelled."""
+        """Stop: give staged deliveries back, nack waiting ones, give running ones
+        ``grace`` seconds, cancel the rest. Returns how many running deliveries had to
+        be cancelled."""
         await self.stop_consuming()
+        await self._give_back_staged()
         for task in list(self._tasks - self._running):
             task.cancel()  # not started: back to the queue at once
         pending: set[asyncio.Task[None]] = set()
@@ -174,6 +213,7 @@ class Consumer:
         transactions roll back; the broker requeues them when the channel closes)."""
         self.stopping = True
         self._consumers = []
+        await self._staged.close()  # unacked: the broker requeues them with the channel
         for task in list(self._tasks):
             task.cancel()
         while self._tasks:
@@ -186,9 +226,47 @@ class Consumer:
             await _Settlement(message, self._acks)("nack", requeue=True)
             return
         self._acks.received(message)
-        task = asyncio.create_task(self._handle(message), name=f"delivery:{message.message_id}")
+        self._run(message, None)
+
+    def _run(self, message: AbstractIncomingMessage, msg: JobMessage | None) -> None:
+        task = asyncio.create_task(
+            self._handle(message, msg), name=f"delivery:{message.message_id}"
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _on_staged(self, message: AbstractIncomingMessage) -> None:
+        """A staged delivery: held until its run time (``workers.staging``), or run now
+        when that time has passed (a redelivery after a worker died, a late consume)."""
+        if self.stopping:
+            await _Settlement(message, self._acks)("nack", requeue=True)
+            return
+        self._acks.received(message)
+        try:
+            msg = decode(message.body)
+        except MalformedMessage:
+            self._run(message, None)  # dead-lettered by the usual path
+            return
+        if msg.start_at is None or msg.start_at <= self._clock.now():
+            self._run(message, msg)
+        else:
+            self._staged.hold((message, msg), msg.start_at)
+
+    def _start_staged(self, item: tuple[AbstractIncomingMessage, JobMessage]) -> None:
+        """A staged delivery's run time came: it goes the way of any delivery."""
+        message, msg = item
+        STAGED_RELEASED.labels("started").inc()
+        self._run(message, msg)
+
+    async def _give_back_staged(self) -> None:
+        """Stopping: the staged deliveries held go back to the broker at once, for
+        another worker to start on time."""
+        held = await self._staged.close()
+        for message, _ in held:
+            await _Settlement(message, self._acks)("nack", requeue=True)
+        if held:
+            STAGED_RELEASED.labels("requeued").inc(len(held))
+            log.info("staged_given_back", count=len(held))
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[HandlerSlot]:
@@ -210,13 +288,13 @@ class Consumer:
         self.active += change
         self.peak = max(self.peak, self.active)
 
-    async def _handle(self, message: AbstractIncomingMessage) -> None:
+    async def _handle(self, message: AbstractIncomingMessage, msg: JobMessage | None) -> None:
         settle = _Settlement(message, self._acks)
         job: dict[str, Any] = {}  # job_id/attempt/task for log lines, once decoded
         committed = False
         try:
             try:
-                msg = decode(message.body)
+                msg = decode(message.body) if msg is None else msg
             except MalformedMessage as exc:
                 MALFORMED_MESSAGES.inc()
                 log.error("message_malformed", error=str(exc), **_delivery(message))

@@ -107,6 +107,7 @@ from scheduler.metrics import (
     FIRE_LAG,
     JOB_DURATION,
     MESSAGE_ROW_MISMATCH,
+    STAGED_RELEASED,
 )
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import UNREADABLE, JobRef, LockedJob
@@ -343,6 +344,8 @@ class Executor:
         if not job.started:
             return self._running_elsewhere(redelivered)
         try:
+            if msg.start_at is not None and job.run_time > msg.start_at:
+                return await self._moved(ref, msg, job)
             if msg.task is not None and msg.task != job.task:
                 MESSAGE_ROW_MISMATCH.labels(self.shard).inc()
                 log.error(
@@ -362,6 +365,25 @@ class Executor:
                 held.release()
         finally:
             self._store.release(ref, msg.epoch)
+
+    async def _moved(self, ref: JobRef, msg: JobMessage, job: LockedJob) -> Outcome:
+        """A staged delivery whose row now runs later than the message says (its run_at
+        written while it was staged): not started; the row goes back to pending, and
+        the dispatcher stages it again for its new time (migration 0028)."""
+        try:
+            given_back = await self._store.unstage(ref, msg.epoch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise DatabaseUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        STAGED_RELEASED.labels("moved").inc()
+        log.info(
+            "staged_job_moved",
+            staged_for=msg.start_at.isoformat() if msg.start_at else None,
+            run_time=job.run_time.isoformat(),
+            action="given back to pending" if given_back else "left as it is (settled)",
+        )
+        return Outcome.SKIPPED
 
     def _hold_key(self, key: str) -> _KeyHold:
         """Register this attempt as the newest holder of its ledger key here; the

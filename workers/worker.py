@@ -105,6 +105,8 @@ class Worker:
         self.executors: ShardExecutors | None = None
         self.connection: AbstractRobustConnection | None = None
         self.channel: AbstractChannel | None = None
+        #: the staged deliveries' channel (``workers.staging``), when the worker takes any
+        self.staged_channel: AbstractChannel | None = None
         self.consumer: Consumer | None = None
         self._hooks_started = False
         self._stopped = False
@@ -166,7 +168,10 @@ class Worker:
                 )
             self.executors = ShardExecutors({n: sh.executor for n, sh in self.shards.items()})
             self.consumer = Consumer(
-                self.executors, concurrency=self.concurrency, timeout=s.amqp_timeout
+                self.executors,
+                concurrency=self.concurrency,
+                timeout=s.amqp_timeout,
+                stage_limit=s.worker_stage_limit,
             )
             # Reconnect every second (aio-pika's default is 5 s): each broker blip would
             # otherwise cost at least 5 s of consumption (found by the chaos suite).
@@ -177,11 +182,22 @@ class Worker:
                 reconnect_interval=1.0,
             )
             self.channel = await asyncio.wait_for(self.connection.channel(), s.amqp_timeout)
+            if s.worker_stage_limit > 0:
+                # its own prefetch, and its own acks: a staged delivery held for seconds
+                # must not stop the multiple-acks of the due ones (AckCoalescer)
+                self.staged_channel = await asyncio.wait_for(
+                    self.connection.channel(), s.amqp_timeout
+                )
             # What handlers share is opened before the first delivery can arrive; a
             # failing hook raises here, and nothing was consumed.
             self._hooks_started = True
             await self.registry.lifecycle.start()
-            await self.consumer.start(self.channel, self.queues, delivery_limit=s.delivery_limit)
+            await self.consumer.start(
+                self.channel,
+                self.queues,
+                delivery_limit=s.delivery_limit,
+                staged_channel=self.staged_channel,
+            )
         except BaseException as exc:
             consumer, self.consumer = self.consumer, None
             if consumer is not None:
@@ -196,6 +212,7 @@ class Worker:
             queues=self.queues,
             concurrency=self.concurrency,
             threads=self.threads,
+            stage_limit=s.worker_stage_limit,
             tasks=self.registry.names(),
             node_id=s.node_id,
             shards=list(self.shards),
@@ -230,9 +247,10 @@ class Worker:
         runner, self.thread_runner = self.thread_runner, None
         if runner is not None:
             runner.close()
-        channel, self.channel = self.channel, None
+        channels = [c for c in (self.staged_channel, self.channel) if c is not None]
+        self.channel = self.staged_channel = None
         connection, self.connection = self.connection, None
-        if channel is not None:  # bounded: the broker may be unreachable (broker.py)
+        for channel in channels:  # bounded: the broker may be unreachable (broker.py)
             try:
                 await asyncio.wait_for(channel.close(), broker.CLOSE_TIMEOUT)
             except Exception as exc:

@@ -131,7 +131,13 @@ def endpoints(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def number(kind: type, *, minimum: float | None = None, exclusive: bool = False) -> Callable:
+def number(
+    kind: type,
+    *,
+    minimum: float | None = None,
+    exclusive: bool = False,
+    maximum: float | None = None,
+) -> Callable:
     def parse(value: Any) -> Any:
         if isinstance(value, bool):
             raise ValueError(f"must be a {kind.__name__}, not a boolean")
@@ -144,6 +150,8 @@ def number(kind: type, *, minimum: float | None = None, exclusive: bool = False)
         if minimum is not None and (number <= minimum if exclusive else number < minimum):
             relation = ">" if exclusive else ">="
             raise ValueError(f"must be {relation} {minimum} (got {value!r})")
+        if maximum is not None and number > maximum:
+            raise ValueError(f"must be <= {maximum} (got {value!r})")
         return number
 
     return parse

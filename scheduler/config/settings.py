@@ -72,6 +72,7 @@ class Settings:
     dispatch_buffer: int = 500
     dispatch_buffer_per_consumer: int = 64
     priority_max_wait: float = 300.0
+    stage_ahead: float = 2.0
     visibility_timeout: float = 60.0
     reconcile_interval: float = 5.0
     max_republishes: int = 10
@@ -81,6 +82,7 @@ class Settings:
     worker_concurrency: int = 16
     worker_grace_period: float = 30.0
     worker_threads: int = 0
+    worker_stage_limit: int = 20000
     worker_max_abandoned_threads: int = 8
     task_timeout: float = 1800.0
     result_max_bytes: int = 1024 * 1024
@@ -243,6 +245,12 @@ FIELDS: dict[str, Field] = {
             "before fresher jobs, oldest first",
         ),
         Field(
+            "stage_ahead",
+            p.number(float, minimum=0.0, maximum=60.0),
+            "seconds before their run time jobs are handed to workers, which start them "
+            "from their own timers (0: off; jobs under a limit are never staged)",
+        ),
+        Field(
             "visibility_timeout",
             p.number(float, minimum=1.0),
             "seconds a dispatched job may go without a sign of life before it is re-published",
@@ -270,6 +278,11 @@ FIELDS: dict[str, Field] = {
             "worker_threads",
             p.number(int, minimum=0),
             "threads for plain def handlers (0: as many as worker_concurrency)",
+        ),
+        Field(
+            "worker_stage_limit",
+            p.number(int, minimum=0, maximum=65535),
+            "staged jobs a worker holds until their run time at most (0: it takes none)",
         ),
         Field(
             "worker_max_abandoned_threads",

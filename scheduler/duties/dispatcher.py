@@ -112,6 +112,7 @@ from scheduler.metrics import (
     JOBS_CLAIMED,
     JOBS_HELD,
     JOBS_PUBLISHED,
+    JOBS_STAGED,
     LIMIT_HELD,
     LIMIT_STARTS,
     PUBLISH_FAILURES,
@@ -179,6 +180,9 @@ class DispatcherConfig:
     limits_poll: float = knob(0.05, gt=0)
     """The longest pause between claims while a limit holds due jobs back (an outcome
     that frees a slot wakes the loop sooner)."""
+    stage_ahead: float = knob(2.0, setting="stage_ahead", ge=0)
+    """Seconds before their run time jobs are handed to workers, which start them from
+    their own timers (DESIGN §14; 0: off)."""
     rate_burst: float = knob(0.1, gt=0)
     """Share of a rate's count that may start at once (its token bucket, at least 1 job);
     the rest of a period's starts are spread evenly over the period."""
@@ -249,6 +253,17 @@ class Dispatcher:
             clock=clock,
             refill=config.buffer_refill,
         )
+        # staging ahead: the staged queues' own credit, when to look for jobs to stage
+        # next, and whether the due claims left room for it
+        self.stage_credit = DispatchCredit(
+            buffer=config.buffer,
+            per_consumer=config.buffer_per_consumer,
+            refresh=config.credit_interval,
+            clock=clock,
+            refill=config.buffer_refill,
+        )
+        self._stage_at = float("-inf")
+        self._may_stage = False
         self._slot_heard = False  # the notification being delivered frees a slot
         # the last finished limited claim held jobs back: a freed slot should wake us
         self._slots_wanted = False
@@ -273,6 +288,8 @@ class Dispatcher:
         await self.out.close()
         self.pacing.reset()  # ``unsettled`` is kept: a failed pass tears down too
         self.credit.reset()  # the next term reads the broker's buffers again
+        self.stage_credit.reset()
+        self._stage_at = float("-inf")
         self.buckets.reset()  # the window, read from the rows, bounds a new term's start
         self._limits_read_at = float("-inf")
         self.running_bound.reset()  # another leader may dispatch before our next term
@@ -284,7 +301,16 @@ class Dispatcher:
     # -- one pass --------------------------------------------------------------------
 
     async def run_once(self) -> float:
-        """Dispatch what is due; return how long to sleep (wake() cuts it short)."""
+        """Dispatch what is due, then stage what is due soon (when the due claims left
+        room); return how long to sleep (wake() cuts it short)."""
+        self._may_stage = False
+        delay = await self._dispatch_due()
+        if self.config.stage_ahead <= 0 or not self._may_stage:
+            return delay
+        return min(delay, await self._stage_due_soon())
+
+    async def _dispatch_due(self) -> float:
+        """The due jobs' pass; sets ``_may_stage`` when it ended with room to spare."""
         await self._ensure_listener()
         if not await self.read_limits():
             return self.config.limits_poll  # fail closed: a limit must not be skipped
@@ -299,6 +325,7 @@ class Dispatcher:
         if delay:
             return delay
         probed = self.pacing.should_probe()
+        self._may_stage = True
         if probed:
             delay = self.pacing.after_probe(await self.store.next_run_in())
             if delay is not None:
@@ -312,6 +339,8 @@ class Dispatcher:
             self.loop.log.warning("claim_retry", error=f"{type(exc).__name__}: {exc}")
             return self.pacing.after_conflict()
         delay = self.pacing.after_batch(report, probed=probed)
+        # a full batch means more is due: no staging until the due backlog is gone
+        self._may_stage = not report.failed and report.claimed < report.limit
         if self._limits_holding and not report.failed and report.claimed < report.limit:
             # due jobs wait for a slot, which a worker's outcome frees without a wake-up,
             # or for a start to leave a rate's window (known to the millisecond)
@@ -328,6 +357,100 @@ class Dispatcher:
         if delay is not None:
             return delay
         return self.pacing.idle(await self.store.next_run_in())
+
+    # -- staging ahead (DESIGN §14) ---------------------------------------------------
+
+    def _stage_filters(self) -> tuple[list[str], list[str]]:
+        """What staging skips: (queues, tasks). Every target of a limit (a limit is
+        decided when its job starts, from the dispatched jobs and the window's starts
+        then, so a job under a limit is never handed out early), and the queues whose
+        staged buffer has no room."""
+        tasks = sorted({lim.name for lim in self._limits if lim.kind == "task"})
+        queues = {lim.name for lim in self._limits if lim.kind == "queue"}
+        return sorted(queues | set(self.stage_credit.held())), tasks
+
+    async def _stage_due_soon(self) -> float:
+        """Stage the jobs whose run time is within ``stage_ahead`` when it is time to look
+        (at most every ``probe_interval``, at once after a NOTIFY or a full batch); one
+        probe when nothing is. Returns how long until the next look."""
+        config = self.config
+        now = self.clock.monotonic()
+        if now < self._stage_at:
+            return self._stage_at - now
+        for queue in self.stage_credit.to_sample():
+            state = await self.publisher.queue_state(queue, config.sample_timeout, staged=True)
+            if state is None:
+                self.stage_credit.observe_failed(queue)
+            else:
+                self.stage_credit.observe(queue, state.ready, state.consumers)
+        held, skip_tasks = self._stage_filters()
+        wait = await self.store.next_stage_in(held=held, skip_tasks=skip_tasks)
+        gap = config.probe_interval
+        if wait is not None and wait <= config.stage_ahead:
+            limit = self.stage_credit.limit(config.batch_size)
+            try:
+                staged = await self.stage_batch(limit, held, skip_tasks)
+            except RETRYABLE as exc:
+                self.loop.log.warning("stage_retry", error=f"{type(exc).__name__}: {exc}")
+                staged = 0
+            if staged >= limit:
+                gap = 0.0  # more may be due soon: look again at once
+        elif wait is not None:
+            gap = min(gap, wait - config.stage_ahead)
+        self._stage_at = self.clock.monotonic() + gap
+        return gap
+
+    async def stage_batch(self, limit: int, held: list[str], skip_tasks: list[str]) -> int:
+        """One staging transaction: claim the jobs due within ``stage_ahead``, publish
+        them to their staged queues with confirms, mark the confirmed ones dispatched
+        (heartbeat_at = their run time), commit. Returns how many were claimed."""
+        epoch = self.loop.term.epoch
+        result: PublishResult | None = None
+        later: list[ClaimedJob] = []
+        marked: set[int] = set()
+        try:
+            async with self.writes.transaction(epoch) as conn:
+                try:
+                    jobs = await self.store.claim_staged(
+                        conn,
+                        limit,
+                        ahead=self.config.stage_ahead,
+                        held=held,
+                        skip_tasks=skip_tasks,
+                    )
+                except UNREADABLE as exc:
+                    # left to the due claim, which parks what it cannot read
+                    self.loop.log.warning(
+                        "stage_unreadable",
+                        error=f"{type(exc).__name__}: {exc}",
+                        outcome="not staged: dispatched when due",
+                    )
+                    return 0
+                if not jobs:
+                    return 0
+                claimed = len(jobs)
+                jobs, _over = self.stage_credit.trim(jobs)
+                fresh, later = self.unsettled.split(jobs)
+                result = await self.publisher.publish(fresh, epoch, staged=True)
+                marked = await self.store.mark_staged(conn, [*result.confirmed, *later], epoch)
+        except BaseException as exc:
+            self._interrupted(exc, result)
+            raise
+        assert result is not None
+        later = [job for job in later if job.id in marked]
+        if later:
+            result = await self._publish_after_commit(later, result, epoch, staged=True)
+        self.stage_credit.spend(job.queue for job in result.confirmed)
+        for queue, count in Counter(job.queue for job in result.confirmed).items():
+            JOBS_STAGED.labels(self.shard, queue).inc(count)
+        self._report_failures(result)
+        self.loop.log.debug(
+            "stage_batch",
+            claimed=claimed,
+            staged=len(result.confirmed),
+            failed=len(result.failed),
+        )
+        return claimed
 
     async def _sample_credit(self) -> None:
         """Read the ready count and consumers of each queue whose credit rests on an old
@@ -373,23 +496,7 @@ class Dispatcher:
                 self.running_bound.charge(epoch, (job for job in jobs if job.id in lags))
                 starts = await self._record_starts(conn, lags)
         except BaseException as exc:
-            if result is not None and result.confirmed:
-                # published but not committed: the rows stay pending and are claimed
-                # again; workers skip these copies (row not dispatched) or the ledger
-                # absorbs them, and the next claim of these jobs publishes after its
-                # commit (``unsettled``)
-                self.unsettled.remember(result.confirmed)
-                DISPATCH_UNCOMMITTED.labels(self.shard).inc(len(result.confirmed))
-                ids = [job.id for job in result.confirmed]
-                cancelled = isinstance(exc, asyncio.CancelledError)  # stop() mid-batch
-                (self.loop.log.warning if cancelled else self.loop.log.error)(
-                    "dispatch_interrupted" if cancelled else "dispatch_commit_failed",
-                    error=f"{type(exc).__name__}: {exc}",
-                    published=len(ids),
-                    job_ids=ids[:MAX_IDS_LOGGED],
-                    remembered=len(self.unsettled),
-                    next_step="publish these jobs after the commit of their next claim",
-                )
+            self._interrupted(exc, result)
             raise
         committed_at = self.clock.monotonic()
         assert result is not None
@@ -417,15 +524,35 @@ class Dispatcher:
             len(jobs), len(result.confirmed), len(result.failed), limit=limit, held=len(held)
         )
 
+    def _interrupted(self, exc: BaseException, result: PublishResult | None) -> None:
+        """A claim transaction that did not commit after publishing: remember what was
+        confirmed. The rows stay pending and are claimed again; workers skip these
+        copies (row not dispatched) or the ledger absorbs them, and the next claim of
+        these jobs publishes after its commit (``unsettled``)."""
+        if result is None or not result.confirmed:
+            return
+        self.unsettled.remember(result.confirmed)
+        DISPATCH_UNCOMMITTED.labels(self.shard).inc(len(result.confirmed))
+        ids = [job.id for job in result.confirmed]
+        cancelled = isinstance(exc, asyncio.CancelledError)  # stop() mid-batch
+        (self.loop.log.warning if cancelled else self.loop.log.error)(
+            "dispatch_interrupted" if cancelled else "dispatch_commit_failed",
+            error=f"{type(exc).__name__}: {exc}",
+            published=len(ids),
+            job_ids=ids[:MAX_IDS_LOGGED],
+            remembered=len(self.unsettled),
+            next_step="publish these jobs after the commit of their next claim",
+        )
+
     async def _publish_after_commit(
-        self, jobs: list[ClaimedJob], result: PublishResult, epoch: int
+        self, jobs: list[ClaimedJob], result: PublishResult, epoch: int, *, staged: bool = False
     ) -> PublishResult:
         """Publish ``jobs`` (committed ``dispatched`` just now, published once before by a
         claim that did not commit); returns ``result`` with their outcomes added. One
         that is not confirmed stays dispatched for the reconciler: its row is no longer
         ``pending``, so nothing else would send it."""
         self.unsettled.forget(jobs)
-        after = await self.publisher.publish(jobs, epoch)
+        after = await self.publisher.publish(jobs, epoch, staged=staged)
         counter = DISPATCH_AFTER_COMMIT.labels(self.shard, "confirmed")
         counter.inc(len(after.confirmed))
         if after.failed:
@@ -586,6 +713,11 @@ class Dispatcher:
             self.loop.log.error(
                 "dispatch_mark_mismatch", missing=len(missing), job_ids=missing[:MAX_IDS_LOGGED]
             )
+        self._report_failures(result)
+
+    def _report_failures(self, result: PublishResult) -> None:
+        """Count and log the publishes RabbitMQ did not confirm (their jobs stay
+        pending)."""
         if not result.failed:
             return
         PUBLISH_FAILURES.labels(self.shard).inc(len(result.failed))
@@ -658,6 +790,8 @@ class Dispatcher:
         slot, self._slot_heard = self._slot_heard, False
         if slot and not self._slots_wanted:
             return
+        if not slot:
+            self._stage_at = float("-inf")  # a job due within a second: stage it at once
         self.loop.wake()
 
     async def _ensure_listener(self) -> None:

@@ -79,6 +79,47 @@ SELECT * FROM (
     FOR UPDATE SKIP LOCKED) AS fresh
  LIMIT {limit};
 
+-- name: claim_staged
+-- Staging ahead (DESIGN §14; docs/architecture.md, "Staging"): in the dispatcher's fenced
+-- transaction, after the due claim left room, the pending jobs whose run time falls
+-- within the next {ahead} seconds, earliest first. They are published to their queue's
+-- staged queue and marked by `mark_staged`; a worker holds each until its run time. Not
+-- staged: the jobs of the targets of a limit ({skip_tasks} and the limited queues in
+-- {held}: a limit is decided when a job starts, not seconds before), queues whose staged
+-- buffer is full ({held}), undeclared or paused queues. Same index (jobs_pending_run_idx)
+-- and the same literal placeholders as `claim`, for the same reasons; `due_at <= now() +
+-- ahead` prunes the buckets further out.
+SELECT {columns}
+  FROM duetime.jobs AS j
+ WHERE status = 'pending'
+   AND coalesce(run_at, due_at) > now()
+   AND coalesce(run_at, due_at) <= now() + make_interval(secs => {ahead})
+   AND due_at <= now() + make_interval(secs => {ahead})
+   AND queue <> ALL({held})
+   AND task <> ALL({skip_tasks})
+   AND EXISTS (SELECT 1 FROM duetime.queues AS q
+                WHERE q.name = j.queue AND NOT q.paused)
+ ORDER BY coalesce(run_at, due_at)
+ LIMIT {limit}
+   FOR UPDATE SKIP LOCKED;
+
+-- name: next_stage_in
+-- Seconds from now until the earliest run time of a job `claim_staged` could take,
+-- after now (NULL when none): the dispatcher stages again `ahead` seconds before it. The
+-- same ordered index scan as next_run_in, with claim_staged's filters.
+SELECT extract(epoch FROM (
+           SELECT coalesce(run_at, due_at)
+             FROM duetime.jobs AS j
+            WHERE status = 'pending'
+              AND coalesce(run_at, due_at) > now()
+              AND queue <> ALL({held})
+              AND task <> ALL({skip_tasks})
+              AND EXISTS (SELECT 1 FROM duetime.queues AS q
+                           WHERE q.name = j.queue AND NOT q.paused)
+            ORDER BY coalesce(run_at, due_at)
+            LIMIT 1
+       ) - clock_timestamp())::float8;
+
 -- name: claimed_row
 -- One row the id-only claim locked (by id alone: jobs_id_idx, one probe per bucket).
 SELECT {columns}
@@ -113,6 +154,22 @@ UPDATE duetime.jobs AS j
 RETURNING j.id,
           extract(epoch FROM statement_timestamp() - coalesce(j.run_at, j.due_at))::float8
               AS lag;
+
+-- name: mark_staged
+-- `mark_dispatched` for staged jobs: the same transition and fence, and heartbeat_at =
+-- the job's run time, so that the reconciler (lock_stalled: no sign of life for the
+-- visibility timeout) counts a staged job's silence from the time it is to start, not
+-- from when it was staged. A dispatched row whose heartbeat_at is later than now is a
+-- staged job not yet started (the dashboard's "staged"). Returns the ids.
+UPDATE duetime.jobs AS j
+   SET status = 'dispatched', dispatched_at = statement_timestamp(),
+       heartbeat_at = coalesce(j.run_at, j.due_at),
+       dispatch_epoch = $4, republish_count = 0
+ WHERE j.id = ANY($1::bigint[])
+   AND j.due_at >= $2 AND j.due_at <= $3
+   AND j.status = 'pending'
+   AND EXISTS (SELECT 1 FROM duetime.leader_fence f WHERE f.shard = 0 AND f.epoch = $4)
+RETURNING j.id;
 
 -- name: next_run_in
 -- Seconds from now until the earliest pending run time (negative when overdue, NULL when

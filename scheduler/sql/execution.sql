@@ -110,3 +110,8 @@ SELECT duetime.worker_cancelled($1::bigint[]);
 -- ctx.progress (workers/progress.py): autocommit, on the worker's own connection, at
 -- most a few times a second per job. 1, or NULL when the row is no longer this attempt's.
 SELECT duetime.worker_progress($1::bigint, $2::timestamptz, $3::int, $4::real, $5::text);
+
+-- name: unstage
+-- A staged job whose row's run time is later than its message's (moved while staged,
+-- migration 0028): back to pending for this attempt and dispatch; the ids given back.
+SELECT duetime.worker_unstage($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[]);

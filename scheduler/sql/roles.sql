@@ -125,7 +125,8 @@ GRANT EXECUTE ON FUNCTION duetime.worker_begin(bigint[], timestamptz[]),
                           duetime.worker_begin_traced(bigint[], timestamptz[], integer[],
                                                       bigint[], bigint[], integer[], bigint[]),
                           duetime.worker_begin_flow(bigint[], timestamptz[], integer[],
-                                                    bigint[], bigint[], integer[], bigint[])
+                                                    bigint[], bigint[], integer[], bigint[]),
+                          duetime.worker_unstage(bigint[], timestamptz[], integer[], bigint[])
     TO "{worker}";
 -- `duetime worker --queue NAME` warns at start when NAME is not declared.
 GRANT SELECT ON duetime.queues TO "{worker}";

@@ -81,6 +81,33 @@ def claim_sql(
     )
 
 
+@functools.cache
+def staging_sql(
+    name: str,
+    *,
+    limit: int = 1,
+    ahead: float = 0.0,
+    held: tuple[str, ...] = (),
+    skip_tasks: tuple[str, ...] = (),
+) -> str:
+    """``claim_staged`` (``name``) or ``next_stage_in`` with their placeholders as
+    literals, like ``claim_sql``; one text per distinct value."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"claim limit must be a positive integer (got {limit!r})")
+    if not math.isfinite(ahead) or ahead < 0:
+        raise ValueError(f"stage_ahead must be a finite number >= 0 (got {ahead!r})")
+    names = ",".join(f"'{validate_queue(queue)}'" for queue in held)
+    return compose(
+        "dispatch",
+        name,
+        columns=CLAIMED,
+        limit=str(limit),
+        ahead=repr(float(ahead)),
+        held=f"ARRAY[{names}]::text[]",
+        skip_tasks=f"ARRAY[{','.join(map(_literal, skip_tasks))}]::text[]",
+    )
+
+
 def _literal(text: str) -> str:
     """``text`` as an escape-string literal: E'' reads backslashes the same whatever
     standard_conforming_strings says, and task names are producers' text (NUL cannot be
@@ -199,12 +226,53 @@ class DispatchStore(PooledStore):
         records = await conn.fetch(Q["mark_dispatched"], ids, lo, hi, epoch)
         return {r["id"]: r["lag"] for r in records}
 
+    async def claim_staged(
+        self,
+        conn: Conn,
+        limit: int,
+        *,
+        ahead: float,
+        held: Sequence[str] = (),
+        skip_tasks: Sequence[str] = (),
+    ) -> list[ClaimedJob]:
+        """Lock up to ``limit`` pending jobs whose run time is in the next ``ahead``
+        seconds (not yet due), earliest first, of declared unpaused queues not in
+        ``held`` and tasks not in ``skip_tasks``."""
+        sql = staging_sql(
+            "claim_staged",
+            limit=limit,
+            ahead=ahead,
+            held=tuple(sorted(held)),
+            skip_tasks=tuple(sorted(skip_tasks)),
+        )
+        return [ClaimedJob.from_record(r) for r in await conn.fetch(sql)]
+
+    async def mark_staged(self, conn: Conn, jobs: Sequence[ClaimedJob], epoch: int) -> set[int]:
+        """pending → dispatched for staged ``jobs`` (all confirmed), heartbeat_at = their
+        run time; returns the ids marked."""
+        if not jobs:
+            return set()
+        ids, lo, hi = _key_arrays(jobs)
+        return {r["id"] for r in await conn.fetch(Q["mark_staged"], ids, lo, hi, epoch)}
+
     # -- dispatcher (pool) -----------------------------------------------------------
 
     async def next_run_in(self) -> float | None:
         """Seconds until the earliest pending run time (≤ 0: due now; None: nothing)."""
         async with self._db.acquire() as conn:
             value = await conn.fetchval(Q["next_run_in"])
+        return None if value is None else float(value)
+
+    async def next_stage_in(
+        self, *, held: Sequence[str] = (), skip_tasks: Sequence[str] = ()
+    ) -> float | None:
+        """Seconds until the earliest run time, after now, of a job ``claim_staged``
+        could take (None: none)."""
+        sql = staging_sql(
+            "next_stage_in", held=tuple(sorted(held)), skip_tasks=tuple(sorted(skip_tasks))
+        )
+        async with self._db.acquire() as conn:
+            value = await conn.fetchval(sql)
         return None if value is None else float(value)
 
     async def backlog(self) -> int:

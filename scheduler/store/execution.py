@@ -190,6 +190,21 @@ class ExecutionStore:
             )
         return None if value is None else int(value)
 
+    async def unstage(self, ref: JobRef, epoch: int) -> bool:
+        """A staged attempt whose row was moved to a later run time: dispatched →
+        pending (migration 0028), so the dispatcher stages it again for that time.
+        False when the row is no longer this attempt's and dispatch's."""
+        async with self._db.acquire() as conn:
+            value = await conn.fetchval(
+                Q["unstage"],
+                [ref.job_id],
+                [ref.due_at],
+                [ref.attempt],
+                [epoch],
+                timeout=self._db.timeout,
+            )
+        return value is not None
+
     async def progress(self, ref: JobRef, fraction: float, note: str | None) -> bool:
         """Record how far a running attempt got (``workers.progress``), on a connection
         of its own; False when the row is no longer this attempt's."""

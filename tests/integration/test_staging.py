@@ -1,0 +1,327 @@
+"""Staging ahead (DESIGN §14; scheduler.duties.dispatcher, workers.staging, migration
+0028): the leader hands a job due within ``stage_ahead`` to a worker early, the worker
+starts it from its own timer at its run time, and the row stays authoritative at start.
+
+Real PostgreSQL (a database per test: the dispatcher claims every job in it), RabbitMQ
+(the session vhost; each test's queue and its staged twin deleted after), an in-process
+dispatcher loop and worker. Start times are compared with the run times on the same
+host's clock, which PostgreSQL here shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+import aio_pika
+import asyncpg
+import pytest
+from prometheus_client import REGISTRY
+
+from scheduler import broker, db
+from scheduler.config import Settings
+from scheduler.duties.base import LeaderTerm
+from scheduler.duties.context import DutyContext
+from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
+from scheduler.store.dispatch import DispatchStore
+from scheduler.store.fence import FenceStore
+from scheduler.store.jobs import JobStore
+from scheduler.store.limits import LimitStore
+from scheduler.store.queues import QueueStore
+from tests.support.helpers import declare_queues
+from tests.support.wait import wait_for
+from workers import JobContext, Registry, Worker
+
+pytestmark = pytest.mark.timeout(90)
+
+#: Seconds a test's jobs are due ahead of their insert (within the dispatcher's horizon).
+AHEAD = 3.0
+
+
+@pytest.fixture
+async def pool(migrated_dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    pool = await db.create_pool(migrated_dsn, max_size=8)
+    try:
+        assert await FenceStore(pool).advance(1, "test-node")
+        yield pool
+    finally:
+        await pool.close()
+
+
+@pytest.fixture
+async def queue(unique: str, amqp_url: str, pool: asyncpg.Pool) -> AsyncIterator[str]:
+    name = f"stage-{unique}"
+    await declare_queues(pool, name)
+    yield name
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        for broker_name in (broker.queue_name(name), broker.staged_queue_name(name)):
+            channel = await connection.channel()
+            with contextlib.suppress(Exception):
+                await channel.queue_delete(broker_name)
+
+
+@pytest.fixture
+def staged_settings(settings: Settings, migrated_dsn: str) -> Settings:
+    return dataclasses.replace(settings, database_url=migrated_dsn, stage_ahead=AHEAD + 2)
+
+
+class Starts:
+    """``t.stage``: records when each job's handler started (wall clock, seconds)."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, list[float]] = {}
+        self.registry = Registry()
+
+        @self.registry.task("t.stage")
+        async def stage(ctx: JobContext, payload: dict[str, Any]) -> None:
+            self.at.setdefault(ctx.job_id, []).append(time.time())
+
+
+@contextlib.asynccontextmanager
+async def dispatching(settings: Settings, pool: asyncpg.Pool) -> AsyncIterator[Dispatcher]:
+    dispatcher = Dispatcher(
+        DutyContext.standalone(settings, pool),
+        config=DispatcherConfig(stage_ahead=settings.stage_ahead, probe_interval=0.02),
+    )
+    dispatcher.loop.start(LeaderTerm(epoch=1, node_id="test-1"))
+    try:
+        yield dispatcher
+    finally:
+        await dispatcher.loop.stop()
+
+
+@contextlib.asynccontextmanager
+async def working(
+    settings: Settings, queue: str, starts: Starts, *, name: str = "w"
+) -> AsyncIterator[Worker]:
+    worker = Worker(
+        dataclasses.replace(settings, node_id=f"{settings.node_id}-{name}"),
+        queues=[queue],
+        registry=starts.registry,
+        concurrency=16,
+        grace_period=5,
+    )
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop()
+
+
+async def insert_due(pool: asyncpg.Pool, queue: str, count: int, seconds: float) -> datetime:
+    """``count`` jobs of ``t.stage`` due ``seconds`` from now (database time); their due
+    time."""
+    due = await pool.fetchval("SELECT now() + make_interval(secs => $1::float8)", seconds)
+    await pool.execute(
+        "INSERT INTO duetime.jobs (task, queue, due_at)"
+        " SELECT 't.stage', $1, $2 FROM generate_series(1, $3)",
+        queue,
+        due,
+        count,
+    )
+    return due
+
+
+async def status_counts(pool: asyncpg.Pool) -> dict[str, int]:
+    rows = await pool.fetch("SELECT status, count(*) AS n FROM duetime.jobs GROUP BY status")
+    return {r["status"]: r["n"] for r in rows}
+
+
+async def staged_count(pool: asyncpg.Pool) -> int:
+    """Rows staged and not started: dispatched, heartbeat_at (their run time) ahead."""
+    return int(
+        await pool.fetchval(
+            "SELECT count(*) FROM duetime.jobs WHERE status = 'dispatched' AND heartbeat_at > now()"
+        )
+    )
+
+
+async def until(fn: Any, value: Any, timeout: float, what: str = "") -> None:
+    """Wait until ``fn()`` (sync or async) equals ``value``."""
+
+    async def check() -> bool:
+        got = fn()
+        if asyncio.iscoroutine(got):
+            got = await got
+        return bool(got == value)
+
+    await wait_for(check, timeout=timeout, interval=0.02, message=what or f"== {value!r}")
+
+
+def counter(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_jobs_due_soon_are_staged_and_start_at_their_run_time_once(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """Staged seconds ahead (rows dispatched with heartbeat_at = run time, held by the
+    worker outside its slots), then each started once, not before its run time."""
+    starts = Starts()
+    before = counter("duetime_jobs_staged_total", shard="main", queue=queue)
+    async with dispatching(staged_settings, pool), working(staged_settings, queue, starts) as w:
+        due = await insert_due(pool, queue, 50, AHEAD)
+        await until(lambda: staged_count(pool), 50, AHEAD - 0.5, "50 rows staged")
+        consumer = w.consumer
+        assert consumer is not None
+        await until(lambda: consumer.staged, 50, AHEAD - 0.5, "50 held by the worker")
+        assert not starts.at  # nothing started early
+        await until(lambda: status_counts(pool), {"succeeded": 50}, AHEAD + 20)
+    assert counter("duetime_jobs_staged_total", shard="main", queue=queue) - before == 50
+    assert sorted(len(v) for v in starts.at.values()) == [1] * 50
+    earliest = min(t for v in starts.at.values() for t in v)
+    assert earliest >= due.timestamp() - 0.002, earliest - due.timestamp()
+
+
+async def test_staged_jobs_cancelled_before_their_run_time_never_start(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """1,000 staged, half cancelled a second before their run time: none of those runs,
+    each of the others runs once."""
+    starts = Starts()
+    async with dispatching(staged_settings, pool), working(staged_settings, queue, starts):
+        await insert_due(pool, queue, 1000, AHEAD + 1)
+        await until(lambda: staged_count(pool), 1000, AHEAD, "1,000 rows staged")
+        ids = [r["id"] for r in await pool.fetch("SELECT id FROM duetime.jobs ORDER BY id")]
+        cancelled = ids[::2]
+        jobs = JobStore(pool)
+        for job_id in cancelled:
+            await jobs.cancel(job_id)
+        assert await staged_count(pool) == 500  # all before their run time
+        await until(lambda: status_counts(pool), {"succeeded": 500, "cancelled": 500}, AHEAD + 30)
+        await asyncio.sleep(0.5)  # a late start of a cancelled one would show now
+    assert not set(cancelled) & set(starts.at)
+    assert sorted(starts.at) == ids[1::2]
+    assert all(len(v) == 1 for v in starts.at.values())
+
+
+async def test_pausing_the_queue_gives_its_staged_jobs_back_and_none_starts(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """The pause's own transaction makes the staged rows pending again (migration 0028):
+    at their run time the worker's begin finds them not dispatched and acks without a
+    run. Resumed, they are dispatched and run once."""
+    starts = Starts()
+    queues = QueueStore(pool)
+    async with dispatching(staged_settings, pool), working(staged_settings, queue, starts) as w:
+        due = await insert_due(pool, queue, 20, AHEAD)
+        await until(lambda: staged_count(pool), 20, AHEAD - 0.5, "20 rows staged")
+        consumer = w.consumer
+        assert consumer is not None
+        await until(lambda: consumer.staged, 20, AHEAD - 0.5, "20 held by the worker")
+        assert await queues.set_paused(queue, True)
+        assert await status_counts(pool) == {"pending": 20}
+        # past the run time: the worker released its deliveries, none ran
+        await until(lambda: consumer.staged, 0, AHEAD + 5, "the held deliveries released")
+        await asyncio.sleep(max(0.0, due.timestamp() - time.time()) + 0.5)
+        assert not starts.at
+        assert await status_counts(pool) == {"pending": 20}
+        assert await queues.set_paused(queue, False)
+        await until(lambda: status_counts(pool), {"succeeded": 20}, 20)
+    assert sorted(len(v) for v in starts.at.values()) == [1] * 20
+
+
+async def test_a_staged_job_moved_later_starts_at_its_new_run_time(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """run_at written by plain SQL while the job is staged: at the old time the worker
+    finds the row's run time later, gives it back to pending (worker_unstage), and the
+    job is staged again and starts at the new time, once."""
+    starts = Starts()
+    async with dispatching(staged_settings, pool), working(staged_settings, queue, starts):
+        due = await insert_due(pool, queue, 1, 1.5)
+        await until(lambda: staged_count(pool), 1, 1.4, "the row staged")
+        moved = await pool.fetchval(
+            "UPDATE duetime.jobs SET run_at = due_at + interval '2 seconds' RETURNING run_at"
+        )
+        await until(lambda: status_counts(pool), {"succeeded": 1}, 20)
+    [[started]] = starts.at.values()
+    assert started >= moved.timestamp() - 0.002, (started, due, moved)
+    assert counter("duetime_staged_released_total", outcome="moved") >= 1
+
+
+async def test_the_reconciler_leaves_a_staged_job_alone_until_run_time_plus_visibility(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """A staged job is dispatched long before any worker shows a sign of life for it:
+    its silence counts from its run time (heartbeat_at), so a visibility timeout
+    shorter than the wait does not make it stalled. A job already due (its retry
+    back-off ahead) is the case lock_stalled's due_at bound does not cover."""
+    store = DispatchStore(pool)
+    async with dispatching(staged_settings, pool):
+        await pool.execute(
+            "INSERT INTO duetime.jobs (task, queue, due_at, run_at)"
+            " VALUES ('t.stage', $1, now(), now() + interval '4 seconds')",
+            queue,
+        )
+        await until(lambda: staged_count(pool), 1, 3, "the row staged")
+    await asyncio.sleep(1.2)  # longer than the visibility timeout below
+    async with pool.acquire() as conn, conn.transaction():
+        assert await store.lock_stalled(conn, 1.0, 10) == []
+    await pool.execute("UPDATE duetime.jobs SET heartbeat_at = now() - interval '2 seconds'")
+    async with pool.acquire() as conn, conn.transaction():
+        assert len(await store.lock_stalled(conn, 1.0, 10)) == 1  # the same row, silent
+
+
+async def test_jobs_under_a_limit_are_not_staged(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """A limit is decided when its job starts: a limited task's job stays pending until
+    it is due; another task's job in the same queue is staged."""
+    await LimitStore(pool).set("task:t.stage", 5)
+    async with dispatching(staged_settings, pool):
+        await insert_due(pool, queue, 3, AHEAD)
+        await pool.execute(
+            "INSERT INTO duetime.jobs (task, queue, due_at)"
+            " VALUES ('t.other', $1, now() + interval '3 seconds')",
+            queue,
+        )
+        await until(lambda: staged_count(pool), 1, AHEAD - 0.5, "the unlimited job staged")
+        rows = await pool.fetch("SELECT task, status FROM duetime.jobs ORDER BY id")
+    assert [(r["task"], r["status"]) for r in rows] == [
+        ("t.stage", "pending"),
+        ("t.stage", "pending"),
+        ("t.stage", "pending"),
+        ("t.other", "dispatched"),
+    ]
+
+
+async def test_a_stopping_worker_gives_staged_jobs_back_and_another_starts_them_on_time(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """SIGTERM's drain nacks the staged deliveries at once (the kill -9 case, where the
+    broker requeues them with the connection, is the chaos suite's); a second worker
+    receives them, holds them and starts each at its run time, once. A new leader
+    (epoch 2) meanwhile stages nothing again: the rows are no longer pending."""
+    first, second = Starts(), Starts()
+    async with dispatching(staged_settings, pool):
+        async with working(staged_settings, queue, first, name="a") as w:
+            due = await insert_due(pool, queue, 30, AHEAD)
+            consumer = w.consumer
+            assert consumer is not None
+            await until(lambda: consumer.staged, 30, AHEAD - 0.5, "30 held by worker a")
+    assert await FenceStore(pool).advance(2, "test-node-2")
+    leader = Dispatcher(
+        DutyContext.standalone(staged_settings, pool),
+        config=DispatcherConfig(stage_ahead=staged_settings.stage_ahead, probe_interval=0.02),
+    )
+    leader.loop.start(LeaderTerm(epoch=2, node_id="test-2"))
+    try:
+        async with working(staged_settings, queue, second, name="b") as w:
+            consumer = w.consumer
+            assert consumer is not None
+            await until(lambda: consumer.staged, 30, AHEAD - 0.5, "30 held by worker b")
+            await until(lambda: status_counts(pool), {"succeeded": 30}, AHEAD + 20)
+    finally:
+        await leader.loop.stop()
+    assert not first.at
+    assert sorted(len(v) for v in second.at.values()) == [1] * 30
+    assert min(t for v in second.at.values() for t in v) >= due.timestamp() - 0.002
+    epochs = await pool.fetch("SELECT DISTINCT dispatch_epoch FROM duetime.jobs")
+    assert [r["dispatch_epoch"] for r in epochs] == [1]  # staged once, by the first term
