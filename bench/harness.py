@@ -155,7 +155,8 @@ class Sandbox:
             return
         async with connection:
             channel = await connection.channel()
-            await channel.queue_delete(broker.queue_name(self.queue))
+            for name in (broker.queue_name(self.queue), broker.staged_queue_name(self.queue)):
+                await channel.queue_delete(name)
 
     @property
     def db(self) -> asyncpg.Pool:

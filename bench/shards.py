@@ -368,7 +368,8 @@ async def delete_queue(url: str, queue: str) -> None:
         connection = await aio_pika.connect(url, timeout=10)
         async with connection:
             channel = await connection.channel()
-            await channel.queue_delete(broker.queue_name(queue))
+            for name in (broker.queue_name(queue), broker.staged_queue_name(queue)):
+                await channel.queue_delete(name)
 
 
 def _ratios(

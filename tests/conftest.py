@@ -32,13 +32,12 @@ import pytest
 from aio_pika.abc import AbstractChannel
 
 from scheduler import db
-from scheduler.broker import queue_name
 from scheduler.config import Settings, load_settings
 from scheduler.log import configure_logging
 from scheduler.migrate import migrate
 from tests.fixtures_tasks.basic import EFFECTS_DDL, EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import declare
-from tests.support.helpers import declare_queues
+from tests.support.helpers import declare_queues, delete_job_queue
 from tests.support.procs import Processes
 
 configure_logging("warning", "console")
@@ -338,4 +337,4 @@ async def queue(
     await declare(channel, name)
     yield name
     with contextlib.suppress(Exception):
-        await channel.queue_delete(queue_name(name))
+        await delete_job_queue(channel, name)

@@ -36,11 +36,10 @@ import asyncpg
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from scheduler.broker import queue_name
 from scheduler.leadership.duty_set import DUTY_STOP_TIMEOUT
 from tests.chaos.cluster import Node, SchedulerCluster, parse_ts
 from tests.chaos.harness import TTL
-from tests.support.helpers import declare_queues
+from tests.support.helpers import declare_queues, delete_job_queue
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.chaos
@@ -251,4 +250,4 @@ async def test_zombie_blocked_sending_a_claim_does_not_hold_the_fence(
             zombie.proc.sigcont()
         await db.close()
         with contextlib.suppress(Exception):
-            await channel.queue_delete(queue_name(queue))
+            await delete_job_queue(channel, queue)

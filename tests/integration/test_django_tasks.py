@@ -26,8 +26,7 @@ import asyncpg
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from scheduler.broker import queue_name
-from tests.support.helpers import declare_queues
+from tests.support.helpers import declare_queues, delete_job_queue
 from tests.support.procs import REPO_ROOT, Processes, duetime_argv
 from tests.support.wait import wait_for
 
@@ -157,4 +156,4 @@ async def test_a_real_worker_runs_the_projects_tasks_and_refresh_reads_the_outco
         assert email == "c@example.com"
     finally:
         with contextlib.suppress(Exception):
-            await channel.queue_delete(queue_name(queue))
+            await delete_job_queue(channel, queue)

@@ -38,7 +38,6 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from scheduler import db
-from scheduler.broker import queue_name
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
@@ -46,7 +45,7 @@ from scheduler.duties.dispatcher import Dispatcher
 from scheduler.duties.planner import Planner
 from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare
-from tests.support.helpers import declare_queues
+from tests.support.helpers import declare_queues, delete_job_queue
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
 
@@ -260,7 +259,7 @@ async def fuzz(settings: Settings, migrated_dsn: str, unique: str) -> AsyncItera
         await worker.stop()
         channel = await connection.channel()
         with contextlib.suppress(Exception):
-            await channel.queue_delete(queue_name(queue))
+            await delete_job_queue(channel, queue)
         await connection.close()
         await pool.close()
 

@@ -25,7 +25,7 @@ import pytest
 from aio_pika.abc import AbstractChannel
 
 from scheduler import db
-from scheduler.broker import DEAD_LETTER_QUEUE, declare_dead_letter, queue_name
+from scheduler.broker import DEAD_LETTER_QUEUE, declare_dead_letter
 from scheduler.config import Settings
 from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
@@ -34,7 +34,7 @@ from scheduler.duties.planner import Planner
 from scheduler.duties.reconciler import Reconciler, ReconcilerConfig
 from scheduler.store.fence import FenceStore
 from tests.fixtures_tasks.jobs import declare, dispatched_job, job_row, publish, queue_depth
-from tests.support.helpers import declare_queues
+from tests.support.helpers import declare_queues, delete_job_queue
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
 
@@ -214,7 +214,7 @@ async def test_unreadable_rows_are_parked_and_the_others_dispatched(
     finally:
         ch = await connection.channel()
         with contextlib.suppress(Exception):
-            await ch.queue_delete(queue_name(queue))
+            await delete_job_queue(ch, queue)
         await connection.close()
 
 
@@ -263,7 +263,7 @@ async def test_an_unreadable_stalled_job_is_parked_and_the_others_republished(
     finally:
         ch = await connection.channel()
         with contextlib.suppress(Exception):
-            await ch.queue_delete(queue_name(queue))
+            await delete_job_queue(ch, queue)
         await connection.close()
 
 
@@ -448,5 +448,5 @@ async def test_one_poisonous_payload_does_not_stop_dispatch(
     finally:
         ch = await connection.channel()
         with contextlib.suppress(Exception):
-            await ch.queue_delete(queue_name(queue))
+            await delete_job_queue(ch, queue)
         await connection.close()

@@ -33,7 +33,7 @@ from scheduler.store.dispatch import Q, claim_sql
 from scheduler.store.fence import FenceStore
 from scheduler.store.queues import QueueStore
 from tests.support.cli import run_duetime
-from tests.support.helpers import declare_queues
+from tests.support.helpers import declare_queues, delete_job_queue
 from tests.support.procs import Processes, duetime_argv
 from tests.support.wait import wait_for
 
@@ -59,7 +59,7 @@ async def delete_broker_queues(amqp_url: str, *queues: str) -> None:
         for queue in queues:
             channel = await connection.channel()
             with contextlib.suppress(Exception):
-                await channel.queue_delete(broker.queue_name(queue))
+                await delete_job_queue(channel, queue)
 
 
 async def insert_job(pool: asyncpg.Pool, queue: str) -> int:

@@ -19,11 +19,11 @@ from aio_pika.abc import AbstractChannel
 from prometheus_client import REGISTRY
 
 from scheduler import db
-from scheduler.broker import queue_name
 from scheduler.config import Settings, load_settings
 from tests.conftest import own_database
 from tests.fixtures_tasks.basic import EFFECTS_DDL, EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import DispatchedJob, declare, dispatched_job, publish, queue_depth
+from tests.support.helpers import delete_job_queue
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
 from workers.shards import pool_sizes
@@ -67,7 +67,7 @@ async def own_queue(channel: AbstractChannel, unique: str) -> AsyncIterator[str]
     await declare(channel, name)
     yield name
     with contextlib.suppress(Exception):
-        await channel.queue_delete(queue_name(name))
+        await delete_job_queue(channel, name)
 
 
 def shard_registry() -> Registry:

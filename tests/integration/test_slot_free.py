@@ -23,7 +23,6 @@ import asyncpg
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from scheduler.broker import queue_name
 from scheduler.config import Settings
 from tests.fixtures_tasks.basic import EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import (
@@ -35,7 +34,7 @@ from tests.fixtures_tasks.jobs import (
     publish,
     queue_depth,
 )
-from tests.support.helpers import declare_queues
+from tests.support.helpers import declare_queues, delete_job_queue
 from tests.support.procs import Processes, duetime_argv
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
@@ -208,7 +207,7 @@ async def test_a_failure_that_lost_to_another_holder_of_its_key_is_a_duplicate(
             await settled_once(db_pool, first, second)
     finally:
         with contextlib.suppress(Exception):
-            await channel.queue_delete(queue_name(other))
+            await delete_job_queue(channel, other)
 
 
 async def test_kill9_between_handler_return_and_commit_redelivers_effect_once(

@@ -32,11 +32,10 @@ import aetcd
 import aio_pika
 import asyncpg
 
-from scheduler.broker import queue_name
 from tests.conftest import own_database
 from tests.fixtures_tasks.shards import EFFECTS_DDL, EFFECTS_TABLE, TASK
 from tests.support.etcd import free_port
-from tests.support.helpers import declare_queues
+from tests.support.helpers import declare_queues, delete_job_queue
 from tests.support.procs import ChildProcess, Processes, duetime_argv
 from tests.support.wait import wait_for
 
@@ -162,7 +161,7 @@ class ShardCluster:
             connection = await aio_pika.connect(self.base_env["DUETIME_AMQP_URL"], timeout=5)
             async with connection:
                 channel = await connection.channel()
-                await channel.queue_delete(queue_name(self.queue))
+                await delete_job_queue(channel, self.queue)
         await self._stack.aclose()
 
     # -- processes -------------------------------------------------------------------
