@@ -20,7 +20,8 @@ from bench.report import DEFAULT_RESULTS_DIR, emit, latest, load_average, machin
 SCENARIOS = ("baseline", "worker", "io", "storm", "steady", "coldstart", "recurring", "scale")
 # not part of `all`: dashboard (docs/dashboard.md); shards and shardsim start many
 # processes for minutes (docs/benchmarks.md "Shards")
-ONLY_ALONE = ("dashboard", "shards", "shardsim")
+# cronstorm waits for a cron instant (up to a minute)
+ONLY_ALONE = ("dashboard", "shards", "shardsim", "cronstorm")
 SELF_BASELINED = ("baseline", "shards", "shardsim")  # no ratio to a recorded baseline
 
 
@@ -57,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--start-in", type=float, help="storm S seconds ahead")
     g.add_argument("--rate", type=float, help="steady R jobs/s")
     g.add_argument("--duration", type=float, help="steady / recurring D seconds")
-    g.add_argument("--schedules", type=int, help="recurring M schedules")
+    g.add_argument("--schedules", type=int, help="recurring, cronstorm: M schedules")
+    g.add_argument("--cron", help="cronstorm: the schedules' expression (seconds first)")
     g.add_argument(
         "--sizes",
         type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -72,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="storm, baseline: set this limit first (max_running N, or a rate; repeatable)",
     )
     g.add_argument("--workers", type=int, help="storm: worker processes")
+    g.add_argument(
+        "--stage-ahead",
+        type=float,
+        help="storm, cronstorm: the scheduler's DUETIME_STAGE_AHEAD (0: staging off)",
+    )
     g.add_argument(
         "--shards", type=_counts, help="shards: shard counts K (e.g. 1,2,4); shardsim: first = K"
     )
@@ -140,6 +147,7 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
     from bench import (
         baseline,
         coldstart,
+        cronstorm,
         dashboard,
         recurring,
         scale,
@@ -184,6 +192,7 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
                     "concurrency": "concurrency",
                     "workers": "workers",
                     "limit": "limits",
+                    "stage_ahead": "stage_ahead",
                 },
             ),
             out_dir / f"storm{suffix}.png",
@@ -301,6 +310,11 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
             record(await shards.run(services, _params(shards.ShardsParams, args, {
                 "shards": "shards", "replicas": "replicas", "jobs": "jobs",
                 "rounds": "rounds"})))  # fmt: skip
+        elif name == "cronstorm":
+            params = _params(cronstorm.CronStormParams, args, {
+                "schedules": "schedules", "cron": "cron", "concurrency": "concurrency",
+                "stage_ahead": "stage_ahead"})  # fmt: skip
+            record(await cronstorm.run(services, params, out_dir / f"cronstorm{suffix}.png"))
         elif name == "shardsim":
             record(await _shardsim(shard_sim, services, args))
         elif name == "recurring" and (why := recurring.available()) is not None:

@@ -1,4 +1,5 @@
 """``storm``: N one-shot jobs due uniformly over W seconds, S seconds ahead, bulk-enqueued.
+``--stage-ahead`` sets the scheduler's staging horizon (0: off; default: the setting's).
 
 One replica and one worker (``--workers``/``--concurrency``) start first; then the jobs are
 inserted with one COPY (``JobStore.bulk_enqueue``) and the scenario waits until every job
@@ -35,6 +36,7 @@ class StormParams:
     workers: int = 1
     concurrency: int = 32
     limits: tuple[str, ...] = ()  # ``--limit``: set before the scheduler starts
+    stage_ahead: float | None = None  # ``--stage-ahead``: the scheduler's (None: default)
 
     @classmethod
     def quick(cls) -> StormParams:
@@ -47,7 +49,10 @@ async def run(
     load_start = load_average()
     async with Sandbox(services, "storm") as sb:
         limits = await set_limits(sb.db, params.limits)
-        scheduler = await sb.start_scheduler()
+        staging = (
+            {} if params.stage_ahead is None else {"DUETIME_STAGE_AHEAD": str(params.stage_ahead)}
+        )
+        scheduler = await sb.start_scheduler(**staging)
         workers = [await sb.start_worker(params.concurrency) for _ in range(params.workers)]
         meter = CpuMeter({"scheduler": [scheduler.pid], "workers": [w.pid for w in workers]})
         n = params.jobs
