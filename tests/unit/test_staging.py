@@ -112,11 +112,11 @@ def test_a_bad_start_at_makes_the_message_malformed(value: object) -> None:
 def test_stage_settings_are_bounded_with_a_clear_error() -> None:
     assert load_settings(env={}).stage_ahead == 2.0
     assert load_settings(env={"DUETIME_STAGE_AHEAD": "0"}).stage_ahead == 0.0
-    with pytest.raises(ConfigError, match="stage_ahead.*<= 60"):
+    with pytest.raises(ConfigError, match=r"stage_ahead.*<= 60"):
         load_settings(env={"DUETIME_STAGE_AHEAD": "120"})
-    with pytest.raises(ConfigError, match="stage_ahead.*>= 0"):
+    with pytest.raises(ConfigError, match=r"stage_ahead.*>= 0"):
         load_settings(env={"DUETIME_STAGE_AHEAD": "-1"})
-    with pytest.raises(ConfigError, match="worker_stage_limit.*<= 65535"):
+    with pytest.raises(ConfigError, match=r"worker_stage_limit.*<= 65535"):
         load_settings(env={"DUETIME_WORKER_STAGE_LIMIT": "100000"})
 
 
