@@ -221,8 +221,14 @@ async def job(dash: Dashboard, request: Request) -> Response:
     lag = None
     if found.dispatched_at is not None:
         lag = (found.dispatched_at - found.next_run_at).total_seconds()
+    # staged ahead (DESIGN §14): dispatched, its heartbeat_at (= its run time) still ahead
+    staged = (
+        found.status == "dispatched"
+        and found.heartbeat_at is not None
+        and found.heartbeat_at > dash.clock.now()
+    )
     return dash.render(
-        request, "job.html", job=found, detail=detail, payload=payload,
+        request, "job.html", job=found, detail=detail, payload=payload, staged=staged,
         payload_cut=payload_cut, error=error, error_cut=error_cut, lag=lag,
         result=result, result_cut=result_cut, meta=meta, meta_cut=meta_cut,
         actions=[] if dash.read_only else job_actions(found, dash.clock.now()),

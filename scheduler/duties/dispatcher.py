@@ -262,7 +262,8 @@ class Dispatcher:
             clock=clock,
             refill=config.buffer_refill,
         )
-        self._stage_at = float("-inf")
+        self._stage_at = float("-inf")  # no look before (a throttle of probe_interval)
+        self._stage_wake = float("inf")  # when staging needs the loop again
         self._may_stage = False
         self._slot_heard = False  # the notification being delivered frees a slot
         # the last finished limited claim held jobs back: a freed slot should wake us
@@ -372,11 +373,20 @@ class Dispatcher:
     async def _stage_due_soon(self) -> float:
         """Stage the jobs whose run time is within ``stage_ahead`` when it is time to look
         (at most every ``probe_interval``, at once after a NOTIFY or a full batch); one
-        probe when nothing is. Returns how long until the next look."""
-        config = self.config
+        probe when nothing is. Returns how long until staging needs the loop again: the
+        time until the earliest stageable job enters the horizon, or ``inf`` when none
+        is known (then the due pass's own pacing decides, and staging looks again at its
+        next pass, as the due probe finds jobs inserted by plain SQL)."""
         now = self.clock.monotonic()
         if now < self._stage_at:
-            return self._stage_at - now
+            return max(0.0, self._stage_wake - now)
+        self._stage_wake = now + await self._stage_once()
+        return self._stage_wake - now
+
+    async def _stage_once(self) -> float:
+        """One look: stage what is within the horizon; how long until the next look is
+        needed (``_stage_due_soon``)."""
+        config = self.config
         for queue in self.stage_credit.to_sample():
             state = await self.publisher.queue_state(queue, config.sample_timeout, staged=True)
             if state is None:
@@ -385,20 +395,21 @@ class Dispatcher:
                 self.stage_credit.observe(queue, state.ready, state.consumers)
         held, skip_tasks = self._stage_filters()
         wait = await self.store.next_stage_in(held=held, skip_tasks=skip_tasks)
-        gap = config.probe_interval
-        if wait is not None and wait <= config.stage_ahead:
-            limit = self.stage_credit.limit(config.batch_size)
-            try:
-                staged = await self.stage_batch(limit, held, skip_tasks)
-            except RETRYABLE as exc:
-                self.loop.log.warning("stage_retry", error=f"{type(exc).__name__}: {exc}")
-                staged = 0
-            if staged >= limit:
-                gap = 0.0  # more may be due soon: look again at once
-        elif wait is not None:
-            gap = min(gap, wait - config.stage_ahead)
-        self._stage_at = self.clock.monotonic() + gap
-        return gap
+        self._stage_at = self.clock.monotonic() + config.probe_interval
+        if wait is None:
+            return float("inf")
+        if wait > config.stage_ahead:
+            return wait - config.stage_ahead
+        limit = self.stage_credit.limit(config.batch_size)
+        try:
+            staged = await self.stage_batch(limit, held, skip_tasks)
+        except RETRYABLE as exc:
+            self.loop.log.warning("stage_retry", error=f"{type(exc).__name__}: {exc}")
+            staged = 0
+        if staged >= limit:
+            self._stage_at = float("-inf")  # more may be within the horizon: at once
+            return 0.0
+        return config.probe_interval
 
     async def stage_batch(self, limit: int, held: list[str], skip_tasks: list[str]) -> int:
         """One staging transaction: claim the jobs due within ``stage_ahead``, publish

@@ -10,6 +10,7 @@ import os
 import signal
 import urllib.error
 import urllib.request
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -101,3 +102,36 @@ async def test_schedule_page_says_which_declaration_manages_it(
     assert status == 200 and "<code>billing</code> (schedules as code" in body
     status, body = await asyncio.to_thread(get, served.url + "/schedules/by-hand")
     assert status == 200 and "hand (CLI, API or SQL)" in body
+
+
+async def test_a_staged_job_page_says_when_it_starts(
+    cluster: Cluster, page: Any, migrated_dsn: str
+) -> None:
+    """Staged ahead (DESIGN §14): dispatched with heartbeat_at = its run time, still
+    ahead; the job page says a worker holds it and when it starts."""
+    from scheduler.store.fence import FenceStore
+
+    pool = await db.create_pool(migrated_dsn, max_size=2)
+    try:
+        assert await FenceStore(pool).advance(1, "test-node")
+        await pool.execute("INSERT INTO duetime.queues (name) VALUES ('q') ON CONFLICT DO NOTHING")
+        staged, running = [
+            await pool.fetchval(
+                "INSERT INTO duetime.jobs (task, queue, due_at) VALUES ('t', 'q', now() + $1)"
+                " RETURNING id",
+                ahead,
+            )
+            for ahead in (timedelta(hours=1), timedelta(0))
+        ]
+        await pool.execute(
+            "UPDATE duetime.jobs SET status = 'dispatched', dispatched_at = now(),"
+            " dispatch_epoch = 1, heartbeat_at = coalesce(run_at, due_at)"
+        )
+    finally:
+        await pool.close()
+    served = await cluster.start_dashboard(env={"DUETIME_DATABASE_URL": migrated_dsn})
+    await page.goto(served.url + f"/jobs/{staged}")
+    await expect(page.get_by_test_id("job-staged")).to_contain_text("Staged")
+    await page.goto(served.url + f"/jobs/{running}")
+    await expect(page.get_by_test_id("job-status")).to_have_text("dispatched")
+    await expect(page.get_by_test_id("job-staged")).to_have_count(0)

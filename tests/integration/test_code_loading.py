@@ -72,7 +72,8 @@ async def test_bench_loads_the_checkouts_benchmarks_not_the_working_directorys(
     result = await run_duetime(test_env, "bench", "--help", cwd=app_dir)
     assert result.code == 0, result.err
     scenarios = (
-        "{baseline,worker,io,storm,steady,coldstart,recurring,scale,dashboard,shards,shardsim,all}"
+        "{baseline,worker,io,storm,steady,coldstart,recurring,scale,"
+        "dashboard,shards,shardsim,cronstorm,all}"
     )
     assert scenarios in result.out  # the checkout's
     assert not ran(app_dir)

@@ -57,7 +57,14 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
         fence = FenceStore(pool)
         assert await fence.advance(1, "test-node")
         await declare_queues(pool, unique)
-        yield Env(dataclasses.replace(settings, database_url=migrated_dsn), pool, fence, unique)
+        # the due path: jobs inserted ahead reach duetime.<queue> at their run time, not
+        # its staged twin ahead of it (test_staging.py)
+        yield Env(
+            dataclasses.replace(settings, database_url=migrated_dsn, stage_ahead=0.0),
+            pool,
+            fence,
+            unique,
+        )
     finally:
         await pool.close()
 
@@ -381,9 +388,9 @@ class CuttingPublisher(Publisher):
         self.proxy, self.cut_after, self.confirms = proxy, cut_after, 0
 
     async def _publish_one(
-        self, channel: Any, job: ClaimedJob, epoch: int, deadline: float
+        self, channel: Any, job: ClaimedJob, epoch: int, deadline: float, staged: bool = False
     ) -> None:
-        await super()._publish_one(channel, job, epoch, deadline)
+        await super()._publish_one(channel, job, epoch, deadline, staged)
         self.confirms += 1
         if self.confirms == self.cut_after:
             self.proxy.cut()
@@ -510,8 +517,8 @@ class KillingPublisher(Publisher):
         super().__init__(*args, **kw)
         self.pool, self.killed = pool, 0
 
-    async def publish(self, jobs: Any, epoch: int) -> PublishResult:
-        result = await super().publish(jobs, epoch)
+    async def publish(self, jobs: Any, epoch: int, *, staged: bool = False) -> PublishResult:
+        result = await super().publish(jobs, epoch, staged=staged)
         if not self.killed:
             self.killed = await self.pool.fetchval(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -565,8 +572,8 @@ class StormPublisher(Publisher):
         super().__init__(*args, **kw)
         self.pool, self.left, self.killed, self.uncommitted = pool, kills, 0, 0
 
-    async def publish(self, jobs: Any, epoch: int) -> PublishResult:
-        result = await super().publish(jobs, epoch)
+    async def publish(self, jobs: Any, epoch: int, *, staged: bool = False) -> PublishResult:
+        result = await super().publish(jobs, epoch, staged=staged)
         if self.left > 0:
             killed = await self.pool.fetchval(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "

@@ -57,7 +57,9 @@ async def env(migrated_dsn: str, settings: Settings, unique: str) -> AsyncIterat
 
 @contextlib.asynccontextmanager
 async def dispatching(env: Env, **knobs: Any) -> AsyncIterator[Dispatcher]:
-    config = config_from_settings(DispatcherConfig, env.settings, **knobs)
+    # the due claims' order and buffer; staging (test_staging.py) would take the jobs
+    # these tests insert a few seconds ahead to their staged queue
+    config = config_from_settings(DispatcherConfig, env.settings, stage_ahead=0.0, **knobs)
     dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool), config=config)
     dispatcher.loop.start(LeaderTerm(epoch=1, node_id="test-node"))
     try:

@@ -146,9 +146,9 @@ class CuttingPublisher(Publisher):
         self.confirms = 0
 
     async def _publish_one(
-        self, channel: Any, job: ClaimedJob, epoch: int, deadline: float
+        self, channel: Any, job: ClaimedJob, epoch: int, deadline: float, staged: bool = False
     ) -> None:
-        await super()._publish_one(channel, job, epoch, deadline)
+        await super()._publish_one(channel, job, epoch, deadline, staged)
         self.confirms += 1
         if self.confirms == self.cut_after:
             self.proxy.cut()
