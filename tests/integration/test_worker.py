@@ -647,27 +647,3 @@ async def test_broker_connection_cut_mid_handler_effect_once(
         assert await queue_depth(channel, queue) == (0, 0)
     finally:
         await proxy.stop()
-
-
-async def test_begin_locks_only_a_row_not_yet_dispatched_for_the_message(
-    db_pool: asyncpg.Pool, queue: str
-) -> None:
-    """Migration 0029: a row already dispatched at the message's attempt and epoch is read
-    without a row lock (no transaction id taken, no WAL written); a row that is not (a
-    claim possibly in flight) is still read FOR KEY SHARE (the test above)."""
-    begin = (
-        "SELECT status, started FROM duetime.worker_begin_flow($1::bigint[],"
-        " $2::timestamptz[], $3::int[], $4::bigint[], '{}', '{}', '{}')"
-    )
-    release = "SELECT duetime.worker_release($1::bigint[], $2::int[], $3::bigint[])"
-    settled = await dispatched_job(db_pool, "t.record", queue=queue)
-    pending = await dispatched_job(db_pool, "t.record", queue=queue)
-    await db_pool.execute("UPDATE duetime.jobs SET status = 'pending' WHERE id = $1", pending.id)
-    epoch = await db_pool.fetchval(f"SELECT {FENCE_EPOCH}")
-    async with db_pool.acquire() as conn:
-        for job, locked, status in ((settled, False, "dispatched"), (pending, True, "pending")):
-            async with conn.transaction():
-                [row] = await conn.fetch(begin, [job.id], [job.due_at], [1], [epoch])
-                xid = await conn.fetchval("SELECT pg_current_xact_id_if_assigned()")
-            assert (row["status"], xid is not None) == (status, locked), job
-            await conn.execute(release, [job.id], [1], [epoch])
