@@ -147,6 +147,15 @@ class DispatchCredit:
         """Queues whose credit is under their refill mark: the claim skips them."""
         return sorted(q for q in self._books if self.credit(q) < self.mark(q))
 
+    def without_consumers(self) -> list[str]:
+        """Queues whose last sample succeeded and counted no consumer (the staging claim
+        skips such a staged queue: nobody would start what it holds)."""
+        return sorted(
+            q
+            for q, book in self._books.items()
+            if book.blind_since is None and book.sampled_at > float("-inf") and not book.consumers
+        )
+
     def limit(self, batch_size: int) -> int:
         """The claim's LIMIT: the largest credit of a sampled queue that is not held, or
         ``buffer`` (a queue not sampled yet) when none is; then ``claim_limit``."""

@@ -136,6 +136,9 @@ __all__ = ["RETRYABLE", "BatchReport", "Dispatcher", "DispatcherConfig"]
 #: Undeclared queue names remembered as already logged (a producer may write many).
 MAX_HELD_LOGGED = 1000
 
+#: Seconds between samples of a staged queue that had no consumer (is one back?).
+UNCONSUMED_RESAMPLE = 1.0
+
 #: Errors after which a claim is simply tried again (another transaction won a race).
 RETRYABLE = (
     asyncpg.exceptions.SerializationError,
@@ -264,6 +267,8 @@ class Dispatcher:
         )
         self._stage_at = float("-inf")  # no look before (a throttle of probe_interval)
         self._stage_wake = float("inf")  # when staging needs the loop again
+        self._unconsumed_logged: set[str] = set()  # staged queues logged as unconsumed
+        self._unconsumed_sampled_at = float("-inf")
         self._may_stage = False
         self._slot_heard = False  # the notification being delivered frees a slot
         # the last finished limited claim held jobs back: a freed slot should wake us
@@ -364,11 +369,25 @@ class Dispatcher:
     def _stage_filters(self) -> tuple[list[str], list[str]]:
         """What staging skips: (queues, tasks). Every target of a limit (a limit is
         decided when its job starts, from the dispatched jobs and the window's starts
-        then, so a job under a limit is never handed out early), and the queues whose
-        staged buffer has no room."""
+        then, so a job under a limit is never handed out early), the queues whose
+        staged buffer has no room, and those whose staged queue had no consumer at its
+        last sample (workers with ``worker_stage_limit`` 0, or of a version without
+        staging: what is staged there would wait for the reconciler)."""
         tasks = sorted({lim.name for lim in self._limits if lim.kind == "task"})
         queues = {lim.name for lim in self._limits if lim.kind == "queue"}
-        return sorted(queues | set(self.stage_credit.held())), tasks
+        unconsumed = self.stage_credit.without_consumers()
+        for queue in set(unconsumed) - self._unconsumed_logged:
+            self.loop.log.warning(
+                "staged_queue_without_consumer",
+                queue=queue,
+                outcome="not staged until a worker consumes its staged queue; its jobs "
+                "are dispatched when due, and those staged already start after the "
+                "visibility timeout (the reconciler)",
+                fix="DUETIME_WORKER_STAGE_LIMIT > 0 on this queue's workers, or "
+                "DUETIME_STAGE_AHEAD=0 here",
+            )
+        self._unconsumed_logged = set(unconsumed)
+        return sorted(queues | set(self.stage_credit.held()) | set(unconsumed)), tasks
 
     async def _stage_due_soon(self) -> float:
         """Stage the jobs whose run time is within ``stage_ahead`` when it is time to look
@@ -387,7 +406,14 @@ class Dispatcher:
         """One look: stage what is within the horizon; how long until the next look is
         needed (``_stage_due_soon``)."""
         config = self.config
-        for queue in self.stage_credit.to_sample():
+        now = self.clock.monotonic()
+        to_sample = set(self.stage_credit.to_sample())
+        if now - self._unconsumed_sampled_at >= UNCONSUMED_RESAMPLE:
+            # an empty staged queue without consumers is not sampled for its credit:
+            # look again now and then whether a worker consumes it
+            self._unconsumed_sampled_at = now
+            to_sample.update(self.stage_credit.without_consumers())
+        for queue in sorted(to_sample):
             state = await self.publisher.queue_state(queue, config.sample_timeout, staged=True)
             if state is None:
                 self.stage_credit.observe_failed(queue)

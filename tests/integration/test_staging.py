@@ -325,3 +325,25 @@ async def test_a_stopping_worker_gives_staged_jobs_back_and_another_starts_them_
     assert min(t for v in second.at.values() for t in v) >= due.timestamp() - 0.002
     epochs = await pool.fetch("SELECT DISTINCT dispatch_epoch FROM duetime.jobs")
     assert [r["dispatch_epoch"] for r in epochs] == [1]  # staged once, by the first term
+
+
+async def test_a_queue_whose_staged_queue_has_no_consumer_is_not_staged_again(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """Workers that take no staged job (``worker_stage_limit`` 0, or a version without
+    staging): after the first staged batch, the next sample counts no consumer on the
+    staged queue, and the queue's jobs are dispatched when due instead, and run."""
+    starts = Starts()
+    no_staging = dataclasses.replace(staged_settings, worker_stage_limit=0)
+    async with dispatching(staged_settings, pool), working(no_staging, queue, starts) as w:
+        assert w.consumer is not None and w.consumer.stage_limit == 0
+        await insert_due(pool, queue, 1, AHEAD)
+        await until(lambda: staged_count(pool), 1, AHEAD - 0.5, "the first job staged")
+        await asyncio.sleep(0.5)  # the staged queue's next samples: no consumer
+        due = await insert_due(pool, queue, 1, 1.5)
+        await asyncio.sleep(1.0)
+        assert await staged_count(pool) == 1  # the second one was not staged
+        await until(lambda: len(starts.at), 1, 20, "the second job started")
+        [[started]] = starts.at.values()
+        assert started >= due.timestamp() - 0.002
+        assert await status_counts(pool) == {"dispatched": 1, "succeeded": 1}

@@ -155,3 +155,18 @@ def test_the_refill_mark_follows_the_target_and_is_never_zero() -> None:
     assert lazy.mark("a") == 1 and lazy.held() == []  # refill 0: any credit is used
     with pytest.raises(ValueError, match="refill"):
         DispatchCredit(buffer=3, per_consumer=0, refresh=0.02, clock=clock, refill=1.5)
+
+
+def test_a_queue_sampled_without_consumers_is_named_until_one_is_counted() -> None:
+    """Staging skips a staged queue nobody consumes (``without_consumers``); a queue never
+    sampled, or blind, is not named: nothing is known of its consumers."""
+    clock = ManualClock()
+    credit = book(clock)
+    credit.spend(["a", "b", "c"])
+    assert credit.without_consumers() == []
+    credit.observe("a", ready=3, consumers=0)
+    credit.observe("b", ready=0, consumers=2)
+    credit.observe_failed("c")
+    assert credit.without_consumers() == ["a"]
+    credit.observe("a", ready=0, consumers=1)
+    assert credit.without_consumers() == []
