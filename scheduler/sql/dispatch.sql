@@ -85,16 +85,19 @@ SELECT * FROM (
 -- within the next {ahead} seconds, earliest first. They are published to their queue's
 -- staged queue and marked by `mark_staged`; a worker holds each until its run time. Not
 -- staged: the jobs of the targets of a limit ({skip_tasks} and the limited queues in
--- {held}: a limit is decided when a job starts, not seconds before), queues whose staged
--- buffer is full ({held}), undeclared or paused queues. Same index (jobs_pending_run_idx)
--- and the same literal placeholders as `claim`, for the same reasons; `due_at <= now() +
--- ahead` prunes the buckets further out.
+-- {held}: a limit is decided when a job starts, not seconds before), jobs with a unique
+-- key (a debounce, on_conflict 'replace', moves a pending holder's run time and payload
+-- and leaves a dispatched one alone: staged, it would stop being debounced seconds
+-- early), queues whose staged buffer is full ({held}), undeclared or paused queues.
+-- Same index (jobs_pending_run_idx) and the same literal placeholders as `claim`, for
+-- the same reasons; `due_at <= now() + ahead` prunes the buckets further out.
 SELECT {columns}
   FROM duetime.jobs AS j
  WHERE status = 'pending'
    AND coalesce(run_at, due_at) > now()
    AND coalesce(run_at, due_at) <= now() + make_interval(secs => {ahead})
    AND due_at <= now() + make_interval(secs => {ahead})
+   AND unique_key IS NULL
    AND queue <> ALL({held})
    AND task <> ALL({skip_tasks})
    AND EXISTS (SELECT 1 FROM duetime.queues AS q
@@ -112,6 +115,7 @@ SELECT extract(epoch FROM (
              FROM duetime.jobs AS j
             WHERE status = 'pending'
               AND coalesce(run_at, due_at) > now()
+              AND unique_key IS NULL
               AND queue <> ALL({held})
               AND task <> ALL({skip_tasks})
               AND EXISTS (SELECT 1 FROM duetime.queues AS q

@@ -347,3 +347,28 @@ async def test_a_queue_whose_staged_queue_has_no_consumer_is_not_staged_again(
         [[started]] = starts.at.values()
         assert started >= due.timestamp() - 0.002
         assert await status_counts(pool) == {"dispatched": 1, "succeeded": 1}
+
+
+async def test_a_job_with_a_unique_key_is_not_staged(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """A debounce (on_conflict="replace") moves a pending holder to the newest run time
+    and payload and leaves a dispatched one alone: staged seconds early, a holder would
+    stop taking the last edit. Such jobs are dispatched when due; the others staged."""
+    jobs = JobStore(pool)
+    async with dispatching(staged_settings, pool):
+        plain = await jobs.enqueue("t.stage", {}, queue=queue, delay=AHEAD)
+        unique = await jobs.enqueue(
+            "t.stage", {"v": 1}, queue=queue, delay=AHEAD, unique_key="doc:7",
+            on_conflict="replace",
+        )  # fmt: skip
+        await until(lambda: staged_count(pool), 1, AHEAD - 0.5, "the plain job staged")
+        await asyncio.sleep(0.3)
+        replaced = await jobs.enqueue(
+            "t.stage", {"v": 2}, queue=queue, delay=AHEAD, unique_key="doc:7",
+            on_conflict="replace",
+        )  # fmt: skip
+        rows = {r["id"]: r for r in await pool.fetch("SELECT * FROM duetime.jobs")}
+    assert rows[plain.id]["status"] == "dispatched"
+    assert rows[unique.id]["status"] == "pending" and rows[unique.id]["payload"] == {"v": 2}
+    assert replaced.id == unique.id and len(rows) == 2
