@@ -94,6 +94,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from scheduler.broker_gate import GateConfig, PublisherAndGate
+from scheduler.clock import Clock
 from scheduler.duties.base import DutyLoop
 from scheduler.duties.context import DutyContext, FencedWrites, duty_listener
 from scheduler.duties.credit import DispatchCredit
@@ -194,6 +195,17 @@ class DispatcherConfig:
         check_knobs(self)
 
 
+def _credit(config: DispatcherConfig, clock: Clock) -> DispatchCredit:
+    """A queue's broker buffer bound as the knobs say (``scheduler.duties.credit``)."""
+    return DispatchCredit(
+        buffer=config.buffer,
+        per_consumer=config.buffer_per_consumer,
+        refresh=config.credit_interval,
+        clock=clock,
+        refill=config.buffer_refill,
+    )
+
+
 class Dispatcher:
     """Built from its ``DutyContext``; ``publisher``: one to share instead of its own."""
 
@@ -249,22 +261,11 @@ class Dispatcher:
             clock=clock,
         )
         self.unsettled = Unsettled(clock=clock)
-        self.credit = DispatchCredit(
-            buffer=config.buffer,
-            per_consumer=config.buffer_per_consumer,
-            refresh=config.credit_interval,
-            clock=clock,
-            refill=config.buffer_refill,
-        )
-        # staging ahead: the staged queues' own credit, when to look for jobs to stage
-        # next, and whether the due claims left room for it
-        self.stage_credit = DispatchCredit(
-            buffer=config.buffer,
-            per_consumer=config.buffer_per_consumer,
-            refresh=config.credit_interval,
-            clock=clock,
-            refill=config.buffer_refill,
-        )
+        self.credit = _credit(config, clock)
+        # staging ahead: the staged queues' own credit (the same bound as the due
+        # queues'), when to look for jobs to stage next, and whether the due claims left
+        # room for it
+        self.stage_credit = _credit(config, clock)
         self._stage_at = float("-inf")  # no look before (a throttle of probe_interval)
         self._stage_wake = float("inf")  # when staging needs the loop again
         self._unconsumed_logged: set[str] = set()  # staged queues logged as unconsumed

@@ -79,6 +79,18 @@ SELECT * FROM (
     FOR UPDATE SKIP LOCKED) AS fresh
  LIMIT {limit};
 
+-- name: stageable
+-- The jobs staging may take (`claim_staged`) and looks for (`next_stage_in`): one text,
+-- so the probe never finds a job the claim would not take (the loop would spin on it).
+-- Spliced into `{stageable}` by DispatchStore (scheduler.store.dispatch.staging_sql).
+status = 'pending'
+   AND coalesce(run_at, due_at) > now()
+   AND unique_key IS NULL
+   AND queue <> ALL({held})
+   AND task <> ALL({skip_tasks})
+   AND EXISTS (SELECT 1 FROM duetime.queues AS q
+                WHERE q.name = j.queue AND NOT q.paused)
+
 -- name: claim_staged
 -- Staging ahead (DESIGN §14; docs/architecture.md, "Staging"): in the dispatcher's fenced
 -- transaction, after the due claim left room, the pending jobs whose run time falls
@@ -93,15 +105,9 @@ SELECT * FROM (
 -- the same reasons; `due_at <= now() + ahead` prunes the buckets further out.
 SELECT {columns}
   FROM duetime.jobs AS j
- WHERE status = 'pending'
-   AND coalesce(run_at, due_at) > now()
+ WHERE {stageable}
    AND coalesce(run_at, due_at) <= now() + make_interval(secs => {ahead})
    AND due_at <= now() + make_interval(secs => {ahead})
-   AND unique_key IS NULL
-   AND queue <> ALL({held})
-   AND task <> ALL({skip_tasks})
-   AND EXISTS (SELECT 1 FROM duetime.queues AS q
-                WHERE q.name = j.queue AND NOT q.paused)
  ORDER BY coalesce(run_at, due_at)
  LIMIT {limit}
    FOR UPDATE SKIP LOCKED;
@@ -109,17 +115,11 @@ SELECT {columns}
 -- name: next_stage_in
 -- Seconds from now until the earliest run time of a job `claim_staged` could take,
 -- after now (NULL when none): the dispatcher stages again `ahead` seconds before it. The
--- same ordered index scan as next_run_in, with claim_staged's filters.
+-- same ordered index scan as next_run_in, with claim_staged's filters (`stageable`).
 SELECT extract(epoch FROM (
            SELECT coalesce(run_at, due_at)
              FROM duetime.jobs AS j
-            WHERE status = 'pending'
-              AND coalesce(run_at, due_at) > now()
-              AND unique_key IS NULL
-              AND queue <> ALL({held})
-              AND task <> ALL({skip_tasks})
-              AND EXISTS (SELECT 1 FROM duetime.queues AS q
-                           WHERE q.name = j.queue AND NOT q.paused)
+            WHERE {stageable}
             ORDER BY coalesce(run_at, due_at)
             LIMIT 1
        ) - clock_timestamp())::float8;

@@ -42,6 +42,7 @@ T = TypeVar("T")
 
 CLAIMED = fragment("dispatch", "claimed_columns")
 STALLED = fragment("dispatch", "stalled_columns")
+STAGEABLE = fragment("dispatch", "stageable")
 CLAIMED_ROW = compose("dispatch", "claimed_row", columns=CLAIMED)
 LOCK_STALLED = compose("dispatch", "lock_stalled", columns=STALLED)
 LOCK_STALLED_IDS = compose("dispatch", "lock_stalled", columns="id")
@@ -100,6 +101,7 @@ def staging_sql(
     return compose(
         "dispatch",
         name,
+        stageable=STAGEABLE,
         columns=CLAIMED,
         limit=str(limit),
         ahead=repr(float(ahead)),
