@@ -17,9 +17,14 @@ module adds is promptness, and not running work whose outcome cannot count:
   (re)opened, and every ``check_interval`` seconds while handlers run, the watch asks
   the database which of the running jobs are cancelled (``worker_cancelled``): a lost
   NOTIFY costs seconds, never the cancel;
-- a cancel heard just before its handler started (the begin read saw ``dispatched``,
-  the cancel committed before the handler's scope opened) is remembered for
-  ``REMEMBER`` seconds, and the scope opening for that job cancels at once.
+- a delivery whose begin read saw ``dispatched`` and which waits for a handler slot
+  (``workers.slots``: a slot is taken after the begin) is *waiting* here
+  (``Cancellations.waiting``): a cancel heard meanwhile is kept however long it waits,
+  the backstop check asks about it too, and its handler never starts
+  (``Cancellations.heard``);
+- any other cancel heard for a job not running here (the cancel committed just before
+  a handler's scope opened) is remembered for ``REMEMBER`` seconds, and the scope
+  opening for that job cancels at once.
 
 A job cancelled before its delivery is read never starts: the begin read finds it
 ``cancelled`` and skips it.
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -127,20 +133,43 @@ class CancelScope:
 
 
 class Cancellations:
-    """The handlers running in one executor, by job id, and the cancels heard for jobs
-    not running (yet). ``clock`` ages what is remembered."""
+    """The handlers running in one executor, by job id, the deliveries waiting for a
+    slot, and the cancels heard for jobs not running (yet). ``clock`` ages what is
+    remembered."""
 
     def __init__(self, *, shard: str, clock: Clock = SYSTEM_CLOCK) -> None:
         self._shard = shard
         self._clock = clock
         self._scopes: dict[int, CancelScope] = {}
         self._heard: dict[int, float] = {}  # job id -> monotonic time the cancel was heard
+        self._waiting: dict[int, int] = {}  # job id -> deliveries of it waiting for a slot
 
     def scope(self, job_id: int, flag: threading.Event) -> CancelScope:
         return CancelScope(self, job_id, flag)
 
     def running(self) -> list[int]:
-        return list(self._scopes)
+        """The jobs whose cancel this executor acts on: handlers running, and
+        deliveries begun and waiting for a slot (the backstop check asks about both)."""
+        return list(self._scopes.keys() | self._waiting.keys())
+
+    @contextlib.contextmanager
+    def waiting(self, job_id: int) -> Iterator[None]:
+        """While a begun delivery waits for a handler slot: a cancel heard for it is
+        not forgotten after ``REMEMBER`` seconds (``heard`` tells it at start)."""
+        self._waiting[job_id] = self._waiting.get(job_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._waiting.pop(job_id) - 1
+            if left:
+                self._waiting[job_id] = left
+            elif job_id in self._heard:
+                self._heard[job_id] = self._clock.monotonic()  # aged from now on
+
+    def heard(self, job_id: int) -> bool:
+        """A cancel for ``job_id`` was heard before its handler started: it must not
+        start (the row is, or is about to be, ``cancelled``). Forgets it."""
+        return self._heard.pop(job_id, None) is not None
 
     def opened(self, scope: CancelScope) -> None:
         self._scopes[scope.job_id] = scope
@@ -168,7 +197,8 @@ class Cancellations:
 
     def forget_old(self) -> None:
         horizon = self._clock.monotonic() - REMEMBER
-        for job_id in [j for j, at in self._heard.items() if at < horizon]:
+        old = [j for j, at in self._heard.items() if at < horizon and j not in self._waiting]
+        for job_id in old:
             del self._heard[job_id]
 
     def _stop(self, scope: CancelScope) -> None:

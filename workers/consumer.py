@@ -2,10 +2,10 @@
 
 Each delivery becomes one asyncio task owned by the ``Consumer`` (aio-pika's own
 callback task only hands it over). A semaphore of size ``concurrency`` bounds the
-handlers running at once (``workers.slots``: a delivery gives its slot back when its
-handler returned, before its outcome is settled); prefetch is ``PREFETCH_PER_SLOT`` x N
-per queue, so up to that many deliveries wait for a slot or settle, unacked, which is
-harmless (and is what keeps the next batch ready while one completes).
+handlers running at once (``workers.slots``: a delivery takes its slot after its begin
+read and gives it back when its handler returned, before its outcome is settled).
+Prefetch per queue is ``prefetch_for(N)``: the running handlers, a wave waiting for
+them, and a fixed room for deliveries in batched begins and settlements, unacked.
 
 Settlement rules (DESIGN §6):
 
@@ -35,8 +35,9 @@ Settlement rules (DESIGN §6):
   (``AttemptRunningElsewhere``) → nack with requeue after
   ``RUNNING_ELSEWHERE_REQUEUE`` seconds (a fresh copy is acked by the executor without a
   run; ``Executor._running_elsewhere`` says why the two differ);
-- shutdown: deliveries waiting for a slot are nacked with requeue at once; running ones
-  get the grace period, then are cancelled (their transaction rolls back) and nacked.
+- shutdown: deliveries whose handler never started (in their begin read, or waiting for
+  a slot) are nacked with requeue at once; running ones get the grace period, then are
+  cancelled (their transaction rolls back) and nacked.
 
 An ack that fails (channel closed by a broker reconnect) is only logged: the broker
 redelivers the message and the ledger recognises it as already settled.
@@ -70,20 +71,29 @@ from workers.staging import StagedDeliveries
 
 log = get_logger("duetime.worker")
 
-#: Unacked deliveries per handler slot. Batched reads and completions settle deliveries
-#: in waves; with prefetch = concurrency the next wave could only arrive after the last
-#: one was acked, and the worker idled between waves (database idle while the event loop
-#: parsed a wave, event loop idle while the database completed it). A slot is a running
-#: handler (``workers.slots``), so a delivery whose handler returned still holds its
-#: prefetch unit until its outcome committed: three per slot cover N running, N settling
-#: and the next wave of N queued locally (with two, settling deliveries took the queued
-#: wave's place). Waiting deliveries are nacked back at once on shutdown.
-PREFETCH_PER_SLOT = 3
+#: Unacked deliveries a worker keeps beyond 2 x concurrency (running + one waiting
+#: wave): room for deliveries in flight through the batched begin read and the batched
+#: settlement, whose number depends on the batches' round trips, not on N. With
+#: prefetch = 3 x N a short handler at N = 10 was bound by prefetch (Little's law: 30
+#: deliveries / ~14 ms per begin-run-settle-ack cycle = ~2,100 jobs/s, half of N = 64);
+#: docs/benchmarks.md, "A slot is a running handler, from the begin on", measured it.
+#: Operators running long jobs lower prefetch with ``worker_prefetch`` (a delivery waiting
+#: in one worker is one another worker cannot take).
+SETTLING_PREFETCH = 64
 DB_RETRY_BASE = 0.5
 DB_RETRY_CAP = 10.0
 #: Deliveries a message for an unknown shard gets (each requeued at once, no delay) before
 #: it is dead-lettered: a few chances for a worker that knows the shard, never a stall.
 UNKNOWN_SHARD_DELIVERIES = 3
+
+
+def prefetch_for(concurrency: int, configured: int = 0) -> int:
+    """RabbitMQ prefetch per queue for a worker running ``concurrency`` handlers:
+    ``configured`` (the ``worker_prefetch`` setting) when set, else 2 x concurrency +
+    ``SETTLING_PREFETCH``."""
+    if configured:
+        return configured
+    return 2 * concurrency + SETTLING_PREFETCH
 
 
 class Consumer:
@@ -97,14 +107,17 @@ class Consumer:
         timeout: float = 10.0,
         db_retry_cap: float = DB_RETRY_CAP,
         stage_limit: int = 0,
+        prefetch: int = 0,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1 (got {concurrency})")
+        if prefetch and prefetch < concurrency:
+            raise ValueError(f"prefetch {prefetch} is below concurrency {concurrency}")
         self._executor = executor
         self._acks = AckCoalescer()
         self.concurrency = concurrency
-        self.prefetch = concurrency * PREFETCH_PER_SLOT
+        self.prefetch = prefetch_for(concurrency, prefetch)
         self._timeout = timeout
         self._db_retry_cap = db_retry_cap
         self._slots = asyncio.Semaphore(concurrency)
@@ -153,7 +166,7 @@ class Consumer:
         delivery_limit: int,
         staged_channel: AbstractChannel | None = None,
     ) -> None:
-        """Declare the queues, set prefetch (``PREFETCH_PER_SLOT`` x concurrency), and
+        """Declare the queues, set prefetch (``prefetch_for``), and
         start consuming. With ``staged_channel`` and a ``stage_limit``, the queues'
         staged twins too, on that channel, with prefetch ``stage_limit``
         (``workers.staging``)."""
@@ -270,14 +283,18 @@ class Consumer:
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[HandlerSlot]:
-        """A handler slot for this delivery (``workers.slots``): the executor gives it
-        back when the handler returned; the delivery stays *running* (drained with the
-        grace period, not nacked as waiting) until it is settled."""
+        """A handler slot for this delivery (``workers.slots``), taken by the executor
+        when the handler is about to start and given back when it returned. From the
+        first time it held one, the delivery is *running* (drained with the grace
+        period, not nacked as waiting) until it is settled."""
         task = asyncio.current_task()
         assert task is not None
-        slot = HandlerSlot(self._slots, self._count_active)
-        await slot.acquire()
-        self._running.add(task)
+
+        def changed(change: int) -> None:
+            self._running.add(task)
+            self._count_active(change)
+
+        slot = HandlerSlot(self._slots, changed)
         try:
             yield slot
         finally:

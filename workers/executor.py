@@ -112,7 +112,7 @@ from scheduler.metrics import (
 from scheduler.store.execution import ExecutionStore
 from scheduler.store.rows import UNREADABLE, JobRef, LockedJob
 from workers.batching import Coalescer
-from workers.cancel import Cancellations
+from workers.cancel import Cancellations, HandlerCancelled
 from workers.context import JobContext, dependencies_from
 from workers.errors import CONNECTION_ERRORS, AttemptRunningElsewhere, DatabaseUnavailable
 from workers.groups import Groups
@@ -545,7 +545,13 @@ class Executor:
         grouped = self._groupable(spec)
         while True:
             if slot is not None:
-                await slot.acquire()  # again for a rerun: at most N handlers run at once
+                await self._take_slot(attempt.ref, slot)  # again for a rerun: at most N
+            if self.cancellations.heard(attempt.ref.job_id):
+                if slot is not None:
+                    slot.release()
+                log.info("handler_not_started", reason="cancelled while it waited")
+                cancelled = HandlerCancelled("the job was cancelled before its handler started")
+                return await self._settle(attempt, Verdict.FAILED, cancelled)
             verdict, failure = await self._run(attempt, spec, grouped=grouped, slot=slot)
             if span is not None and failure is not None:
                 span.failed(failure)
@@ -553,6 +559,29 @@ class Executor:
             if outcome is not None:
                 return outcome
             grouped = False
+
+    async def _take_slot(self, ref: JobRef, slot: HandlerSlot) -> None:
+        """Take a handler slot for a begun delivery. One that has to wait (N handlers
+        run) is alive, not stuck: it heartbeats like a running job (the reconciler
+        would otherwise publish it again after the visibility timeout), and a cancel
+        heard meanwhile is kept until it gets the slot (``Cancellations.waiting``)."""
+        if slot.free():
+            await slot.acquire()  # a permit is free: taken without waiting
+            return
+        heartbeat = Heartbeat(
+            self._store,
+            job_id=ref.job_id,
+            due_at=ref.due_at,
+            attempt=ref.attempt,
+            interval=self._heartbeat_interval,
+            log=log,
+        )
+        heartbeat.start()
+        try:
+            with self.cancellations.waiting(ref.job_id):
+                await slot.acquire()
+        finally:
+            await heartbeat.stop()
 
     async def _settle(
         self, attempt: Attempt, verdict: Verdict, failure: BaseException | None = None

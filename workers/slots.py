@@ -1,19 +1,26 @@
 """HandlerSlot: one delivery's share of the worker's ``--concurrency``.
 
 ``--concurrency N`` bounds the handlers *running* at once, not the deliveries in the
-worker. A delivery takes a slot before its begin read and gives it back as soon as its
-handler returned: its outcome is then settled with others (a batched completion, or the
-handler's own transaction committing) while the slot already runs the next handler. The
-message is still acked only after the outcome committed, so prefetch (``PREFETCH_PER_SLOT``
-x N in ``workers.consumer``) covers running, settling and waiting deliveries. Holding the
-slot until the commit made every wave of at most N deliveries wait for its settlement
-round trip before the next wave could start: at ``--concurrency 10`` the worker idled
-while the database settled (docs/benchmarks.md, "A slot is a running handler").
+worker. A delivery takes a slot after its begin read, just before its handler starts,
+and gives it back as soon as its handler returned: its outcome is then settled with
+others (a batched completion, or the handler's own transaction committing) while the
+slot already runs the next handler. The message is still acked only after the outcome
+committed, so prefetch (``workers.consumer.prefetch_for``) covers running, settling,
+begun and waiting deliveries.
+
+Why the slot is taken after the begin read, not before: a slot held through the begin
+round trip made each of N slots turn over once per begin + hand-off, which bounded a
+short handler at ``--concurrency 10`` to about half of what 64 reached, whatever the
+prefetch (docs/benchmarks.md, "A slot is a running handler, from the begin on"). What
+the begin read decided stays true while the delivery waits for its slot: the guard
+lock it took keeps any other copy from running the attempt; the delivery heartbeats
+while it waits (``Executor._take_slot``); and a cancel heard meanwhile is kept until it
+gets the slot, so the handler never starts (``workers.cancel``).
 
 An attempt that must run again (its transaction group rolled back, ``Verdict.RERUN``)
 takes a slot again first, so at most N handlers ever run at once. A delivery that runs
-no handler (its key already in the ledger, its task unknown) gives its slot back before
-it settles.
+no handler (its key already in the ledger, its task unknown, cancelled while it waited)
+never holds one while it settles.
 
 What freeing early must not change (tests/integration/test_slot_free.py):
 
@@ -55,6 +62,10 @@ class HandlerSlot:
         await self._semaphore.acquire()
         self.held = True
         self._changed(1)
+
+    def free(self) -> bool:
+        """Whether ``acquire`` would take a permit at once (no handler slot to wait for)."""
+        return self.held or not self._semaphore.locked()
 
     def release(self) -> None:
         """Give the permit back; a no-op when none is held (so the owner may call it

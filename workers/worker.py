@@ -172,6 +172,7 @@ class Worker:
                 concurrency=self.concurrency,
                 timeout=s.amqp_timeout,
                 stage_limit=s.worker_stage_limit,
+                prefetch=max(s.worker_prefetch, self.concurrency) if s.worker_prefetch else 0,
             )
             # Reconnect every second (aio-pika's default is 5 s): each broker blip would
             # otherwise cost at least 5 s of consumption (found by the chaos suite).

@@ -131,6 +131,11 @@ def load_settings(
             f"most lease_ttl {ttl} (a frozen leader's statement must end before its "
             "successor needs the fence)"
         )
+    if 0 < settings.worker_prefetch < settings.worker_concurrency:
+        errors.append(
+            f"worker_prefetch {settings.worker_prefetch} must be 0 (automatic) or at least "
+            f"worker_concurrency {settings.worker_concurrency} (else fewer handlers run)"
+        )
     if settings.fence_takeover_grace >= ttl:
         errors.append(
             f"fence_takeover_grace {settings.fence_takeover_grace} must be smaller than "

@@ -83,6 +83,7 @@ class Settings:
     worker_grace_period: float = 30.0
     worker_threads: int = 0
     worker_stage_limit: int = 20000
+    worker_prefetch: int = 0
     worker_max_abandoned_threads: int = 8
     task_timeout: float = 1800.0
     result_max_bytes: int = 1024 * 1024
@@ -283,6 +284,12 @@ FIELDS: dict[str, Field] = {
             "worker_stage_limit",
             p.number(int, minimum=0, maximum=65535),
             "staged jobs a worker holds until their run time at most (0: it takes none)",
+        ),
+        Field(
+            "worker_prefetch",
+            p.number(int, minimum=0, maximum=65535),
+            "deliveries per queue a worker holds unacked at most: running, waiting and "
+            "settling (0: 2 x worker_concurrency + 64; lower it for long jobs)",
         ),
         Field(
             "worker_max_abandoned_threads",

@@ -8,6 +8,9 @@ at handler return must not change.
   across two workers, where the second's handler loses to the first one's effect.
 - A message is acked only after its outcome committed: ``kill -9`` between handler
   return and commit redelivers it, and its effect is applied once.
+- A delivery takes its slot after its begin read: while it waits for one it heartbeats
+  (the reconciler leaves it alone), and a cancel heard meanwhile, by NOTIFY or by the
+  backstop check, keeps its handler from starting.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 from aio_pika.abc import AbstractChannel
 
 from scheduler.config import Settings
+from scheduler.store.jobs import JobStore
 from tests.fixtures_tasks.basic import EFFECTS_TABLE
 from tests.fixtures_tasks.jobs import (
     DispatchedJob,
@@ -38,6 +42,7 @@ from tests.support.helpers import declare_queues, delete_job_queue
 from tests.support.procs import Processes, duetime_argv
 from tests.support.wait import wait_for
 from workers import JobContext, Registry, Worker
+from workers.cancel import CHECK_INTERVAL
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -272,3 +277,79 @@ async def _consumers(channel: AbstractChannel, queue: str, count: int) -> bool:
 
 async def _ready(channel: AbstractChannel, queue: str, count: int) -> bool:
     return (await queue_depth(channel, queue))[0] == count
+
+
+def _one_at_a_time(started: list[int], go: asyncio.Event) -> Registry:
+    """``t.turns``: records its start; the first job to start waits for ``go``."""
+    registry = Registry()
+
+    @registry.task("t.turns")
+    async def turns(ctx: JobContext, payload: dict[str, Any]) -> None:
+        started.append(ctx.job_id)
+        if len(started) == 1:
+            await go.wait()
+
+    return registry
+
+
+async def test_a_delivery_waiting_for_a_slot_heartbeats_and_a_cancel_keeps_it_from_starting(
+    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str
+) -> None:
+    """``--concurrency 1``: the first job runs; the second is begun and waits for the
+    slot. Its heartbeat moves while it waits (heartbeat interval 0.5 s), so the
+    reconciler does not take it for a lost delivery; cancelled then, it never starts
+    once the slot frees, and its message is acked."""
+    started: list[int] = []
+    go = asyncio.Event()
+    first = await dispatched_job(db_pool, "t.turns", queue=queue)
+    second = await dispatched_job(db_pool, "t.turns", queue=queue)
+    quick = dataclasses.replace(settings, visibility_timeout=1.5)
+    async with running(quick, _one_at_a_time(started, go), queue, concurrency=1) as worker:
+        await publish(channel, queue, first.message(1))
+        await wait_for(lambda: started == [first.id], timeout=10)
+        dispatched_beat = (await job_row(db_pool, second))["heartbeat_at"]
+        await publish(channel, queue, second.message(1))
+
+        async def beating() -> bool:
+            beat = (await job_row(db_pool, second))["heartbeat_at"]
+            return beat is not None and (dispatched_beat is None or beat > dispatched_beat)
+
+        await wait_for(beating, timeout=10, message="the waiting delivery's heartbeat")
+        cancelled = await JobStore(db_pool).cancel(second.id, by="tester")
+        assert cancelled.status == "cancelled"
+        await asyncio.sleep(0.5)  # the NOTIFY reaches the worker
+        go.set()
+        await wait_for(lambda: _status(db_pool, first, "succeeded"), timeout=10)
+        assert worker.consumer is not None
+        await wait_for(lambda: worker.consumer.in_flight == 0, timeout=10)
+    assert started == [first.id]
+    assert (await job_row(db_pool, second))["status"] == "cancelled"
+    assert await queue_depth(channel, queue) == (0, 0)
+
+
+async def test_a_cancel_without_notify_is_found_for_a_delivery_waiting_for_a_slot(
+    settings: Settings, db_pool: asyncpg.Pool, channel: AbstractChannel, queue: str
+) -> None:
+    """The second job is cancelled by plain SQL (no NOTIFY, as when the LISTEN
+    connection was down) while it waits for the slot: the backstop check asks about
+    waiting deliveries too, and its handler never starts."""
+    started: list[int] = []
+    go = asyncio.Event()
+    first = await dispatched_job(db_pool, "t.turns", queue=queue)
+    second = await dispatched_job(db_pool, "t.turns", queue=queue)
+    async with running(settings, _one_at_a_time(started, go), queue, concurrency=1) as worker:
+        await publish(channel, queue, first.message(1))
+        await wait_for(lambda: started == [first.id], timeout=10)
+        await publish(channel, queue, second.message(1))
+        await wait_for(lambda: _ready(channel, queue, 0), timeout=10)  # delivered to us
+        await asyncio.sleep(0.5)  # its begin read saw it dispatched
+        await db_pool.execute(
+            "UPDATE duetime.jobs SET status = 'cancelled', finished_at = now() WHERE id = $1",
+            second.id,
+        )
+        await asyncio.sleep(CHECK_INTERVAL + 1.5)  # one backstop check
+        go.set()
+        assert worker.consumer is not None
+        await wait_for(lambda: worker.consumer.in_flight == 0, timeout=10)
+    assert started == [first.id]
+    assert await queue_depth(channel, queue) == (0, 0)
