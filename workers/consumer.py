@@ -4,8 +4,8 @@ Each delivery becomes one asyncio task owned by the ``Consumer`` (aio-pika's own
 callback task only hands it over). A semaphore of size ``concurrency`` bounds the
 handlers running at once (``workers.slots``: a delivery takes its slot after its begin
 read and gives it back when its handler returned, before its outcome is settled).
-Prefetch per queue is ``prefetch_for(N)``: the running handlers, a wave waiting for
-them, and a fixed room for deliveries in batched begins and settlements, unacked.
+Prefetch per queue is ``prefetch_for(N)``: the running handlers and a fixed room for
+deliveries in batched begin reads, waiting for a slot, and in batched settlements.
 
 Settlement rules (DESIGN §6):
 
@@ -71,15 +71,16 @@ from workers.staging import StagedDeliveries
 
 log = get_logger("duetime.worker")
 
-#: Unacked deliveries a worker keeps beyond 2 x concurrency (running + one waiting
-#: wave): room for deliveries in flight through the batched begin read and the batched
-#: settlement, whose number depends on the batches' round trips, not on N. With
-#: prefetch = 3 x N a short handler at N = 10 was bound by prefetch (Little's law: 30
-#: deliveries / ~14 ms per begin-run-settle-ack cycle = ~2,100 jobs/s, half of N = 64);
-#: docs/benchmarks.md, "A slot is a running handler, from the begin on", measured it.
-#: Operators running long jobs lower prefetch with ``worker_prefetch`` (a delivery waiting
-#: in one worker is one another worker cannot take).
-SETTLING_PREFETCH = 64
+#: Unacked deliveries a worker keeps beyond its running handlers: deliveries in flight
+#: through the batched begin read, waiting for a slot, and in the batched settlement.
+#: How many a short handler needs depends on the batches' round trips, not on N (Little's
+#: law: with prefetch = 3 x N, 30 deliveries over a ~14 ms begin-run-settle-ack cycle
+#: bound a noop handler at N = 10 to ~2,100 jobs/s, half of N = 64). 64 left N = 10 at
+#: 0.76 x of N = 64, 128 at 0.93-0.97 x; N = 64 keeps its 192 (docs/benchmarks.md, "A slot
+#: is a running handler, from the begin on"). Operators running long jobs lower prefetch
+#: with ``worker_prefetch``: a delivery waiting in one worker is one an idle worker
+#: cannot take.
+SETTLING_PREFETCH = 128
 DB_RETRY_BASE = 0.5
 DB_RETRY_CAP = 10.0
 #: Deliveries a message for an unknown shard gets (each requeued at once, no delay) before
@@ -89,11 +90,11 @@ UNKNOWN_SHARD_DELIVERIES = 3
 
 def prefetch_for(concurrency: int, configured: int = 0) -> int:
     """RabbitMQ prefetch per queue for a worker running ``concurrency`` handlers:
-    ``configured`` (the ``worker_prefetch`` setting) when set, else 2 x concurrency +
+    ``configured`` (the ``worker_prefetch`` setting) when set, else concurrency +
     ``SETTLING_PREFETCH``."""
     if configured:
         return configured
-    return 2 * concurrency + SETTLING_PREFETCH
+    return concurrency + SETTLING_PREFETCH
 
 
 class Consumer:

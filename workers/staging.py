@@ -5,7 +5,7 @@ queue's staged twin (``duetime.<queue>:staged``), its message carrying the run t
 (``start_at``). The worker consumes staged queues on a channel of their own, whose
 prefetch (``worker_stage_limit``) bounds what it holds, and keeps each delivery here,
 unacked and outside its handler slots, until the run time; then the delivery goes
-through the same path as any other (a slot, the batched begin, the handler). So:
+through the same path as any other (the batched begin, a slot, the handler). So:
 
 - a staged job starts from this worker's timer, not after a claim, a publish and a
   consume that all begin at its run time;

@@ -289,7 +289,7 @@ FIELDS: dict[str, Field] = {
             "worker_prefetch",
             p.number(int, minimum=0, maximum=65535),
             "deliveries per queue a worker holds unacked at most: running, waiting and "
-            "settling (0: 2 x worker_concurrency + 64; lower it for long jobs)",
+            "settling (0: worker_concurrency + 128; lower it for long jobs)",
         ),
         Field(
             "worker_max_abandoned_threads",

@@ -16,11 +16,11 @@ from workers.consumer import SETTLING_PREFETCH, Consumer, prefetch_for
 from workers.slots import HandlerSlot
 
 
-def test_prefetch_is_two_waves_of_handlers_plus_room_for_settling() -> None:
-    assert SETTLING_PREFETCH == 64
-    assert prefetch_for(10) == 84  # was 30: a short handler was bound by it
+def test_prefetch_is_the_running_handlers_plus_room_for_batches() -> None:
+    assert SETTLING_PREFETCH == 128
+    assert prefetch_for(10) == 138  # was 30: a short handler was bound by it
     assert prefetch_for(64) == 192  # as before
-    assert prefetch_for(1) == 66
+    assert prefetch_for(1) == 129
     assert prefetch_for(16, configured=16) == 16
 
 
@@ -39,7 +39,7 @@ def test_worker_prefetch_is_validated_against_the_concurrency() -> None:
 async def test_a_consumer_refuses_a_prefetch_below_its_concurrency() -> None:
     with pytest.raises(ValueError, match="prefetch 3 is below concurrency 4"):
         Consumer(object(), concurrency=4, prefetch=3)  # type: ignore[arg-type]
-    assert Consumer(object(), concurrency=4).prefetch == 72  # type: ignore[arg-type]
+    assert Consumer(object(), concurrency=4).prefetch == 132  # type: ignore[arg-type]
 
 
 async def test_a_slot_is_free_until_n_are_taken() -> None:
