@@ -1,13 +1,14 @@
-"""The event loop the ``duetime`` commands run on: uvloop when it is installed (the
-``uvloop`` extra: ``pip install 'duetime[uvloop]'``), asyncio's own loop otherwise.
+"""The event loop the ``duetime`` commands run on: uvloop when it is installed (a
+dependency of duetime wherever it has a wheel: Linux and macOS on CPython), asyncio's
+own loop otherwise (or after ``pip uninstall uvloop``).
 
 Why: the worker spends its CPU in the event loop's socket and callback machinery (a
 delivery is a few small reads and writes to PostgreSQL and RabbitMQ; py-spy puts no
-duetime function above 2 % of its samples). Measured alternately in one tree, uvloop cut
-the worker's CPU per job by 15-20 % for a handler without ``ctx.db`` and 9-28 % for one
-with an INSERT (docs/benchmarks.md, "A slot is a running handler"). It stays optional:
-it is a compiled dependency, and everything runs the same without it. Embedding code
-(``Worker`` in your own ``asyncio.run``) chooses its own loop.
+duetime function above 2 % of its samples). Measured alternately in one tree on a quiet
+machine, uvloop cut CPU per job in a storm at concurrency 10 by 12.5 % in the worker
+and 7-14 % in the scheduler (docs/benchmarks.md, "uvloop and orjson, measured quiet").
+Everything runs the same without it. Embedding code (``Worker`` in your own
+``asyncio.run``) chooses its own loop.
 """
 
 from __future__ import annotations
