@@ -88,6 +88,8 @@ status = 'pending'
    AND unique_key IS NULL
    AND queue <> ALL({held})
    AND task <> ALL({skip_tasks})
+   AND NOT EXISTS (SELECT 1 FROM duetime.limits AS l
+                    WHERE l.target IN ('task:' || j.task, 'queue:' || j.queue))
    AND EXISTS (SELECT 1 FROM duetime.queues AS q
                 WHERE q.name = j.queue AND NOT q.paused)
 
@@ -96,8 +98,10 @@ status = 'pending'
 -- transaction, after the due claim left room, the pending jobs whose run time falls
 -- within the next {ahead} seconds, earliest first. They are published to their queue's
 -- staged queue and marked by `mark_staged`; a worker holds each until its run time. Not
--- staged: the jobs of the targets of a limit ({skip_tasks} and the limited queues in
--- {held}: a limit is decided when a job starts, not seconds before), jobs with a unique
+-- staged: the jobs of the targets of a limit (a limit is decided when a job starts, not
+-- seconds before; read here in the claim's own snapshot, so a limit set a moment ago
+-- counts although the dispatcher's copy of the limits is refreshed every second; the
+-- {skip_tasks} and limited queues in {held} of that copy are kept too), jobs with a unique
 -- key (a debounce, on_conflict 'replace', moves a pending holder's run time and payload
 -- and leaves a dispatched one alone: staged, it would stop being debounced seconds
 -- early), queues whose staged buffer is full ({held}), undeclared or paused queues.

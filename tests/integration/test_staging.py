@@ -292,6 +292,23 @@ async def test_jobs_under_a_limit_are_not_staged(
     ]
 
 
+async def test_a_limit_set_a_moment_ago_keeps_its_jobs_from_being_staged(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """The dispatcher refreshes its copy of the limits every second; a limit set while
+    it runs, and jobs inserted right after it, must not be staged in between: the
+    staging claim reads the limits itself (docs/api.md's limits example found this)."""
+    async with dispatching(staged_settings, pool):
+        await asyncio.sleep(0.3)  # the dispatcher runs and has read the (empty) limits
+        for target in ("task:t.stage", f"queue:{queue}"):
+            await LimitStore(pool).set(target, 5)
+            await insert_due(pool, queue, 3, AHEAD - 0.5)
+            await asyncio.sleep(1.5)  # staging looks at least every probe_interval
+            assert await status_counts(pool) == {"pending": 3}, target
+            await LimitStore(pool).remove(target)
+            await pool.execute("DELETE FROM duetime.jobs")
+
+
 async def test_a_stopping_worker_gives_staged_jobs_back_and_another_starts_them_on_time(
     pool: asyncpg.Pool, staged_settings: Settings, queue: str
 ) -> None:
