@@ -291,6 +291,8 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
                     "noop (no ctx.db)": result["noop"]["jobs_per_s"] or 0,
                     "insert (one ctx.db INSERT)": result["insert"]["jobs_per_s"] or 0,
                     "insert, share_transaction": result["insert_shared"]["jobs_per_s"] or 0,
+                    "noop, concurrency 10": result["noop_c10"]["jobs_per_s"] or 0,
+                    "noop, concurrency 64": result["noop_c64"]["jobs_per_s"] or 0,
                     "bare pipeline (baseline)": result["baseline_pipeline_jobs_per_s"] or 0,
                 },
             )

@@ -9,6 +9,8 @@ Three handlers, each in a database and queue of its own:
   default, DESIGN §15; target >= 0.7x pipeline);
 - ``insert_shared``: the same for a task that opted in to shared transactions
   (``share_transaction=True``), what the opt-in buys;
+- ``noop`` again at concurrency 10 and at 64, to compare (issue 25: at the asyncio
+  peers' default concurrency a short handler should reach >= 0.8x what it reaches tuned);
 - ``io`` (its own scenario): an INSERT then a 200 ms await at concurrency 64, the
   I/O-bound case: at most 64 / 0.2 = 320 jobs/s whatever the design, target
   >= 0.9 x 320 (no handler may be serialised behind another; the write keeps its shared
@@ -33,7 +35,15 @@ from bench.harness import Sandbox, Services
 from bench.report import load_average, now_iso, ratio
 from bench.worker_rate import EFFECTS_TABLE, IO_SECONDS, count_writes, measure
 
-TARGETS = {"noop_vs_pipeline": 0.85, "insert_vs_pipeline": 0.7, "io_vs_ideal": 0.9}
+TARGETS = {
+    "noop_vs_pipeline": 0.85,
+    "insert_vs_pipeline": 0.7,
+    "io_vs_ideal": 0.9,
+    "noop_c10_vs_c64": 0.8,
+}
+#: The concurrencies of the low-concurrency check (issue 25): the asyncio peers' default
+#: and a tuned worker.
+LOW, HIGH = 10, 64
 
 
 @dataclass(frozen=True)
@@ -43,10 +53,11 @@ class WorkerParams:
     io_concurrency: int = 64
     io_jobs: int = 3200
     count_jobs: int = 2000
+    low_high_jobs: int = 4000  # noop at concurrency 10 and 64, alone
 
     @classmethod
     def quick(cls) -> WorkerParams:
-        return cls(jobs=1000, io_jobs=320, count_jobs=0)
+        return cls(jobs=1000, io_jobs=320, count_jobs=0, low_high_jobs=300)
 
 
 async def _one(services: Services, label: str, task: str, jobs: int, conc: int, **kw: Any) -> Any:
@@ -76,6 +87,8 @@ async def run(
     shared = await _one(
         services, "insert_shared", "bench.insert_shared", params.jobs, params.concurrency
     )
+    low = await _one(services, f"noop-c{LOW}", "bench.noop", params.low_high_jobs, LOW)
+    high = await _one(services, f"noop-c{HIGH}", "bench.noop", params.low_high_jobs, HIGH)
     result: dict[str, Any] = {
         "scenario": "worker",
         "started_at": now_iso(),
@@ -87,6 +100,9 @@ async def run(
         "ratio_noop_to_pipeline": ratio(noop["jobs_per_s"], pipeline),
         "ratio_insert_to_pipeline": ratio(insert["jobs_per_s"], pipeline),
         "ratio_insert_shared_to_pipeline": ratio(shared["jobs_per_s"], pipeline),
+        f"noop_c{LOW}": low,
+        f"noop_c{HIGH}": high,
+        f"ratio_noop_c{LOW}_to_c{HIGH}": ratio(low["jobs_per_s"], high["jobs_per_s"]),
     }
     if params.count_jobs and shutil.which("strace"):
         result["writes_per_delivery"] = {
@@ -95,9 +111,11 @@ async def run(
         }
     result["load_avg_start"] = load_start
     result["load_avg_end"] = load_average()
+    no_effects = (noop, low, high)  # handlers that write nothing
     complete = all(
-        r["effects_rows"] == (0 if r is noop else r["jobs"]) and r["worker_exit"] == 0
-        for r in (noop, insert, shared)
+        r["effects_rows"] == (0 if any(r is n for n in no_effects) else r["jobs"])
+        and r["worker_exit"] == 0
+        for r in (noop, insert, shared, low, high)
     )
     result["targets"] = {
         "complete": complete,
@@ -105,6 +123,8 @@ async def run(
         >= TARGETS["noop_vs_pipeline"],
         "insert_ge_0.7x_pipeline": (result["ratio_insert_to_pipeline"] or 0)
         >= TARGETS["insert_vs_pipeline"],
+        f"noop_c{LOW}_ge_0.8x_c{HIGH}": (result[f"ratio_noop_c{LOW}_to_c{HIGH}"] or 0)
+        >= TARGETS["noop_c10_vs_c64"],
     }
     return result
 
