@@ -119,5 +119,10 @@ async def _unless_stopped(start: Callable[[], Awaitable[None]], stop: asyncio.Ev
         await asyncio.gather(stopped, attempt, return_exceptions=True)
     if attempt.cancelled():
         return False
+    if attempt.exception() is not None and stop.is_set():
+        # abandoned: whatever the attempt made of its cancellation (aiormq's connect
+        # turns a cancel during its handshake into StopAsyncIteration) is not an error
+        # of the start, and a stop must not end in a traceback
+        return False
     attempt.result()  # raises the attempt's error
     return True

@@ -14,6 +14,11 @@ graphile-worker's batched ``complete_jobs``.
 - No timer: a lone item is flushed on the next loop turn, so an idle worker pays no
   latency for batching; under load batches grow by themselves while flushes are busy.
 - The flush tasks are owned: ``close()`` cancels them and fails waiting callers.
+- ``ordered=True``: callers are answered in the order they submitted, whichever of two
+  flushes in flight returns first (a later batch waits for the earlier one's answers).
+  The worker's begin read needs it: deliveries take their handler slots in the order
+  they wake up, and that must be the order they arrived in (a job in a worker's
+  prefetch is not overtaken, docs/api.md "Priorities").
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ class Coalescer(Generic[T, R]):
         name: str,
         max_batch: int = 256,
         max_flushes: int = 2,
+        ordered: bool = False,
     ) -> None:
         if max_batch < 1 or max_flushes < 1:
             raise ValueError("max_batch and max_flushes must be >= 1")
         self._flush = flush
+        self._ordered = ordered
+        self._answered: asyncio.Future[None] | None = None  # the last batch's answers
         self._name = name
         self._max_batch = max_batch
         self._max_flushes = max_flushes
@@ -79,8 +87,26 @@ class Coalescer(Generic[T, R]):
         batch = [(item, fut) for item, fut in batch if not fut.done()]
         if not batch:
             return
+        previous, answered = self._answered, None
+        if self._ordered:
+            answered = self._answered = asyncio.get_running_loop().create_future()
         try:
-            results = await self._flush([item for item, _ in batch])
+            await self._answer(batch, previous)
+        finally:
+            if answered is not None:  # after this batch's callers were answered
+                answered.set_result(None)
+
+    async def _answer(
+        self, batch: list[tuple[T, asyncio.Future[R]]], previous: asyncio.Future[None] | None
+    ) -> None:
+        """Flush ``batch`` and answer its callers, after ``previous`` (the batch before,
+        when ordered) answered its own."""
+        try:
+            try:
+                results = await self._flush([item for item, _ in batch])
+            finally:
+                if previous is not None:
+                    await asyncio.wait([previous])
         except BaseException as exc:
             for _, fut in batch:
                 if not fut.done():

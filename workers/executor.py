@@ -236,7 +236,11 @@ class Executor:
         # (``_wait_for_key``)
         self._keys: dict[str, asyncio.Future[None]] = {}
         self._begins: Coalescer[tuple[JobRef, int], LockedJob | Unreadable | None] = Coalescer(
-            self._begin, name="begin", max_batch=BATCH_SIZE, max_flushes=BEGIN_FLUSHES
+            self._begin,
+            name="begin",
+            max_batch=BATCH_SIZE,
+            max_flushes=BEGIN_FLUSHES,
+            ordered=True,  # deliveries take slots in the order they arrived (workers.slots)
         )
         self._settler = Settler(self._store, worker=worker_name, shard=shard, rng=rng)
         self._groups = (

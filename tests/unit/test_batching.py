@@ -82,3 +82,48 @@ async def test_close_cancels_flushes_and_waiting_callers() -> None:
         await waiting
     with pytest.raises(RuntimeError, match="closed"):
         await c.submit(2)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+async def test_an_ordered_coalescer_answers_in_submit_order_whichever_flush_returns_first(
+    ordered: bool,
+) -> None:
+    """Two flushes in flight; the first is slower. Ordered, its callers are still
+    answered first (the worker's begin read: slots are taken in arrival order); a
+    failure of the first batch does not hold the second back for ever."""
+    first_gate = asyncio.Event()
+    answered: list[int] = []
+
+    async def flush(items: list[int]) -> list[int]:
+        if 0 in items:
+            await first_gate.wait()
+            if 99 in items:
+                raise RuntimeError("first batch failed")
+        return items
+
+    c: Coalescer[int, int] = Coalescer(flush, name="t", max_batch=1, ordered=ordered)
+
+    async def call(i: int) -> None:
+        try:
+            await c.submit(i)
+        except RuntimeError:
+            pass
+        answered.append(i)
+
+    calls = [asyncio.create_task(call(i)) for i in (0, 1)]
+    await asyncio.sleep(0.05)  # the second batch returned meanwhile
+    assert answered == ([] if ordered else [1])
+    first_gate.set()
+    await asyncio.gather(*calls)
+    assert answered == ([0, 1] if ordered else [1, 0])
+
+    first_gate.clear()
+    answered.clear()
+    c2: Coalescer[int, int] = Coalescer(flush, name="t", max_batch=2, ordered=ordered)
+    calls = [asyncio.create_task(call2) for call2 in (c2.submit(0), c2.submit(99), c2.submit(5))]
+    await asyncio.sleep(0.05)
+    first_gate.set()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert isinstance(results[0], RuntimeError) and results[2] == 5
+    await c.close()
+    await c2.close()

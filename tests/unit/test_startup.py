@@ -133,6 +133,27 @@ async def test_stop_during_an_attempt_cancels_the_attempt() -> None:
     assert cleaned_up
 
 
+async def test_an_attempt_that_fails_oddly_when_cancelled_by_a_stop_is_abandoned() -> None:
+    """aiormq's connect, cancelled during its handshake, raises StopAsyncIteration (not
+    transient, not CancelledError): a stop that cancels it must still end the loop
+    quietly (False), not propagate that error (a worker stopped while connecting to an
+    unreachable broker exited with a traceback)."""
+    stop = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def start() -> None:
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise StopAsyncIteration from None
+
+    retrying = asyncio.create_task(start_with_retry(start, stop, service="t"))
+    await entered.wait()
+    stop.set()
+    assert await asyncio.wait_for(retrying, 1.0) is False
+
+
 async def test_a_stop_set_before_the_first_attempt_starts_nothing() -> None:
     stop = asyncio.Event()
     stop.set()
