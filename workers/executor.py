@@ -132,10 +132,15 @@ log = get_logger("duetime.worker")
 
 #: Deliveries read per statement.
 BATCH_SIZE = 256
-#: Batched reads in flight at once: a delivery never waits long for one to start, even
+#: Batched reads in flight at once: a delivery does not wait long for one to start, even
 #: when a read waits for a claim still in flight (FOR KEY SHARE). Each runs on a guard
-#: connection of its own (``scheduler.store.execution_guard``, as many slots).
-BEGIN_FLUSHES = 4
+#: connection of its own (``scheduler.store.execution_guard``). Two, not four, since a
+#: delivery is read before it takes its handler slot (``workers.slots``): deliveries then
+#: reach the read as they arrive, and four reads in flight split them into batches of ~10
+#: (storm at concurrency 64: 1.9k statements, 2.06 ms CPU per job); two make batches of
+#: ~18 (1.1k, 1.92 ms), with no loss at concurrency 10 (docs/benchmarks.md, "A slot is a
+#: running handler, from the begin on").
+BEGIN_FLUSHES = 2
 #: Seconds before a redelivered copy of an attempt running elsewhere goes back to the
 #: queue (``AttemptRunningElsewhere``).
 RUNNING_ELSEWHERE_REQUEUE = 1.0
