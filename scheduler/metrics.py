@@ -70,6 +70,14 @@ STAGED_HELD = Gauge(
     "duetime_staged_held",
     "staged deliveries this worker holds until their run time (workers)",
 )
+HANDLERS_RUNNING = Gauge(
+    "duetime_worker_handlers_running",
+    "handler slots taken in this worker (at most its concurrency)",
+)
+DELIVERIES_WAITING = Gauge(
+    "duetime_worker_deliveries_waiting",
+    "deliveries this worker has read and that wait for a handler slot (all slots busy)",
+)
 STAGED_RELEASED = Counter(
     "duetime_staged_released_total",
     "staged deliveries at their run time (workers): started (handed to a handler slot), "

@@ -60,6 +60,7 @@ from scheduler.messages import JobMessage, MalformedMessage, decode
 from scheduler.metrics import (
     DELIVERIES_DROPPED,
     DELIVERIES_REQUEUED,
+    HANDLERS_RUNNING,
     MALFORMED_MESSAGES,
     STAGED_RELEASED,
 )
@@ -305,6 +306,7 @@ class Consumer:
     def _count_active(self, change: int) -> None:
         self.active += change
         self.peak = max(self.peak, self.active)
+        HANDLERS_RUNNING.inc(change)
 
     async def _handle(self, message: AbstractIncomingMessage, msg: JobMessage | None) -> None:
         settle = _Settlement(message, self._acks)

@@ -104,6 +104,7 @@ from scheduler.log import get_logger
 from scheduler.messages import JobMessage, message_id
 from scheduler.metrics import (
     DELIVERIES_DROPPED,
+    DELIVERIES_WAITING,
     FIRE_LAG,
     JOB_DURATION,
     MESSAGE_ROW_MISMATCH,
@@ -586,10 +587,12 @@ class Executor:
             log=log,
         )
         heartbeat.start()
+        DELIVERIES_WAITING.inc()
         try:
             with self.cancellations.waiting(ref.job_id):
                 await slot.acquire()
         finally:
+            DELIVERIES_WAITING.dec()
             await heartbeat.stop()
 
     async def _settle(

@@ -25,6 +25,7 @@ from typing import Any
 import asyncpg
 import pytest
 from aio_pika.abc import AbstractChannel
+from prometheus_client import REGISTRY
 
 from scheduler.config import Settings
 from scheduler.store.jobs import JobStore
@@ -315,6 +316,8 @@ async def test_a_delivery_waiting_for_a_slot_heartbeats_and_a_cancel_keeps_it_fr
             return beat is not None and (dispatched_beat is None or beat > dispatched_beat)
 
         await wait_for(beating, timeout=10, message="the waiting delivery's heartbeat")
+        assert REGISTRY.get_sample_value("duetime_worker_deliveries_waiting") == 1
+        assert REGISTRY.get_sample_value("duetime_worker_handlers_running") == 1
         cancelled = await JobStore(db_pool).cancel(second.id, by="tester")
         assert cancelled.status == "cancelled"
         await asyncio.sleep(0.5)  # the NOTIFY reaches the worker
