@@ -85,9 +85,11 @@ by the ledger like any duplicate delivery.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import cast
@@ -430,19 +432,8 @@ class Executor:
         if slot is not None:
             slot.release()
         log.info("delivery_waits_for_key", idempotency_key=job.key)
-        heartbeat = Heartbeat(
-            self._store,
-            job_id=ref.job_id,
-            due_at=ref.due_at,
-            attempt=ref.attempt,
-            interval=self._heartbeat_interval,
-            log=log,
-        )
-        heartbeat.start()
-        try:
+        async with self._alive(ref):
             await asyncio.shield(previous)
-        finally:
-            await heartbeat.stop()
         try:
             (fresh,) = await self._store.begin([ref])
         except asyncio.CancelledError:
@@ -578,7 +569,18 @@ class Executor:
         if slot.free():
             await slot.acquire()  # a permit is free: taken without waiting
             return
-        heartbeat = Heartbeat(
+        DELIVERIES_WAITING.inc()
+        try:
+            async with self._alive(ref):
+                with self.cancellations.waiting(ref.job_id):
+                    await slot.acquire()
+        finally:
+            DELIVERIES_WAITING.dec()
+
+    def _heartbeat(self, ref: JobRef) -> Heartbeat:
+        """The attempt's heartbeat (not started); its beats log with the delivery's
+        bound job fields."""
+        return Heartbeat(
             self._store,
             job_id=ref.job_id,
             due_at=ref.due_at,
@@ -586,13 +588,16 @@ class Executor:
             interval=self._heartbeat_interval,
             log=log,
         )
+
+    @contextlib.asynccontextmanager
+    async def _alive(self, ref: JobRef) -> AsyncIterator[None]:
+        """Heartbeat the attempt while it waits (for a slot, for its key's holder): it is
+        alive, and the reconciler must not publish it again."""
+        heartbeat = self._heartbeat(ref)
         heartbeat.start()
-        DELIVERIES_WAITING.inc()
         try:
-            with self.cancellations.waiting(ref.job_id):
-                await slot.acquire()
+            yield
         finally:
-            DELIVERIES_WAITING.dec()
             await heartbeat.stop()
 
     async def _settle(
@@ -664,14 +669,7 @@ class Executor:
         """Run the handler under its timeout, stoppable by a cancel; return its
         exception (or None) and its encoded result (or None)."""
         ref, job = attempt.ref, attempt.job
-        heartbeat = Heartbeat(
-            self._store,
-            job_id=ref.job_id,
-            due_at=ref.due_at,
-            attempt=ref.attempt,
-            interval=self._heartbeat_interval,
-            log=log,  # its task inherits the delivery's bound job fields
-        )
+        heartbeat = self._heartbeat(ref)
         ctx = JobContext(
             job_id=ref.job_id,
             attempt=ref.attempt,
