@@ -363,7 +363,10 @@ async def test_a_queue_whose_staged_queue_has_no_consumer_is_not_staged_again(
         await until(lambda: len(starts.at), 1, 20, "the second job started")
         [[started]] = starts.at.values()
         assert started >= due.timestamp() - 0.002
-        assert await status_counts(pool) == {"dispatched": 1, "succeeded": 1}
+        # its start is recorded before its outcome commits: wait for the commit
+        expected = {"dispatched": 1, "succeeded": 1}
+        await until(lambda: status_counts(pool), expected, 10, "the second job settled")
+        assert await status_counts(pool) == expected
 
 
 async def test_a_job_with_a_unique_key_is_not_staged(
