@@ -71,7 +71,7 @@ async def running(env: Env) -> AsyncIterator[None]:
         if payload.get("fail") == "dead":
             raise Fail("it broke")
         if payload.get("fail") == "once" and ctx.attempt == 1:
-            raise Retry(in_=0.3)
+            raise Retry(in_=1.0)
         return payload.get("value")
 
     config = config_from_settings(DispatcherConfig, env.settings)
@@ -393,14 +393,21 @@ async def test_a_retried_dependency_keeps_its_dependents_waiting(env: Env) -> No
     async with running(env):
         flaky = await insert(env.pool, env.queue, {"fail": "once", "value": "second try"})
         dependent = await insert(env.pool, env.queue, depends_on=[flaky])
-        await wait_for(
-            lambda: env.pool.fetchval(
-                "SELECT attempt = 2 AND status = 'pending' FROM duetime.jobs WHERE id = $1",
+        # One snapshot of both rows while the retry is on its way (pending, staged or
+        # running at attempt 2, for at least the retry's 1 s): the dependent waits. Two
+        # reads could see the retry succeed in between; a wait for 'pending' alone could
+        # miss it, since staging dispatches a retry due within the horizon at once.
+        retried, dependent_status = await wait_for(
+            lambda: env.pool.fetchrow(
+                "SELECT f.attempt = 2 AND f.status <> 'succeeded' AS retried, d.status"
+                "  FROM duetime.jobs AS f, duetime.jobs AS d WHERE f.id = $1 AND d.id = $2"
+                "   AND f.attempt = 2 AND f.status <> 'succeeded'",
                 flaky,
+                dependent,
             ),
             timeout=30,
         )
-        assert await status(env.pool, dependent) == "waiting"
+        assert retried and dependent_status == "waiting"
         await wait_for(lambda: all_in(env.pool, [dependent], "succeeded"), timeout=30)
     (run,) = [s for s in env.seen if s[0] == dependent]
     assert run[2] == [(flaky, "succeeded", "second try")]
