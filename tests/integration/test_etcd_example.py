@@ -81,10 +81,16 @@ async def test_three_node_example_forms_a_cluster(tmp_path: Path) -> None:
         endpoints = [f"127.0.0.1:{ports[n][2379]}" for n in (1, 2, 3)]
 
         async def all_healthy() -> bool:
-            results = await asyncio.gather(*(etcd_healthy(e, 0.5) for e in endpoints))
+            results = await asyncio.gather(*(etcd_healthy(e, 2.0) for e in endpoints))
             return all(results)
 
-        await wait_for(all_healthy, timeout=30, message="3 healthy etcd members")
+        # Generous: under the full suite on 2 cores a member's first election can take
+        # many 1 s election timeouts. A failure says what each member was doing.
+        try:
+            await wait_for(all_healthy, timeout=60, message="3 healthy etcd members")
+        except AssertionError as exc:
+            states = "\n".join(f"--- {m!r} running={m.running()}\n{m.tail(15)}" for m in members)
+            raise AssertionError(f"{exc}\n{states}") from None
         # metrics listener from ETCD_LISTEN_METRICS_URLS answers /health too
         assert await etcd_healthy(f"127.0.0.1:{ports[1][2381]}", 1.0)
 

@@ -182,18 +182,22 @@ async def test_jobs_due_soon_are_staged_and_start_at_their_run_time_once(
 async def test_staged_jobs_cancelled_before_their_run_time_never_start(
     pool: asyncpg.Pool, staged_settings: Settings, queue: str
 ) -> None:
-    """1,000 staged, half cancelled a second before their run time: none of those runs,
-    each of the others runs once."""
+    """1,000 staged, half cancelled before their run time: none of those runs, each of
+    the others runs once. Due 10 s out (the horizon 12 s), so that staging them and 500
+    cancels fit before the run time on a slow machine; the test says so if they did not."""
     starts = Starts()
-    async with dispatching(staged_settings, pool), working(staged_settings, queue, starts):
-        await insert_due(pool, queue, 1000, AHEAD + 1)
-        await until(lambda: staged_count(pool), 1000, AHEAD, "1,000 rows staged")
+    lead = 10.0
+    settings = dataclasses.replace(staged_settings, stage_ahead=lead + 2)
+    async with dispatching(settings, pool), working(settings, queue, starts):
+        due = await insert_due(pool, queue, 1000, lead)
+        await until(lambda: staged_count(pool), 1000, lead - 2, "1,000 rows staged")
         ids = [r["id"] for r in await pool.fetch("SELECT id FROM duetime.jobs ORDER BY id")]
         cancelled = ids[::2]
         jobs = JobStore(pool)
-        for job_id in cancelled:
-            await jobs.cancel(job_id)
-        assert await staged_count(pool) == 500  # all before their run time
+        await asyncio.gather(*(jobs.cancel(job_id) for job_id in cancelled))
+        left = due.timestamp() - time.time()
+        assert left > 0.5, f"the cancels ended {-left:.1f}s after the run time, not before"
+        assert await staged_count(pool) == 500
         await until(lambda: status_counts(pool), {"succeeded": 500, "cancelled": 500}, AHEAD + 30)
         await asyncio.sleep(0.5)  # a late start of a cancelled one would show now
     assert not set(cancelled) & set(starts.at)
