@@ -221,6 +221,7 @@ class Consumer:
             log.warning("deliveries_cancelled_after_grace", count=len(pending), grace=grace)
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._acks.close(CLOSE_TIMEOUT)
         return len(pending)
 
     async def abort(self) -> None:
@@ -233,6 +234,7 @@ class Consumer:
             task.cancel()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._acks.close(CLOSE_TIMEOUT)
 
     # -- deliveries ------------------------------------------------------------------
 
@@ -421,6 +423,7 @@ class AckCoalescer:
         # before the next flush computes (else a later frame could cover a tag first and
         # the broker would close the channel on the now unknown tag)
         self._send_lock = asyncio.Lock()
+        self._flushes: set[asyncio.Task[None]] = set()
         self.frames = 0  # ack frames sent (tests, benchmarks)
 
     def received(self, message: AbstractIncomingMessage) -> None:
@@ -452,11 +455,36 @@ class AckCoalescer:
 
     def _start_flush(self) -> None:
         task = asyncio.create_task(self._flush(), name="acks:flush")
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._flushes.add(task)
+        task.add_done_callback(self._flush_done)
+
+    def _flush_done(self, task: asyncio.Task[None]) -> None:
+        self._flushes.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a send failure is logged by _send already
 
     async def _flush(self) -> None:
         async with self._send_lock:
             await self._flush_queued()
+
+    async def close(self, timeout: float) -> None:
+        """Send every ack already queued, before the channels close: a delivery task
+        cancelled while its ack waited in the queue (a stop cancels those not running)
+        leaves the frame to a flush, and a channel closed under that flush would drop
+        it, so the broker would redeliver a settled job. Bounded by ``timeout`` (an
+        unreachable broker); what is not sent by then is redelivered, as after a crash."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self._flushes or self._queued:
+                    if self._flushes:
+                        await asyncio.gather(*list(self._flushes), return_exceptions=True)
+                    else:
+                        await self._flush()
+        except TimeoutError:
+            log.warning("acks_unsent_at_close", queued=len(self._queued), timeout=timeout)
+        finally:
+            for task in list(self._flushes):
+                task.cancel()
 
     async def _flush_queued(self) -> None:
         queued, self._queued = self._queued, []
