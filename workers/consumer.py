@@ -475,16 +475,14 @@ class AckCoalescer:
         unreachable broker); what is not sent by then is redelivered, as after a crash."""
         try:
             async with asyncio.timeout(timeout):
-                while self._flushes or self._queued:
-                    if self._flushes:
-                        await asyncio.gather(*list(self._flushes), return_exceptions=True)
-                    else:
-                        await self._flush()
+                await self._flush()  # after the flush in progress (the send lock): the rest
         except TimeoutError:
             log.warning("acks_unsent_at_close", queued=len(self._queued), timeout=timeout)
-        finally:
-            for task in list(self._flushes):
+        finally:  # flushes still scheduled have nothing left to send
+            tasks = list(self._flushes)
+            for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _flush_queued(self) -> None:
         queued, self._queued = self._queued, []
