@@ -91,6 +91,7 @@ class Report:
     p99_fire_lag_s: float | None = None
     faults: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    late_s: float = 0.0  # seconds past the settle time the run was given (a slow machine)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -111,6 +112,7 @@ class Report:
             f"max {s(self.max_failover_s)}, fire lag p50 {s(self.p50_fire_lag_s)} "
             f"p99 {s(self.p99_fire_lag_s)} max {s(self.max_fire_lag_s)}, "
             f"{len(self.faults)} faults, {self.duration_s:.1f}s"
+            + (f" (settled {self.late_s:.1f}s past its settle time)" if self.late_s else "")
         )
 
     def to_json(self) -> str:
@@ -129,7 +131,8 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 async def verify(conn: asyncpg.Connection | asyncpg.Pool, report: Report) -> Report:
     """Fill ``report`` from the database; every broken invariant becomes a problem
-    naming the job ids (and their rows) involved."""
+    naming the job ids (and their rows) involved. Give it a connection in a repeatable
+    read transaction: its counts must come from one snapshot."""
     jobs = await conn.fetch(
         "SELECT id, status, attempt, dispatch_epoch, dispatched_at, last_error "
         "FROM duetime.jobs WHERE task = $1 ORDER BY id",

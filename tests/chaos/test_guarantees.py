@@ -3,7 +3,7 @@
 Each scenario runs real ``duetime scheduler`` replicas and ``duetime worker``s, loads
 them with ``chaos.check`` jobs (``tests/chaos/chaos_tasks.py``), breaks something again
 and again while the jobs come due, waits for every job to settle, and then lets
-``tests/chaos/check.py`` judge from PostgreSQL alone: every job ``succeeded`` (none
+``tests/chaos/check.py`` judge from PostgreSQL alone (one snapshot): every job ``succeeded`` (none
 lost), exactly one committed effect per job, no claim committed under an epoch other
 than the fence's. Duplicate deliveries are allowed and counted.
 
@@ -18,7 +18,12 @@ than the fence's. Duplicate deliveries are allowed and counted.
   side, then both, to RabbitMQ / PostgreSQL cut (and new ones refused) for seconds;
 - ``etcd_stop``: etcd stopped for longer than the TTL, then restarted.
 
-CI: each scenario ≤ ~60 s. Soak (``DUETIME_TEST_SOAK=1``, ``make chaos``): each runs for
+CI: each scenario ≤ ~60 s. A job not settled ``SETTLE`` seconds after the window is
+lost only if nothing settles for 15 s more (``GRACE`` at most): on a slower machine
+the backlog the faults left drains later (pg_cut on a 2-core box: ~2,000 jobs behind
+when the cuts end, draining at ~200 jobs/s, fire lag p99 23-30 s against the 30 s;
+CI on a slower VM judged 100 of them lost while they still ran), and the summary says
+how late it was. Soak (``DUETIME_TEST_SOAK=1``, ``make chaos``): each runs for
 ``DUETIME_TEST_SOAK_MINUTES`` (default 2) with ten times the jobs of the storm and
 randomised faults; every run appends its figures to ``tests/chaos/results.jsonl``.
 The seed is printed; ``DUETIME_TEST_SEED=<n>`` replays the same fault plan (the
@@ -49,7 +54,10 @@ pytestmark = pytest.mark.chaos
 SOAK_SECONDS = float(os.environ.get("DUETIME_TEST_SOAK_MINUTES", "2")) * 60
 WINDOW = SOAK_SECONDS if SOAK else 15.0  # seconds over which jobs come due and faults hit
 SETTLE = 60.0 if SOAK else 30.0  # after the window, for the backlog to drain
-LIMIT = int(WINDOW + SETTLE + (120 if SOAK else 45))  # pytest-timeout per scenario
+#: more settle time, only while jobs still settle (ChaosCluster.wait_settled): a slower
+#: machine drains the backlog of the faults later, a lost job never settles
+GRACE = 60.0
+LIMIT = int(WINDOW + SETTLE + GRACE + (120 if SOAK else 45))  # pytest-timeout per scenario
 TIMELINE = os.environ.get("CHAOS_TIMELINE") == "1"  # print fire lag per second of due time
 ETCD_ERRORS = (aetcd.exceptions.ClientError, TimeoutError)
 
@@ -64,7 +72,7 @@ def jobs(ci: int, soak_rate: float, soak_max: int) -> int:
 async def settle_and_judge(c: ChaosCluster) -> Report:
     """Wait for every job to settle (bounded), then the verdict; print it, record it
     (soak), and fail with the broken invariants, their job ids and the process logs."""
-    await c.wait_settled(SETTLE + max(0.0, c.due_by - time.monotonic()))
+    await c.wait_settled(SETTLE + max(0.0, c.due_by - time.monotonic()), grace=GRACE)
     report = await c.report()
     print(report.summary())
     if TIMELINE:
