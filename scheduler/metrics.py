@@ -78,6 +78,12 @@ DELIVERIES_WAITING = Gauge(
     "duetime_worker_deliveries_waiting",
     "deliveries this worker has read and that wait for a handler slot (all slots busy)",
 )
+DELIVERIES_AWAITING_DATABASE = Gauge(
+    "duetime_worker_deliveries_awaiting_database",
+    "deliveries this worker holds because their outcome could not be recorded: each goes "
+    "back to the queue when its database answers again, or after 10 s",
+    ["shard"],
+)
 STAGED_RELEASED = Counter(
     "duetime_staged_released_total",
     "staged deliveries at their run time (workers): started (handed to a handler slot), "

@@ -16,9 +16,10 @@ Settlement rules (DESIGN §6):
 - a body that is not a job (``MalformedMessage``) → ``reject(requeue=False)``: the
   queue's dead-letter exchange moves it to ``duetime.dead-letter``; counted and logged
   with its ``message_id``;
-- no outcome could be recorded (``DatabaseUnavailable``) → nack with requeue after a
-  bounded, jittered delay growing with consecutive failures, so a database outage does
-  not become a hot redelivery loop. Past the queue's delivery limit RabbitMQ
+- no outcome could be recorded (``DatabaseUnavailable``) → nack with requeue once the
+  shard's database answers again, or after ``db_retry_cap`` seconds (``workers.outage``:
+  a probe while deliveries wait), so a database outage neither becomes a hot redelivery
+  loop nor keeps the worker idle after it ended. Past the queue's delivery limit RabbitMQ
   dead-letters the message; the job row is still ``dispatched`` and the reconciler
   publishes it again after the visibility timeout, so nothing is lost;
 - a shard this worker is not configured with (``UnknownShard``, checked before the
@@ -66,6 +67,7 @@ from scheduler.metrics import (
 )
 from workers.errors import AttemptRunningElsewhere, DatabaseUnavailable
 from workers.executor import RUNNING_ELSEWHERE_REQUEUE, Executor
+from workers.outage import Outage
 from workers.shards import ShardExecutors, UnknownShard
 from workers.slots import HandlerSlot
 from workers.staging import StagedDeliveries
@@ -127,6 +129,7 @@ class Consumer:
         self._running: set[asyncio.Task[None]] = set()
         self._consumers: list[tuple[AbstractQueue, str]] = []
         self._db_failures = 0
+        self._outages: dict[str, Outage] = {}  # per shard, once a delivery failed on it
         self.stopping = False
         self.active = 0  # handler slots taken right now (workers.slots)
         self.peak = 0  # most handler slots ever taken at once
@@ -221,6 +224,7 @@ class Consumer:
             log.warning("deliveries_cancelled_after_grace", count=len(pending), grace=grace)
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._close_outages()
         await self._acks.close(CLOSE_TIMEOUT)
         return len(pending)
 
@@ -234,7 +238,12 @@ class Consumer:
             task.cancel()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._close_outages()
         await self._acks.close(CLOSE_TIMEOUT)
+
+    async def _close_outages(self) -> None:
+        for outage in self._outages.values():
+            await outage.close()
 
     # -- deliveries ------------------------------------------------------------------
 
@@ -333,13 +342,17 @@ class Consumer:
                 await self._executor.execute(msg, redelivered=bool(message.redelivered), slot=slot)
                 committed = True
             self._db_failures = 0
+            outage = self._outages.get(msg.shard)
+            if outage is not None:
+                outage.committed()
             await settle("ack")
         except asyncio.CancelledError:
             # an outcome already committed is acked; anything else goes back to the queue
             await (settle("ack") if committed else settle("nack", requeue=True))
             raise
         except DatabaseUnavailable as exc:
-            await self._requeue_later(settle, exc, job)
+            assert msg is not None  # raised by the executor: the body was decoded
+            await self._requeue_when_back(settle, exc, job, msg.shard)
         except AttemptRunningElsewhere as exc:
             await self._requeue_later(settle, exc, job, delay=RUNNING_ELSEWHERE_REQUEUE)
         except UnknownShard as exc:
@@ -372,6 +385,45 @@ class Consumer:
             DELIVERIES_REQUEUED.inc()
             await settle("nack", requeue=True)
 
+    def _outage(self, shard: str) -> Outage:
+        outage = self._outages.get(shard)
+        if outage is None:
+            outage = self._outages[shard] = Outage(
+                lambda: self._executor.ping(shard),
+                cap=self._db_retry_cap,
+                probe_timeout=self._timeout,
+                shard=shard,
+                clock=self._clock,
+            )
+        return outage
+
+    async def _requeue_when_back(
+        self,
+        settle: _Settlement,
+        exc: DatabaseUnavailable,
+        job: dict[str, Any],
+        shard: str,
+    ) -> None:
+        """Nack with requeue once ``shard``'s database answers again, or after
+        ``db_retry_cap`` seconds (``workers.outage``)."""
+        outage = self._outage(shard)
+        self.requeued += 1
+        DELIVERIES_REQUEUED.inc()
+        waited = 0.0
+        try:
+            if not self.stopping:
+                waited = await outage.wait()
+        finally:  # cancelled by shutdown too: back to the queue either way
+            await settle("nack", requeue=True)
+        log.warning(
+            "delivery_requeued",
+            message_id=settle.message.message_id,
+            reason=f"{type(exc).__name__}: {exc}",
+            consecutive_failures=outage.failures,
+            waited=round(waited, 3),
+            **job,
+        )
+
     async def _requeue_later(
         self,
         settle: _Settlement,
@@ -381,7 +433,7 @@ class Consumer:
         delay: float | None = None,
     ) -> None:
         """Nack with requeue after ``delay``; by default a delay that grows with the
-        consecutive database failures."""
+        consecutive failures (a bug in the delivery path: never a hot loop)."""
         if delay is None:
             self._db_failures += 1
             delay = bounded_jitter(self._db_failures, base=DB_RETRY_BASE, cap=self._db_retry_cap)

@@ -299,6 +299,10 @@ class Executor:
             "complete_per_batch": round(completions.items / max(1, completions.batches), 1),
         }
 
+    async def ping(self, shard: str | None = None) -> None:
+        """Raise unless this executor's database answers (``workers.outage``)."""
+        await self._store.ping()
+
     async def close(self) -> None:
         if self._own_threads is not None:
             self._own_threads.close()

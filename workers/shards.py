@@ -256,6 +256,13 @@ class ShardExecutors:
             raise UnknownShard(msg.shard, self.names)
         return await executor.execute(msg, redelivered=redelivered, slot=slot)
 
+    async def ping(self, shard: str | None = None) -> None:
+        """Raise unless ``shard``'s database answers (``workers.outage``)."""
+        executor = self._executors.get(shard or "")
+        if executor is None:
+            raise UnknownShard(shard or "", self.names)
+        await executor.ping()
+
     def batching(self) -> dict[str, dict[str, float]]:
         """Each shard's ``Executor.batching()``."""
         return {name: executor.batching() for name, executor in self._executors.items()}

@@ -115,3 +115,8 @@ SELECT duetime.worker_progress($1::bigint, $2::timestamptz, $3::int, $4::real, $
 -- A staged job whose row's run time is later than its message's (moved while staged,
 -- migration 0028): back to pending for this attempt and dispatch; the ids given back.
 SELECT duetime.worker_unstage($1::bigint[], $2::timestamptz[], $3::int[], $4::bigint[]);
+
+-- name: ping
+-- Whether the database answers (workers/outage.py): while deliveries of a shard wait
+-- out an outage, one probe at a time, at most every 2 s.
+SELECT 1;

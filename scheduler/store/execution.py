@@ -99,6 +99,12 @@ class ExecutionStore:
         """Release the guard lock ``begin`` took for this attempt (batched, not awaited)."""
         self.guard.release((ref.job_id, ref.attempt, epoch))
 
+    async def ping(self) -> None:
+        """Raise unless PostgreSQL answers a trivial query on a pooled connection (the
+        probe of ``workers.outage``)."""
+        async with self._db.acquire() as conn:
+            await conn.fetchval(Q["ping"])
+
     async def close(self) -> None:
         """Release every guard lock and give the guard connection back to the pool."""
         await self.guard.close()

@@ -565,32 +565,60 @@ async def test_grace_period_expiry_rolls_back_and_requeues(
     assert await effects(db_pool, job, effects_table) == 0
 
 
-async def test_database_outage_requeues_until_the_database_is_back(
+def awaiting_database() -> float | None:
+    return REGISTRY.get_sample_value(
+        "duetime_worker_deliveries_awaiting_database", {"shard": "main"}
+    )
+
+
+async def test_database_outage_holds_deliveries_until_the_database_answers(
     settings: Settings,
     db_pool: asyncpg.Pool,
     channel: AbstractChannel,
     queue: str,
     effects_table: str,
 ) -> None:
+    """Deliveries that cannot reach the database are neither acked nor lost nor
+    redelivered in a loop: each holds its message until the database answers, then goes
+    back to the queue at once (workers/outage.py). Twenty failing at one instant used to
+    drive one shared delay to its cap, so each waited out half the cap or more after
+    the database was back (and the first were already redelivered during the outage)."""
     parts = urlsplit(settings.database_url)
     proxy = await FaultProxy(parts.hostname or "127.0.0.1", parts.port or 5432).start()
     try:
         via_proxy = proxy.route(settings.database_url)
         registry = recording_registry()
-        job = await dispatched_job(db_pool, "t.record", queue=queue)
+        jobs = [await dispatched_job(db_pool, "t.record", queue=queue) for _ in range(20)]
         async with running(
             settings, registry, queue, database_url=via_proxy, db_timeout=2.0
         ) as worker:
-            assert worker.consumer is not None
+            consumer = worker.consumer
+            assert consumer is not None
+            # the cap out of reach: only the database answering can end a wait here
+            consumer._db_retry_cap = 60.0
             proxy.refuse(True)
             proxy.cut()
-            await publish(channel, queue, job.message(1))
-            # not acked, not lost: nacked back (after a growing delay) and redelivered
-            await wait_for(lambda: worker.consumer.requeued >= 3, timeout=15)
-            assert (await job_row(db_pool, job))["status"] == "dispatched"
+            for job in jobs:
+                await publish(channel, queue, job.message(1))
+            await wait_for(lambda: consumer.requeued >= len(jobs), timeout=20)
+            await asyncio.sleep(1.5)  # the outage goes on: nothing goes back meanwhile
+            assert consumer.requeued == len(jobs)
+            assert await queue_depth(channel, queue) == (0, 1)  # held by the worker, unacked
+            assert awaiting_database() == len(jobs)
+            rows = [await job_row(db_pool, job) for job in jobs]
+            assert {r["status"] for r in rows} == {"dispatched"}
             proxy.refuse(False)
-            await wait_for(lambda: status_is(db_pool, job, "succeeded", 1), timeout=30)
-        assert await effects(db_pool, job, effects_table) == 1
+
+            async def all_succeeded() -> bool:
+                rows = [await job_row(db_pool, job) for job in jobs]
+                return {(r["status"], r["attempt"]) for r in rows} == {("succeeded", 1)}
+
+            # a probe answers within 2 s of the database coming back (the shared delay
+            # of before: 30-60 s here)
+            await wait_for(all_succeeded, timeout=20, message="every held delivery ran")
+            assert awaiting_database() == 0
+        for job in jobs:
+            assert await effects(db_pool, job, effects_table) == 1
         assert await queue_depth(channel, queue) == (0, 0)
     finally:
         await proxy.stop()
