@@ -59,3 +59,20 @@ class ManualClock:
 
 
 SYSTEM_CLOCK = SystemClock()
+
+
+async def wait_event(event: asyncio.Event, seconds: float, clock: Clock = SYSTEM_CLOCK) -> bool:
+    """Wait until ``event`` is set or ``seconds`` pass on ``clock``; whether it was set.
+    ``asyncio.wait_for`` would time out on the event loop's time, which a
+    ``ManualClock`` does not move."""
+    if event.is_set():
+        return True
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({sleeper, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        waiter.cancel()
+        await asyncio.gather(sleeper, waiter, return_exceptions=True)
+    return event.is_set()

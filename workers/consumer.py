@@ -352,7 +352,7 @@ class Consumer:
             raise
         except DatabaseUnavailable as exc:
             assert msg is not None  # raised by the executor: the body was decoded
-            await self._requeue_when_back(settle, exc, job, msg.shard)
+            await self._requeue_later(settle, exc, job, shard=msg.shard)
         except AttemptRunningElsewhere as exc:
             await self._requeue_later(settle, exc, job, delay=RUNNING_ELSEWHERE_REQUEUE)
         except UnknownShard as exc:
@@ -397,33 +397,6 @@ class Consumer:
             )
         return outage
 
-    async def _requeue_when_back(
-        self,
-        settle: _Settlement,
-        exc: DatabaseUnavailable,
-        job: dict[str, Any],
-        shard: str,
-    ) -> None:
-        """Nack with requeue once ``shard``'s database answers again, or after
-        ``db_retry_cap`` seconds (``workers.outage``)."""
-        outage = self._outage(shard)
-        self.requeued += 1
-        DELIVERIES_REQUEUED.inc()
-        waited = 0.0
-        try:
-            if not self.stopping:
-                waited = await outage.wait()
-        finally:  # cancelled by shutdown too: back to the queue either way
-            await settle("nack", requeue=True)
-        log.warning(
-            "delivery_requeued",
-            message_id=settle.message.message_id,
-            reason=f"{type(exc).__name__}: {exc}",
-            consecutive_failures=outage.failures,
-            waited=round(waited, 3),
-            **job,
-        )
-
     async def _requeue_later(
         self,
         settle: _Settlement,
@@ -431,27 +404,34 @@ class Consumer:
         job: dict[str, Any],
         *,
         delay: float | None = None,
+        shard: str | None = None,
     ) -> None:
-        """Nack with requeue after ``delay``; by default a delay that grows with the
-        consecutive failures (a bug in the delivery path: never a hot loop)."""
-        if delay is None:
+        """Nack with requeue after ``delay``; for a delivery that could not reach its
+        database (``shard``), once that database answers again, or after
+        ``db_retry_cap`` seconds (``workers.outage``); otherwise after a delay growing
+        with the consecutive failures (a bug in the delivery path: never a hot loop).
+        Logged once it goes back, with the seconds it waited."""
+        outage = self._outage(shard) if shard is not None else None
+        if outage is None and delay is None:
             self._db_failures += 1
             delay = bounded_jitter(self._db_failures, base=DB_RETRY_BASE, cap=self._db_retry_cap)
         self.requeued += 1
         DELIVERIES_REQUEUED.inc()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            if not self.stopping:
+                await (outage.wait() if outage is not None else asyncio.sleep(delay or 0.0))
+        finally:  # cancelled by shutdown too: back to the queue either way
+            await settle("nack", requeue=True)
         log.warning(
             "delivery_requeued",
             message_id=settle.message.message_id,
             reason=f"{type(exc).__name__}: {exc}",
-            consecutive_failures=self._db_failures,
-            requeue_in=round(delay, 3),
+            consecutive_failures=outage.failures if outage is not None else self._db_failures,
+            waited=round(loop.time() - started, 3),
             **job,
         )
-        try:
-            if not self.stopping:
-                await asyncio.sleep(delay)
-        finally:  # cancelled by shutdown too: back to the queue either way
-            await settle("nack", requeue=True)
 
 
 class AckCoalescer:

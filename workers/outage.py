@@ -31,7 +31,7 @@ import random
 from collections.abc import Awaitable, Callable
 
 from scheduler.backoff import bounded_jitter
-from scheduler.clock import SYSTEM_CLOCK, Clock
+from scheduler.clock import SYSTEM_CLOCK, Clock, wait_event
 from scheduler.log import get_logger
 from scheduler.metrics import DELIVERIES_AWAITING_DATABASE
 
@@ -99,8 +99,8 @@ class Outage:
             if floor:
                 await self._clock.sleep(floor)
             left = self._cap - (self._clock.monotonic() - started)
-            if left > 0 and not back.is_set():
-                await self._first(back.wait(), self._clock.sleep(left))
+            if left > 0:
+                await wait_event(back, left, self._clock)
         finally:
             self.waiting -= 1
             gauge.dec()
@@ -157,14 +157,3 @@ class Outage:
             self._false_wakes += 1  # undone by the commit that should follow
             self._wake()
             return
-
-    @staticmethod
-    async def _first(*waits: Awaitable[object]) -> None:
-        """Return when the first of ``waits`` is done; cancel the others."""
-        tasks = [asyncio.ensure_future(w) for w in waits]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
