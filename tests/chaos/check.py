@@ -129,7 +129,9 @@ def _quantile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q * 100) - 1]
 
 
-async def verify(conn: asyncpg.Connection | asyncpg.Pool, report: Report) -> Report:
+async def verify(
+    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, report: Report
+) -> Report:
     """Fill ``report`` from the database; every broken invariant becomes a problem
     naming the job ids (and their rows) involved. Give it a connection in a repeatable
     read transaction: its counts must come from one snapshot."""
