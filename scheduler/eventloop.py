@@ -10,6 +10,14 @@ It stays optional, on purpose: the fault-injection suite is run on asyncio's loo
 under uvloop a broker that accepts connections and drops them was sometimes noticed
 only at ``amqp_timeout`` (2 runs in 6, against none on asyncio). Embedding code
 (``Worker`` in your own ``asyncio.run``) chooses its own loop.
+
+The loop's exception handler knows one asyncpg artefact (``_abandoned_tls_probe``): a
+connection attempt or query-cancel request given up during its SSL negotiation (a timeout
+while the database is unreachable) leaves a future with ``ConnectionError('unexpected
+connection_lost() call')`` that nobody reads (MagicStack/asyncpg#1310). asyncio reported
+it as an ERROR "Future exception was never retrieved", several per second of an outage,
+beside the worker's own ``database_unreachable``; it is logged at debug level instead.
+Everything else goes to asyncio's default handler.
 """
 
 from __future__ import annotations
@@ -17,25 +25,64 @@ from __future__ import annotations
 import asyncio
 import importlib
 from collections.abc import Coroutine
+from types import ModuleType
 from typing import Any, TypeVar
 
+from scheduler.log import get_logger
+
 T = TypeVar("T")
+log = get_logger(__name__)
+
+#: What asyncpg's ``TLSUpgradeProto.connection_lost`` sets on a negotiation nobody awaits.
+ABANDONED_TLS_PROBE = "unexpected connection_lost() call"
+
+
+def _uvloop() -> ModuleType | None:
+    try:
+        return importlib.import_module("uvloop")
+    except ImportError:
+        return None
 
 
 def loop_name() -> str:
     """``uvloop`` when it is installed, else ``asyncio``: what ``run`` will use."""
-    try:
-        importlib.import_module("uvloop")
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
+    return "asyncio" if _uvloop() is None else "uvloop"
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)``, on uvloop when it is installed."""
-    try:
-        uvloop = importlib.import_module("uvloop")
-    except ImportError:
-        return asyncio.run(main)
-    result: T = uvloop.run(main)
+    """``asyncio.run(main)``, on uvloop when it is installed, with ``handle_exception``
+    as the loop's exception handler. ``main`` runs outside any ``except`` clause: an
+    exception it raises and logs carries its own traceback, not a chained
+    ``ModuleNotFoundError`` for the optional loop."""
+    uvloop = _uvloop()
+    if uvloop is None:
+        return asyncio.run(_handled(main))
+    result: T = uvloop.run(_handled(main))
     return result
+
+
+async def _handled(main: Coroutine[Any, Any, T]) -> T:
+    asyncio.get_running_loop().set_exception_handler(handle_exception)
+    return await main
+
+
+def handle_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: asyncio's default, except for asyncpg's abandoned
+    SSL negotiation (module docstring), which is expected while a database is down."""
+    if _abandoned_tls_probe(context):
+        log.debug(
+            "postgres_connect_abandoned",
+            detail="a connection or cancel request to PostgreSQL was given up during its "
+            "SSL negotiation; asyncpg left its outcome unread",
+        )
+        return
+    loop.default_exception_handler(context)
+
+
+def _abandoned_tls_probe(context: dict[str, Any]) -> bool:
+    exc = context.get("exception")
+    return (
+        context.get("message") == "Future exception was never retrieved"
+        and type(exc) is ConnectionError
+        and exc.args == (ABANDONED_TLS_PROBE,)
+    )
