@@ -258,7 +258,11 @@ class Settler:
         except asyncio.CancelledError:
             raise
         except Exception as failed:
-            log.error("failure_not_recorded", exc_info=exc_info, error=decision.error)
+            # no traceback: the delivery goes back once the database answers
+            # (``delivery_requeued``), runs again as the same attempt, and its failure is
+            # logged with its traceback when it is recorded. An outage fails every
+            # delivery at once; a traceback each buried ``database_unreachable``.
+            log.warning("failure_not_recorded", error=decision.error, cause=describe(failed))
             raise DatabaseUnavailable(f"{type(failed).__name__}: {failed}") from failed
         if not recorded:
             log.warning("attempt_superseded", error=decision.error)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -620,6 +621,72 @@ async def test_database_outage_holds_deliveries_until_the_database_answers(
         for job in jobs:
             assert await effects(db_pool, job, effects_table) == 1
         assert await queue_depth(channel, queue) == (0, 0)
+    finally:
+        await proxy.stop()
+
+
+async def test_a_failure_the_outage_kept_from_recording_is_a_warning_then_runs_again(
+    caplog: pytest.LogCaptureFixture,
+    settings: Settings,
+    db_pool: asyncpg.Pool,
+    channel: AbstractChannel,
+    queue: str,
+) -> None:
+    """A handler fails while the database is cut, so its failure cannot be recorded:
+    one warning without a traceback (every delivery of an outage used to log an ERROR
+    with one, thousands in a chaos run, burying ``database_unreachable``). The delivery
+    goes back when the database answers and runs again as the same attempt."""
+    parts = urlsplit(settings.database_url)
+    proxy = await FaultProxy(parts.hostname or "127.0.0.1", parts.port or 5432).start()
+    try:
+        registry = Registry()
+        started = asyncio.Event()
+        release = asyncio.Event()
+        runs: list[int] = []
+
+        @registry.task("t.fails_in_outage")
+        async def fails_in_outage(ctx: JobContext, payload: dict[str, Any]) -> None:
+            runs.append(ctx.attempt)
+            if len(runs) == 1:
+                started.set()
+                await release.wait()
+                raise RuntimeError("the handler's own failure")
+
+        job = await dispatched_job(db_pool, "t.fails_in_outage", queue=queue)
+        async with running(
+            settings,
+            registry,
+            queue,
+            database_url=proxy.route(settings.database_url),
+            db_timeout=2.0,
+        ):
+            await publish(channel, queue, job.message(1))
+            await asyncio.wait_for(started.wait(), 10)
+            proxy.refuse(True)
+            proxy.cut()
+            release.set()
+
+            def logged(event: str) -> list[dict[str, Any]]:
+                return [
+                    {**r.msg, "levelno": r.levelno}
+                    for r in caplog.records
+                    if isinstance(r.msg, dict) and r.msg.get("event") == event
+                ]
+
+            await wait_for(lambda: logged("failure_not_recorded"), timeout=10)
+            (line,) = logged("failure_not_recorded")
+            assert line["levelno"] == logging.WARNING
+            assert "exc_info" not in line and "exception" not in line
+            assert line["error"] == "RuntimeError: the handler's own failure"
+            assert line["cause"]  # why it could not be recorded
+            proxy.refuse(False)
+
+            async def succeeded() -> bool:
+                row = await job_row(db_pool, job)
+                return (row["status"], row["attempt"]) == ("succeeded", 1)
+
+            await wait_for(succeeded, timeout=20, message="the held delivery ran again")
+        assert runs == [1, 1]
     finally:
         await proxy.stop()
 
