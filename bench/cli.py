@@ -80,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="storm, cronstorm: the scheduler's DUETIME_STAGE_AHEAD (0: staging off)",
     )
     g.add_argument(
+        "--share-transaction",
+        action="store_true",
+        default=None,
+        help="storm: the handler's task opts into transaction groups (bench.record_shared)",
+    )
+    g.add_argument(
         "--shards", type=_counts, help="shards: shard counts K (e.g. 1,2,4); shardsim: first = K"
     )
     g.add_argument("--rounds", type=int, help="shards: repeat the whole sequence N times")
@@ -193,6 +199,7 @@ async def run(args: argparse.Namespace, settings: Any) -> int:
                     "workers": "workers",
                     "limit": "limits",
                     "stage_ahead": "stage_ahead",
+                    "share_transaction": "share_transaction",
                 },
             ),
             out_dir / f"storm{suffix}.png",

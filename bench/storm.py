@@ -1,5 +1,7 @@
 """``storm``: N one-shot jobs due uniformly over W seconds, S seconds ahead, bulk-enqueued.
 ``--stage-ahead`` sets the scheduler's staging horizon (0: off; default: the setting's).
+``--share-transaction`` runs the jobs as ``bench.record_shared``, the same handler in a task
+that opted into transaction groups (default: ``bench.record``, a transaction per attempt).
 
 One replica and one worker (``--workers``/``--concurrency``) start first; then the jobs are
 inserted with one COPY (``JobStore.bulk_enqueue``) and the scenario waits until every job
@@ -37,6 +39,7 @@ class StormParams:
     concurrency: int = 32
     limits: tuple[str, ...] = ()  # ``--limit``: set before the scheduler starts
     stage_ahead: float | None = None  # ``--stage-ahead``: the scheduler's (None: default)
+    share_transaction: bool = False  # ``--share-transaction``: bench.record_shared
 
     @classmethod
     def quick(cls) -> StormParams:
@@ -60,7 +63,7 @@ async def run(
         step = params.window / n
         specs = [
             JobSpec(
-                "bench.record",
+                "bench.record_shared" if params.share_transaction else "bench.record",
                 {"i": i},
                 due_at=datetime.fromtimestamp(window_start + i * step, UTC),
                 queue=sb.queue,

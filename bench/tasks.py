@@ -32,3 +32,11 @@ INSERT_START = (
 async def record(ctx: JobContext, payload: dict[str, Any]) -> None:
     started = time.time()
     await ctx.db.execute(INSERT_START, ctx.job_id, ctx.attempt, ctx.due_at, started)
+
+
+@task("bench.record_shared", timeout=60, share_transaction=True)
+async def record_shared(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """``bench.record`` in a task that opted into transaction groups (DESIGN §15): what
+    the one-transaction-per-attempt default costs a storm (``bench storm --share-transaction``)."""
+    started = time.time()
+    await ctx.db.execute(INSERT_START, ctx.job_id, ctx.attempt, ctx.due_at, started)
