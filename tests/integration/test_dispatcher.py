@@ -184,15 +184,19 @@ async def test_jobs_arrive_once_not_before_due_with_the_contract(env: Env) -> No
 
 async def test_idle_fire_lag_is_milliseconds(env: Env) -> None:
     """200 jobs due at scattered times over ~4 s, inserted ahead: each is published
-    within a few ms of its due time (measured: dispatched_at − due_at, DB clock)."""
+    within a few ms of its due time (measured: dispatched_at − due_at, DB clock). The
+    re-probe is set to 10 s, so only the timer set from the probe's next run time can
+    fire them on time: a dispatcher that found them by polling would be seconds late.
+    The bounds leave room for a loaded CI machine; the benchmark has the real figures."""
+    settings = dataclasses.replace(env.settings, probe_interval=10.0)
     await env.pool.execute(
         "INSERT INTO duetime.jobs (task, due_at, queue) "
         "SELECT 'demo.task', now() + interval '1 second' + random() * interval '3 second', $1"
         "  FROM generate_series(1, 200)",
         env.queue,
     )
-    dispatcher = Dispatcher(DutyContext.standalone(env.settings, env.pool))
-    async with Collector(env.settings.amqp_url, env.queue, env.settings.delivery_limit) as c:
+    dispatcher = Dispatcher(DutyContext.standalone(settings, env.pool))
+    async with Collector(settings.amqp_url, env.queue, settings.delivery_limit) as c:
         dispatcher.loop.start(term(1))
         try:
             await c.wait(200, timeout=20)
@@ -214,8 +218,8 @@ async def test_idle_fire_lag_is_milliseconds(env: Env) -> None:
         f"{arrivals[-1] - arrivals[0]:.2f}s"
     )
     assert min(lags) >= 0
-    assert p50 < 0.05
-    assert p99 < 0.25  # generous: a shared CI machine; the benchmark has the real figures
+    assert p50 < 0.1
+    assert p99 < 1.0
 
 
 async def test_notify_wakes_the_dispatcher_for_a_job_due_now(env: Env) -> None:
