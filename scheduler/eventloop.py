@@ -12,12 +12,13 @@ only at ``amqp_timeout`` (2 runs in 6, against none on asyncio). Embedding code
 (``Worker`` in your own ``asyncio.run``) chooses its own loop.
 
 The loop's exception handler knows one asyncpg artefact (``_abandoned_tls_probe``): a
-connection attempt or query-cancel request given up during its SSL negotiation (a timeout
-while the database is unreachable) leaves a future with ``ConnectionError('unexpected
-connection_lost() call')`` that nobody reads (MagicStack/asyncpg#1310). asyncio reported
-it as an ERROR "Future exception was never retrieved", several per second of an outage,
-beside the worker's own ``database_unreachable``; it is logged at debug level instead.
-Everything else goes to asyncio's default handler.
+connection attempt or query-cancel request given up (a timeout, a stop) in the same loop
+turn as the server closed the connection during its SSL negotiation leaves a future with
+``ConnectionError('unexpected connection_lost() call')`` that nobody reads (the same
+asyncpg path as MagicStack/asyncpg#1310). asyncio reported each as an ERROR "Future
+exception was never retrieved" (14 in one 37 s chaos ``pg_cut`` run), beside the
+worker's own ``database_unreachable``; it is logged at debug level instead. Everything
+else goes to asyncio's default handler.
 """
 
 from __future__ import annotations

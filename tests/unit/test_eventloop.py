@@ -91,7 +91,7 @@ def test_an_abandoned_asyncpg_ssl_negotiation_is_not_logged_as_an_error(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """During a database outage asyncio logged "Future exception was never retrieved"
-    ERRORs for these (7 in one chaos pg_cut run); they are expected there, so they go to
+    ERRORs for these (14 in one chaos pg_cut run); they are expected there, so they go to
     debug. Any other unread exception is still asyncio's error."""
     _no_uvloop(monkeypatch)
     eventloop.run(_abandon_a_tls_negotiation())
