@@ -210,7 +210,8 @@ class Settler:
         except asyncio.CancelledError:
             raise
         except Exception as failed:
-            log.error("snooze_not_recorded", error=describe(failed))
+            # like ``failure_not_recorded``: the delivery goes back and runs again
+            log.warning("snooze_not_recorded", error=describe(failed))
             raise DatabaseUnavailable(f"{type(failed).__name__}: {failed}") from failed
         if count is None:
             log.warning("attempt_superseded", snooze=True)

@@ -36,7 +36,7 @@ from tests.fixtures_tasks.jobs import (
 )
 from tests.support.proxy import FaultProxy
 from tests.support.wait import wait_for
-from workers import Fail, JobContext, Registry, Retry, RetryPolicy, Worker
+from workers import Fail, JobContext, Registry, Retry, RetryPolicy, Snooze, Worker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -625,7 +625,9 @@ async def test_database_outage_holds_deliveries_until_the_database_answers(
         await proxy.stop()
 
 
+@pytest.mark.parametrize("ending", ["failure", "snooze"])
 async def test_a_failure_the_outage_kept_from_recording_is_a_warning_then_runs_again(
+    ending: str,
     caplog: pytest.LogCaptureFixture,
     settings: Settings,
     db_pool: asyncpg.Pool,
@@ -635,7 +637,8 @@ async def test_a_failure_the_outage_kept_from_recording_is_a_warning_then_runs_a
     """A handler fails while the database is cut, so its failure cannot be recorded:
     one warning without a traceback (every delivery of an outage used to log an ERROR
     with one, thousands in a chaos run, burying ``database_unreachable``). The delivery
-    goes back when the database answers and runs again as the same attempt."""
+    goes back when the database answers and runs again as the same attempt. The same
+    for a snooze that could not be recorded."""
     parts = urlsplit(settings.database_url)
     proxy = await FaultProxy(parts.hostname or "127.0.0.1", parts.port or 5432).start()
     try:
@@ -650,6 +653,8 @@ async def test_a_failure_the_outage_kept_from_recording_is_a_warning_then_runs_a
             if len(runs) == 1:
                 started.set()
                 await release.wait()
+                if ending == "snooze":
+                    raise Snooze(0.1)
                 raise RuntimeError("the handler's own failure")
 
         job = await dispatched_job(db_pool, "t.fails_in_outage", queue=queue)
@@ -673,12 +678,16 @@ async def test_a_failure_the_outage_kept_from_recording_is_a_warning_then_runs_a
                     if isinstance(r.msg, dict) and r.msg.get("event") == event
                 ]
 
-            await wait_for(lambda: logged("failure_not_recorded"), timeout=10)
-            (line,) = logged("failure_not_recorded")
+            event = f"{ending}_not_recorded"
+            await wait_for(lambda: logged(event), timeout=10)
+            (line,) = logged(event)
             assert line["levelno"] == logging.WARNING
             assert "exc_info" not in line and "exception" not in line
-            assert line["error"] == "RuntimeError: the handler's own failure"
-            assert line["cause"]  # why it could not be recorded
+            if ending == "failure":
+                assert line["error"] == "RuntimeError: the handler's own failure"
+                assert line["cause"]  # why it could not be recorded
+            else:
+                assert line["error"]  # why the snooze could not be recorded
             proxy.refuse(False)
 
             async def succeeded() -> bool:
