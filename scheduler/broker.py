@@ -169,6 +169,15 @@ class ClusterConnection(RobustConnection):
         raise failures[-1][1]
 
 
+#: What a first connection attempt that reached no broker raises. aiormq raises
+#: ``StopAsyncIteration`` when the connection is already at its end as the handshake
+#: reads the broker's first frame (an endpoint that accepts and resets at once, as a
+#: broker restarting or a load balancer with nothing behind it does), which uvloop makes
+#: likely: left out, it ended a starting worker with a traceback instead of a retry.
+#: aio-pika's own reconnect loop counts it among its ``CONNECTION_EXCEPTIONS`` too.
+_CONNECT_FAILURES = (OSError, TimeoutError, aiormq.exceptions.AMQPError, StopAsyncIteration)
+
+
 async def connect(
     url: str,
     *,
@@ -198,7 +207,7 @@ async def connect(
         # to reconnect, so left behind it would keep the event loop, and the process,
         # alive after shutdown.
         await _abandon(connection)
-        if not isinstance(exc, OSError | TimeoutError | aiormq.exceptions.AMQPError):
+        if not isinstance(exc, _CONNECT_FAILURES):
             raise
         failures = connection.failures or [(redact_url(url), exc)]
         if len(failures) == 1:
@@ -237,6 +246,8 @@ def _vhost_refused(exc: BaseException) -> bool:
 def _reason(exc: BaseException) -> str:
     if _vhost_refused(exc):
         return "the broker refused the vhost (it does not exist, or this user may not use it)"
+    if isinstance(exc, StopAsyncIteration):
+        return "the connection was closed before the broker's first frame"
     return f"{type(exc).__name__}: {exc}"
 
 
