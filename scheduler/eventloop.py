@@ -1,14 +1,16 @@
-"""The event loop the ``duetime`` commands run on: uvloop when it is installed (the
-``uvloop`` extra: ``pip install 'duetime[uvloop]'``), asyncio's own loop otherwise.
+"""The event loop the ``duetime`` commands run on: uvloop (a dependency, except on
+Windows), asyncio's own loop where it is not installed or ``DUETIME_EVENT_LOOP=asyncio``
+says so (``event_loop``: auto, uvloop, asyncio).
 
 Why: the worker spends its CPU in the event loop's socket and callback machinery (a
 delivery is a few small reads and writes to PostgreSQL and RabbitMQ; py-spy puts no
-duetime function above 2 % of its samples). Measured alternately in one tree on a quiet
-machine, uvloop cut CPU per job in a storm at concurrency 10 by 12.5 % in the worker
-and 7-14 % in the scheduler (docs/benchmarks.md, "uvloop and orjson, measured quiet").
-It stays optional, on purpose: the fault-injection suite is run on asyncio's loop, and
-under uvloop a broker that accepts connections and drops them was sometimes noticed
-only at ``amqp_timeout`` (2 runs in 6, against none on asyncio). Embedding code
+duetime function above 2 % of its samples). Measured alternately in one tree, uvloop cut
+the worker's CPU per job in a storm at concurrency 10 by 8-15 % and the scheduler's by
+7-14 % (docs/benchmarks.md, "uvloop and orjson, measured quiet" and "uvloop by
+default"). It was optional while a broker that accepted connections and reset them
+could end a starting worker on uvloop: aiormq raised ``StopAsyncIteration``, which
+``scheduler.broker.connect`` now counts as a failed attempt. The whole suite, the
+fault-injection scenarios included, runs on the loop this module picks. Embedding code
 (``Worker`` in your own ``asyncio.run``) chooses its own loop.
 
 The loop's exception handler knows one asyncpg artefact (``_abandoned_tls_probe``): a
@@ -29,6 +31,7 @@ from collections.abc import Coroutine
 from types import ModuleType
 from typing import Any, TypeVar
 
+from scheduler.errors import ConfigError
 from scheduler.log import get_logger
 
 T = TypeVar("T")
@@ -38,24 +41,36 @@ log = get_logger(__name__)
 ABANDONED_TLS_PROBE = "unexpected connection_lost() call"
 
 
-def _uvloop() -> ModuleType | None:
+def _uvloop(choice: str) -> ModuleType | None:
+    """The uvloop module ``choice`` asks for, or None for asyncio's loop."""
+    if choice == "asyncio":
+        return None
     try:
         return importlib.import_module("uvloop")
     except ImportError:
+        if choice == "uvloop":
+            raise ConfigError(
+                "event_loop uvloop: uvloop is not installed (pip install uvloop), "
+                "or set DUETIME_EVENT_LOOP=asyncio"
+            ) from None
         return None
 
 
-def loop_name() -> str:
-    """``uvloop`` when it is installed, else ``asyncio``: what ``run`` will use."""
-    return "asyncio" if _uvloop() is None else "uvloop"
+def loop_name(choice: str = "auto") -> str:
+    """``uvloop`` or ``asyncio``: what ``run`` will use for ``choice``."""
+    return "asyncio" if _uvloop(choice) is None else "uvloop"
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)``, on uvloop when it is installed, with ``handle_exception``
-    as the loop's exception handler. ``main`` runs outside any ``except`` clause: an
-    exception it raises and logs carries its own traceback, not a chained
-    ``ModuleNotFoundError`` for the optional loop."""
-    uvloop = _uvloop()
+def run(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
+    """``asyncio.run(main)`` on the loop ``choice`` names (``auto``: uvloop where it is
+    installed), with ``handle_exception`` as the loop's exception handler. ``main`` runs
+    outside any ``except`` clause: an exception it raises and logs carries its own
+    traceback, not a chained ``ModuleNotFoundError`` from looking for uvloop."""
+    try:
+        uvloop = _uvloop(choice)
+    except ConfigError:
+        main.close()  # never awaited: no "coroutine was never awaited" warning
+        raise
     if uvloop is None:
         return asyncio.run(_handled(main))
     result: T = uvloop.run(_handled(main))

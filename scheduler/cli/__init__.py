@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         func = args.func
         result = func(args, settings)
         if inspect.iscoroutine(result):
-            result = eventloop.run(result)
+            result = eventloop.run(result, settings.event_loop)
         return int(result or 0)
     except DuetimeError as exc:
         print(f"duetime: error: {printable(scrub(str(exc)))}", file=sys.stderr)

@@ -63,6 +63,7 @@ class Settings:
     dashboard_trusted_proxies: tuple[str, ...] = ()
     log_level: str = "info"
     log_format: str = "auto"
+    event_loop: str = "auto"
     db_timeout: float = DEFAULT_DB_TIMEOUT
     database_pooler: str = "none"
     amqp_timeout: float = 10.0
@@ -208,6 +209,11 @@ FIELDS: dict[str, Field] = {
         ),
         Field("log_level", p.choice("debug", "info", "warning", "error"), "log level"),
         Field("log_format", p.choice("auto", "json", "console"), "auto: JSON unless a TTY"),
+        Field(
+            "event_loop",
+            p.choice("auto", "uvloop", "asyncio"),
+            "the commands' event loop; auto: uvloop where it is installed",
+        ),
         Field("db_timeout", p.number(float, minimum=0.0, exclusive=True), "PostgreSQL timeout"),
         Field(
             "database_pooler",

@@ -1,4 +1,5 @@
-"""scheduler.eventloop: uvloop when it is installed, asyncio's loop otherwise."""
+"""scheduler.eventloop: uvloop (a dependency) by default, asyncio's loop when chosen or
+missing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 from asyncpg import connect_utils
 
 from scheduler import eventloop
+from scheduler.config import Settings
+from scheduler.config.loading import load_settings
+from scheduler.errors import ConfigError
 
 
 async def _loop_module() -> str:
@@ -31,10 +35,32 @@ def test_without_uvloop_the_commands_run_on_asyncio(monkeypatch: pytest.MonkeyPa
     assert eventloop.run(_loop_module()).startswith("asyncio")
 
 
-def test_with_uvloop_installed_the_commands_run_on_it() -> None:
-    pytest.importorskip("uvloop")
+def test_uvloop_is_a_dependency_and_the_default() -> None:
+    import uvloop  # noqa: F401  (pyproject: a dependency except on Windows)
+
     assert eventloop.loop_name() == "uvloop"
     assert eventloop.run(_loop_module()).startswith("uvloop")
+    assert Settings().event_loop == "auto"
+
+
+def test_event_loop_asyncio_runs_the_commands_on_asyncios_own_loop() -> None:
+    assert eventloop.loop_name("asyncio") == "asyncio"
+    assert eventloop.run(_loop_module(), "asyncio").startswith("asyncio")
+
+
+def test_event_loop_uvloop_where_it_is_missing_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _no_uvloop(monkeypatch)
+    with pytest.raises(ConfigError, match="uvloop is not installed"):
+        eventloop.run(_loop_module(), "uvloop")
+    assert eventloop.run(_loop_module()).startswith("asyncio")  # auto falls back
+
+
+def test_duetime_event_loop_is_read_and_checked() -> None:
+    assert load_settings(env={"DUETIME_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
+    with pytest.raises(ConfigError, match="event_loop"):
+        load_settings(env={"DUETIME_EVENT_LOOP": "trio"})
 
 
 def _no_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
