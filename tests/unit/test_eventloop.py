@@ -22,7 +22,7 @@ async def _loop_module() -> str:
     return type(asyncio.get_running_loop()).__module__
 
 
-def test_without_uvloop_the_commands_run_on_asyncio(monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.import_module
 
     def no_uvloop(name: str, *args: Any) -> Any:
@@ -31,6 +31,10 @@ def test_without_uvloop_the_commands_run_on_asyncio(monkeypatch: pytest.MonkeyPa
         return real(name, *args)
 
     monkeypatch.setattr(eventloop.importlib, "import_module", no_uvloop)
+
+
+def test_without_uvloop_the_commands_run_on_asyncio(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_uvloop(monkeypatch)
     assert eventloop.loop_name() == "asyncio"
     assert eventloop.run(_loop_module()).startswith("asyncio")
 
@@ -61,17 +65,6 @@ def test_duetime_event_loop_is_read_and_checked() -> None:
     assert load_settings(env={"DUETIME_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
     with pytest.raises(ConfigError, match="event_loop"):
         load_settings(env={"DUETIME_EVENT_LOOP": "trio"})
-
-
-def _no_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = importlib.import_module
-
-    def no_uvloop(name: str, *args: Any) -> Any:
-        if name == "uvloop":
-            raise ImportError("No module named 'uvloop'")
-        return real(name, *args)
-
-    monkeypatch.setattr(eventloop.importlib, "import_module", no_uvloop)
 
 
 async def _context_of_a_raise() -> BaseException | None:
