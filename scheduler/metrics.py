@@ -84,9 +84,14 @@ DELIVERIES_AWAITING_DATABASE = Gauge(
     "back to the queue when its database answers again, or after 10 s",
     ["shard"],
 )
+STAGED_DUE_WAITING = Gauge(
+    "duetime_staged_due_waiting",
+    "staged deliveries whose run time came and that wait for room to start (workers): "
+    "at most the worker's prefetch of them are begun at once",
+)
 STAGED_RELEASED = Counter(
     "duetime_staged_released_total",
-    "staged deliveries at their run time (workers): started (handed to a handler slot), "
+    "staged deliveries at their run time (workers): started (given room to start), "
     "moved (the row's run time is later: given back to pending), requeued (worker "
     "stopping: back to the broker)",
     ["outcome"],

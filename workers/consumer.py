@@ -63,6 +63,7 @@ from scheduler.metrics import (
     DELIVERIES_REQUEUED,
     HANDLERS_RUNNING,
     MALFORMED_MESSAGES,
+    STAGED_DUE_WAITING,
     STAGED_RELEASED,
 )
 from workers.errors import AttemptRunningElsewhere, DatabaseUnavailable
@@ -140,6 +141,11 @@ class Consumer:
         self._staged: StagedDeliveries[tuple[AbstractIncomingMessage, JobMessage]] = (
             StagedDeliveries(self._start_staged, clock=clock)
         )
+        #: staged deliveries whose run time came that may be in their begin read or
+        #: waiting for a slot at once (``_handle_staged``): as many as the due queues'
+        #: prefetch lets in, so that a storm of staged jobs holds no more guard locks
+        #: and database work than a backlog of due ones
+        self._staged_room = asyncio.Semaphore(self.prefetch)
 
     @property
     def ack_frames(self) -> int:
@@ -254,12 +260,50 @@ class Consumer:
         self._acks.received(message)
         self._run(message, None)
 
-    def _run(self, message: AbstractIncomingMessage, msg: JobMessage | None) -> None:
-        task = asyncio.create_task(
-            self._handle(message, msg), name=f"delivery:{message.message_id}"
+    def _run(
+        self,
+        message: AbstractIncomingMessage,
+        msg: JobMessage | None,
+        *,
+        staged: bool = False,
+        timed: bool = False,
+    ) -> None:
+        handle = (
+            self._handle_staged(message, msg, timed=timed) if staged else self._handle(message, msg)
         )
+        task = asyncio.create_task(handle, name=f"delivery:{message.message_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _handle_staged(
+        self, message: AbstractIncomingMessage, msg: JobMessage | None, *, timed: bool
+    ) -> None:
+        """A staged delivery whose run time came, handled like a due one once there is
+        room (``_staged_room``). Up to ``stage_limit`` staged deliveries can come due at
+        the same instant, and every delivery holds its attempt's guard lock (a
+        PostgreSQL advisory lock, ``scheduler.store.execution_guard``) from its begin
+        read until its outcome commits; begun all at once, 20,000 of them would fill
+        PostgreSQL's lock table, which every session of the server shares ("out of
+        shared memory"). Waiting here holds nothing but the message, and a delivery
+        cancelled while it waits (the worker stopping) goes back to the queue.
+        ``timed``: released by the worker's timer (counted in
+        ``duetime_staged_released_total`` once it has room, or as requeued)."""
+        STAGED_DUE_WAITING.inc()
+        try:
+            await self._staged_room.acquire()
+        except asyncio.CancelledError:
+            await _Settlement(message, self._acks)("nack", requeue=True)
+            if timed:
+                STAGED_RELEASED.labels("requeued").inc()
+            raise
+        finally:
+            STAGED_DUE_WAITING.dec()
+        if timed:
+            STAGED_RELEASED.labels("started").inc()
+        try:
+            await self._handle(message, msg)
+        finally:
+            self._staged_room.release()
 
     async def _on_staged(self, message: AbstractIncomingMessage) -> None:
         """A staged delivery: held until its run time (``workers.staging``), or run now
@@ -274,15 +318,14 @@ class Consumer:
             self._run(message, None)  # dead-lettered by the usual path
             return
         if msg.start_at is None or msg.start_at <= self._clock.now():
-            self._run(message, msg)
+            self._run(message, msg, staged=True)
         else:
             self._staged.hold((message, msg), msg.start_at)
 
     def _start_staged(self, item: tuple[AbstractIncomingMessage, JobMessage]) -> None:
         """A staged delivery's run time came: it goes the way of any delivery."""
         message, msg = item
-        STAGED_RELEASED.labels("started").inc()
-        self._run(message, msg)
+        self._run(message, msg, staged=True, timed=True)
 
     async def _give_back_staged(self) -> None:
         """Stopping: the staged deliveries held go back to the broker at once, for

@@ -396,3 +396,70 @@ async def test_a_job_with_a_unique_key_is_not_staged(
     assert rows[plain.id]["status"] == "dispatched"
     assert rows[unique.id]["status"] == "pending" and rows[unique.id]["payload"] == {"v": 2}
     assert replaced.id == unique.id and len(rows) == 2
+
+
+async def test_staged_jobs_due_at_once_are_begun_no_more_than_prefetch_at_a_time(
+    pool: asyncpg.Pool, staged_settings: Settings, queue: str
+) -> None:
+    """240 staged jobs come due at the same instant on a worker of 2 handlers and
+    prefetch 20. Each delivery being begun holds its attempt's guard lock (a PostgreSQL
+    advisory lock) until its outcome commits; all 240 begun at once would hold 240 (a
+    storm of 20,000 held 9,000 on one worker, and PostgreSQL's lock table, shared by the
+    whole server, holds 6,400 by default). They wait for room instead, in memory
+    (``duetime_staged_due_waiting``), and all start once, none early."""
+    settings = dataclasses.replace(staged_settings, worker_prefetch=20)
+    starts = Starts()
+
+    @starts.registry.task("t.slow")
+    async def slow(ctx: JobContext, payload: dict[str, Any]) -> None:
+        starts.at.setdefault(ctx.job_id, []).append(time.time())
+        await asyncio.sleep(0.01)
+
+    peak_locks = peak_waiting = 0
+
+    async def watch() -> None:
+        nonlocal peak_locks, peak_waiting
+        while True:
+            locks = await pool.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
+                "(SELECT oid FROM pg_database WHERE datname = current_database())"
+            )
+            peak_locks = max(peak_locks, locks)
+            waiting = REGISTRY.get_sample_value("duetime_staged_due_waiting") or 0.0
+            peak_waiting = max(peak_waiting, int(waiting))
+            await asyncio.sleep(0.01)
+
+    worker = Worker(
+        dataclasses.replace(settings, node_id=f"{settings.node_id}-room"),
+        queues=[queue],
+        registry=starts.registry,
+        concurrency=2,
+        grace_period=5,
+    )
+    async with dispatching(settings, pool):
+        await worker.start()
+        watcher = asyncio.create_task(watch())
+        try:
+            due = await pool.fetchval("SELECT now() + make_interval(secs => $1::float8)", AHEAD)
+            await pool.execute(
+                "INSERT INTO duetime.jobs (task, queue, due_at)"
+                " SELECT 't.slow', $1, $2 FROM generate_series(1, 240)",
+                queue,
+                due,
+            )
+            consumer = worker.consumer
+            assert consumer is not None
+            await until(lambda: consumer.staged, 240, AHEAD - 0.5, "240 held by the worker")
+            await until(lambda: status_counts(pool), {"succeeded": 240}, AHEAD + 40)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            await worker.stop()
+    assert sorted(len(v) for v in starts.at.values()) == [1] * 240
+    assert min(t for v in starts.at.values() for t in v) >= due.timestamp() - 0.002
+    # at most the room (20) begun, plus the guards of settled attempts whose release
+    # rides on the next begin read or waits its 50 ms (2 handlers: a few)
+    assert peak_locks <= 30, peak_locks
+    assert peak_waiting >= 100, peak_waiting  # the rest waited, holding nothing
+    assert (REGISTRY.get_sample_value("duetime_staged_due_waiting") or 0.0) == 0
