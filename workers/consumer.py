@@ -6,6 +6,8 @@ handlers running at once (``workers.slots``: a delivery takes its slot after its
 read and gives it back when its handler returned, before its outcome is settled).
 Prefetch per queue is ``prefetch_for(N)``: the running handlers and a fixed room for
 deliveries in batched begin reads, waiting for a slot, and in batched settlements.
+Staged deliveries (held until their run time on a channel of their own) get the same
+room when they come due (``_handle_staged``).
 
 Settlement rules (DESIGN §6):
 
