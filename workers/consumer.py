@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
@@ -260,19 +260,10 @@ class Consumer:
             await _Settlement(message, self._acks)("nack", requeue=True)
             return
         self._acks.received(message)
-        self._run(message, None)
+        self._run(message, self._handle(message, None))
 
-    def _run(
-        self,
-        message: AbstractIncomingMessage,
-        msg: JobMessage | None,
-        *,
-        staged: bool = False,
-        timed: bool = False,
-    ) -> None:
-        handle = (
-            self._handle_staged(message, msg, timed=timed) if staged else self._handle(message, msg)
-        )
+    def _run(self, message: AbstractIncomingMessage, handle: Coroutine[Any, Any, None]) -> None:
+        """Own ``handle`` (one delivery's way through the worker) as a task."""
         task = asyncio.create_task(handle, name=f"delivery:{message.message_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -317,17 +308,17 @@ class Consumer:
         try:
             msg = decode(message.body)
         except MalformedMessage:
-            self._run(message, None)  # dead-lettered by the usual path
+            self._run(message, self._handle(message, None))  # dead-lettered by the usual path
             return
         if msg.start_at is None or msg.start_at <= self._clock.now():
-            self._run(message, msg, staged=True)
+            self._run(message, self._handle_staged(message, msg, timed=False))
         else:
             self._staged.hold((message, msg), msg.start_at)
 
     def _start_staged(self, item: tuple[AbstractIncomingMessage, JobMessage]) -> None:
         """A staged delivery's run time came: it goes the way of any delivery."""
         message, msg = item
-        self._run(message, msg, staged=True, timed=True)
+        self._run(message, self._handle_staged(message, msg, timed=True))
 
     async def _give_back_staged(self) -> None:
         """Stopping: the staged deliveries held go back to the broker at once, for
