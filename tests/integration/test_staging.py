@@ -98,13 +98,13 @@ async def dispatching(settings: Settings, pool: asyncpg.Pool) -> AsyncIterator[D
 
 @contextlib.asynccontextmanager
 async def working(
-    settings: Settings, queue: str, starts: Starts, *, name: str = "w"
+    settings: Settings, queue: str, starts: Starts, *, name: str = "w", concurrency: int = 16
 ) -> AsyncIterator[Worker]:
     worker = Worker(
         dataclasses.replace(settings, node_id=f"{settings.node_id}-{name}"),
         queues=[queue],
         registry=starts.registry,
-        concurrency=16,
+        concurrency=concurrency,
         grace_period=5,
     )
     await worker.start()
@@ -429,15 +429,10 @@ async def test_staged_jobs_due_at_once_are_begun_no_more_than_prefetch_at_a_time
             peak_waiting = max(peak_waiting, int(waiting))
             await asyncio.sleep(0.01)
 
-    worker = Worker(
-        dataclasses.replace(settings, node_id=f"{settings.node_id}-room"),
-        queues=[queue],
-        registry=starts.registry,
-        concurrency=2,
-        grace_period=5,
-    )
-    async with dispatching(settings, pool):
-        await worker.start()
+    async with (
+        dispatching(settings, pool),
+        working(settings, queue, starts, name="room", concurrency=2) as worker,
+    ):
         watcher = asyncio.create_task(watch())
         try:
             due = await pool.fetchval("SELECT now() + make_interval(secs => $1::float8)", AHEAD)
@@ -455,7 +450,6 @@ async def test_staged_jobs_due_at_once_are_begun_no_more_than_prefetch_at_a_time
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-            await worker.stop()
     assert sorted(len(v) for v in starts.at.values()) == [1] * 240
     assert min(t for v in starts.at.values() for t in v) >= due.timestamp() - 0.002
     # at most the room (20) begun, plus the guards of settled attempts whose release
