@@ -27,14 +27,14 @@ from tests.fixtures_tasks.jobs import FENCE_EPOCH, dispatched_job
 #: How the worker's functions compute the key of the row they read or settle, as written
 #: there (the row's alias, then these columns): migration 0019's worker_begin_jobs, 0023's
 #: worker_begin_traced (begin with the trace context), worker_begin_flow (what the worker
-#: calls now: plus the dependencies' outcomes; 0025, replaced by 0026), and the settling
+#: calls now: plus the dependencies' outcomes; 0025, replaced by 0026 and 0030), and the settling
 #: functions as migration 0024 replaced them (0019's plus the slot wake-up).
 EXPRESSION = "duetime.effective_key({t}.id, {t}.idempotency_key, {t}.schedule_id, {t}.created_by)"
 RESERVED = "jobs_idempotency_key_reserved"
 MIGRATIONS = Path(scheduler.sql.__file__).parent / "migrations"
 BEGIN = MIGRATIONS / "0019_job_control.sql"
 BEGIN_TRACED = MIGRATIONS / "0023_trace_context.sql"
-BEGIN_FLOW = MIGRATIONS / "0026_begin_without_bucket_scan.sql"
+BEGIN_FLOW = MIGRATIONS / "0030_begin_without_ledger_hash.sql"
 SETTLE = MIGRATIONS / "0024_limit_slot_wakeup.sql"
 
 
