@@ -87,6 +87,27 @@ def test_no_two_producers_share_a_key() -> None:
     assert planted != "job:5" and planted.startswith("key:")
 
 
+async def test_the_key_is_computed_inline_in_the_statements_that_need_it(
+    db_pool: asyncpg.Pool,
+) -> None:
+    """duetime.effective_key is inlined into its callers (migration 0031): a function
+    call left in the plan is parsed and planned again by every statement that runs it
+    (the begin read, finish_attempt: once per job). Inlining needs a body no more
+    volatile than the IMMUTABLE the function declares; ``'job:' || id`` on a bigint is
+    only STABLE."""
+    plan = await db_pool.fetchval(
+        "EXPLAIN (VERBOSE, FORMAT JSON) SELECT duetime.effective_key(j.id, "
+        "j.idempotency_key, j.schedule_id, j.created_by) FROM duetime.jobs j"
+    )
+    assert "CASE WHEN" in plan
+    assert "effective_key" not in plan
+    volatility = await db_pool.fetchval(
+        "SELECT provolatile::text FROM pg_proc WHERE oid = "
+        "'duetime.effective_key(bigint, text, bigint, text)'::regprocedure"
+    )
+    assert volatility == "i"
+
+
 @pytest.mark.parametrize("key", [None, "report:2031-07-01"])
 async def test_begin_reads_the_key_that_python_computes(
     db_pool: asyncpg.Pool, unique: str, key: str | None
