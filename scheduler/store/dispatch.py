@@ -15,9 +15,10 @@ rest.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
 from typing import TypeVar
 
@@ -125,6 +126,16 @@ log = get_logger(__name__)
 NOTIFY_CHANNEL = "duetime_jobs"
 
 
+@contextlib.asynccontextmanager
+async def _ordered(conn: Conn) -> AsyncIterator[None]:
+    """Within the claim transaction, plan the claim as ordered index scans (why:
+    ``ordered_claim`` in dispatch.sql); the session's choice again after it. After an
+    error the transaction is aborted anyway and the setting ends with it (SET LOCAL)."""
+    await conn.execute(Q["ordered_claim"])
+    yield
+    await conn.execute(Q["default_sort"])
+
+
 async def _one_by_one(
     conn: Conn,
     ids: Sequence[asyncpg.Record],
@@ -170,7 +181,8 @@ class DispatchStore(PooledStore):
         sql = claim_sql(
             limit, max_wait=max_wait, held=tuple(sorted(held)), skip_tasks=tuple(skip_tasks)
         )
-        records = await conn.fetch(sql)
+        async with _ordered(conn):
+            records = await conn.fetch(sql)
         return [ClaimedJob.from_record(r) for r in records]
 
     async def claim_isolated(
@@ -191,7 +203,8 @@ class DispatchStore(PooledStore):
             held=tuple(sorted(held)),
             skip_tasks=tuple(skip_tasks),
         )
-        ids = await conn.fetch(sql)
+        async with _ordered(conn):
+            ids = await conn.fetch(sql)
         return await _one_by_one(conn, ids, CLAIMED_ROW, ClaimedJob.from_record)
 
     async def park(self, conn: Conn, job_id: int, reason: str) -> bool:
