@@ -13,13 +13,7 @@ import pytest
 
 from scheduler import db
 from scheduler.store.dispatch import DispatchStore
-
-#: rows of duetime.jobs read in the current transaction, over every bucket
-READ = (
-    "SELECT coalesce(sum(coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)), 0)::int"
-    " FROM pg_stat_xact_all_tables t JOIN pg_inherits i ON i.inhrelid = t.relid"
-    " WHERE i.inhparent = 'duetime.jobs'::regclass"
-)
+from tests.support.helpers import job_rows_read
 
 
 @pytest.fixture
@@ -42,7 +36,7 @@ async def test_the_claim_takes_a_batch_without_reading_every_due_job(pool: async
     store = DispatchStore(pool)
     async with pool.acquire() as conn, conn.transaction():
         jobs = await store.claim(conn, 500)
-        read = await conn.fetchval(READ)
+        read = await job_rows_read(conn)
         sort = await conn.fetchval("SHOW enable_sort")
     assert len(jobs) == 500
     assert read <= 1_000, f"the claim read {read} job rows for 500"

@@ -10,14 +10,9 @@ import pytest
 
 from scheduler import db
 from scheduler.store.dispatch import staging_sql
+from tests.support.helpers import job_rows_read
 
 PROBE = staging_sql("next_stage_in")
-#: rows of duetime.jobs read in the current transaction, over every bucket
-READ = (
-    "SELECT coalesce(sum(coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)), 0)::int"
-    " FROM pg_stat_xact_all_tables t JOIN pg_inherits i ON i.inhrelid = t.relid"
-    " WHERE i.inhparent = 'duetime.jobs'::regclass"
-)
 
 
 async def _schedule(conn: asyncpg.Connection, task: str, queue: str, at_s: float, n: int) -> None:
@@ -48,7 +43,7 @@ async def test_the_probe_reads_the_first_job_not_every_job_ahead(conn: asyncpg.C
     await _schedule(conn, "t.probe", "q", 600, 40_000)
     async with conn.transaction():
         seconds = await conn.fetchval(PROBE)
-        read = await conn.fetchval(READ)
+        read = await job_rows_read(conn)
     assert 590 < seconds <= 641
     assert read <= 10, f"the probe read {read} job rows"
 

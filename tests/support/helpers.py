@@ -27,6 +27,19 @@ DELETE FROM duetime.schedule_fires f
 """
 
 
+async def job_rows_read(conn: asyncpg.Connection) -> int:
+    """Rows of duetime.jobs (every bucket) read so far in ``conn``'s open transaction:
+    by sequential scans, and fetched through indexes. What a statement reads, not how
+    long it took: a plan that reads every row shows here on any machine."""
+    return int(
+        await conn.fetchval(
+            "SELECT coalesce(sum(coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)), 0)"
+            " FROM pg_stat_xact_all_tables t JOIN pg_inherits i ON i.inhrelid = t.relid"
+            " WHERE i.inhparent = 'duetime.jobs'::regclass"
+        )
+    )
+
+
 async def prune_fires(pool: asyncpg.Pool, older_than: datetime) -> int:
     """Forget dedupe rows of fire times before ``older_than``; returns how many."""
     status = await pool.execute(PRUNE_FIRES, older_than)
