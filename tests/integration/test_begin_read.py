@@ -17,6 +17,7 @@ from scheduler import db
 from scheduler.sql import load
 
 BEGIN = load("execution")["begin_deliveries"]
+RELEASE = load("execution")["release_guards"]
 #: what the worker's store pool sets on its sessions (workers/shards.py)
 STORE_SESSION = {"plan_cache_mode": "force_generic_plan"}
 
@@ -91,3 +92,36 @@ async def test_the_begin_function_keeps_one_plan_per_session_itself(migrated_dsn
         await conn.close()
     assert "plan_cache_mode=force_generic_plan" in config
     assert "search_path=pg_catalog, pg_temp" in config
+
+
+async def test_the_release_of_guards_keeps_its_plan_and_releases_what_it_holds(
+    migrated_dsn: str,
+) -> None:
+    """duetime.worker_release (released guards ride along with nearly every begin read)
+    is PL/pgSQL since migration 0032: its statement is planned once per session, where
+    as a SQL function with SET clauses it was parsed and planned at every call (0.1 ms).
+    It still releases the guards this session holds, counts them, and says nothing to
+    the client about a guard it does not hold."""
+    conn = await db.connect(migrated_dsn, server_settings=STORE_SESSION)
+    notices: list[object] = []
+    conn.add_log_listener(lambda _conn, message: notices.append(message))
+    held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+    try:
+        ids, dues, epoch = await _dispatched(conn, 3)
+        started = await conn.fetch(BEGIN, ids, dues, [1, 1, 1], [epoch] * 3, [], [], [])
+        assert [r["started"] for r in started] == [True, True, True]
+        assert await conn.fetchval(held) == 3
+        assert await conn.fetchval(RELEASE, ids, [1, 1, 1], [epoch] * 3) == 3
+        assert await conn.fetchval(held) == 0
+        assert await conn.fetchval(RELEASE, ids, [1, 1, 1], [epoch] * 3) == 0
+        assert notices == []
+        language, config = await conn.fetchrow(
+            "SELECT l.lanname, p.proconfig FROM pg_proc p"
+            " JOIN pg_language l ON l.oid = p.prolang"
+            " WHERE p.oid = 'duetime.worker_release(bigint[], integer[], bigint[])'::regprocedure"
+        )
+    finally:
+        await conn.close()
+    assert language == "plpgsql"
+    assert "plan_cache_mode=force_generic_plan" in config
+    assert "client_min_messages=error" in config
