@@ -16,7 +16,7 @@
    killed replica as a standby.
 6. When every job finished (or ``--duration`` + ``--grace`` passed), judge from the
    effects table (``summary.judge``), stop every child (SIGTERM, then SIGKILL), delete
-   the run's RabbitMQ queue, print the summary. Exit 0 only when nothing was lost and
+   the run's RabbitMQ queues, print the summary. Exit 0 only when nothing was lost and
    nothing was applied twice.
 
 Ctrl-C or SIGTERM at any point stops the children the same way and exits 130.
@@ -523,13 +523,19 @@ class Demo:
         )
 
     async def _delete_queue(self) -> None:
-        """Best effort: the run's queue is of no use to anyone after the run."""
+        """Best effort: the run's broker queues, the job queue and the staged queue its
+        workers declared (DESIGN §14), are of no use to anyone after the run; left
+        behind, every run would add one to the broker."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(10):
                 conn = await broker.connect(self.settings.amqp_url, timeout=5, name="duetime-demo")
                 try:
                     channel = await conn.channel()
-                    await channel.queue_delete(broker.queue_name(self.queue))
+                    for name in (
+                        broker.queue_name(self.queue),
+                        broker.staged_queue_name(self.queue),
+                    ):
+                        await channel.queue_delete(name)
                 finally:
                     await conn.close()
 

@@ -20,8 +20,9 @@ from scheduler.log import configure_logging
 
 EPILOG = """\
 each run is isolated: its own etcd prefix (duetime-demo/<run id>) and queue
-(demo-<run id>, deleted at the end); the demo database is DROPPED and re-created at
-start (its name must contain 'demo') and kept afterwards for inspection.
+(demo-<run id>; its broker queues are deleted at the end); the demo database is
+DROPPED and re-created at start (its name must contain 'demo') and kept afterwards
+for inspection.
 
 exit codes:
   0    every job ran exactly once (0 lost, 0 duplicates)

@@ -2,7 +2,8 @@
 (2 replicas, 2 workers, the dashboard) against the test services, 500 jobs over 10 s,
 the leader SIGKILLed half way. The demo must exit 0, report 0 lost and 0 duplicates, show a
 failover, and leave no process behind — checked from outside, by looking for any
-process whose environment names the demo's (unique) database.
+process whose environment names the demo's (unique) database — and no broker queue:
+neither its job queue nor the staged queue its workers declared.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import signal
 import urllib.request
 from pathlib import Path
 
+import aio_pika
 import pytest
 
+from scheduler import broker
 from tests.conftest import drop_database
 from tests.support.procs import ChildProcess, duetime_argv
 from tests.support.wait import wait_for
@@ -33,6 +36,30 @@ def http_ok(url: str) -> bool:
             return bool(response.status == 200)
     except OSError:
         return False
+
+
+async def broker_queues_left(amqp_url: str, queue: str) -> list[str]:
+    """Which of the broker queues of job queue ``queue`` (its own and its staged one)
+    exist."""
+    left = []
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        for name in (broker.queue_name(queue), broker.staged_queue_name(queue)):
+            channel = await connection.channel()
+            try:
+                await channel.declare_queue(name, passive=True)
+            except aio_pika.exceptions.ChannelNotFoundEntity:
+                continue
+            left.append(name)
+    return left
+
+
+async def delete_broker_queues(amqp_url: str, queue: str) -> None:
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        for name in (broker.queue_name(queue), broker.staged_queue_name(queue)):
+            await channel.queue_delete(name)
 
 
 def processes_mentioning(marker: str) -> list[int]:
@@ -103,8 +130,12 @@ async def test_demo_runs_to_completion_with_nothing_lost(
         assert not await asyncio.to_thread(http_ok, url.group(1) + "healthz")  # stopped
         assert summary["needed_sigkill"] == [], summary
         assert processes_mentioning(database) == [], "demo left child processes running"
+        queue = summary["queue"]
+        assert await broker_queues_left(amqp_url, queue) == [], "demo left broker queues"
     finally:
         demo.kill()
         for pid in processes_mentioning(database):  # never leak, even when failing
             os.kill(pid, signal.SIGKILL)
+        if summary_path.exists():
+            await delete_broker_queues(amqp_url, json.loads(summary_path.read_text())["queue"])
         await drop_database(server_dsn, database)
