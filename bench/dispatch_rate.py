@@ -308,7 +308,7 @@ async def main() -> None:
         connection = await aio_pika.connect(args.amqp, timeout=10)
         async with connection:
             channel = await connection.channel()
-            for name in (broker.queue_name(queue), broker.staged_queue_name(queue)):
+            for name in broker.job_queue_names(queue):
                 await channel.queue_delete(name)
     print(json.dumps(out, indent=2))
 

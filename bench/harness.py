@@ -155,7 +155,7 @@ class Sandbox:
             return
         async with connection:
             channel = await connection.channel()
-            for name in (broker.queue_name(self.queue), broker.staged_queue_name(self.queue)):
+            for name in broker.job_queue_names(self.queue):
                 await channel.queue_delete(name)
 
     @property

@@ -285,12 +285,12 @@ async def recurring(url: str, args: argparse.Namespace) -> dict[str, Any]:
 async def _delete_queue(amqp_url: str, queue: str) -> None:
     import aio_pika
 
-    from scheduler.broker import queue_name, staged_queue_name
+    from scheduler.broker import job_queue_names
 
     connection = await aio_pika.connect(amqp_url, timeout=10)
     try:
         channel = await connection.channel()
-        for name in (queue_name(queue), staged_queue_name(queue)):
+        for name in job_queue_names(queue):
             await channel.queue_delete(name)
     finally:
         await connection.close()

@@ -368,7 +368,7 @@ async def delete_queue(url: str, queue: str) -> None:
         connection = await aio_pika.connect(url, timeout=10)
         async with connection:
             channel = await connection.channel()
-            for name in (broker.queue_name(queue), broker.staged_queue_name(queue)):
+            for name in broker.job_queue_names(queue):
                 await channel.queue_delete(name)
 
 

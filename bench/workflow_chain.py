@@ -29,7 +29,7 @@ import aio_pika
 
 from bench.harness import scratch_database
 from scheduler import db
-from scheduler.broker import queue_name, staged_queue_name
+from scheduler.broker import job_queue_names
 from scheduler.config import load_settings
 from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
@@ -84,7 +84,7 @@ async def run(dsn: str, amqp: str, chains: int) -> dict[str, Any]:
                 await asyncio.sleep(0.2)
                 async with await aio_pika.connect(amqp) as conn:
                     ch = await conn.channel()
-                    for name in (queue_name(queue), staged_queue_name(queue)):
+                    for name in job_queue_names(queue):
                         await ch.queue_delete(name)
         finally:
             await pool.close()

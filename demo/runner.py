@@ -531,10 +531,7 @@ class Demo:
                 conn = await broker.connect(self.settings.amqp_url, timeout=5, name="duetime-demo")
                 try:
                     channel = await conn.channel()
-                    for name in (
-                        broker.queue_name(self.queue),
-                        broker.staged_queue_name(self.queue),
-                    ):
+                    for name in broker.job_queue_names(self.queue):
                         await channel.queue_delete(name)
                 finally:
                     await conn.close()

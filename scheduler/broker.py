@@ -99,6 +99,12 @@ def staged_queue_name(queue: str) -> str:
     return queue_name(queue) + STAGED_SUFFIX
 
 
+def job_queue_names(queue: str) -> tuple[str, str]:
+    """Every broker queue of a job queue: its own and its staged twin. What to delete
+    when the job queue goes (a worker declares both when it starts)."""
+    return queue_name(queue), staged_queue_name(queue)
+
+
 def job_queue_arguments(delivery_limit: int) -> dict[str, Any]:
     return {
         "x-queue-type": "quorum",

@@ -21,6 +21,7 @@ import pytest
 
 from scheduler import broker
 from tests.conftest import drop_database
+from tests.support.helpers import delete_job_queue
 from tests.support.procs import ChildProcess, duetime_argv
 from tests.support.wait import wait_for
 
@@ -44,7 +45,7 @@ async def broker_queues_left(amqp_url: str, queue: str) -> list[str]:
     left = []
     connection = await aio_pika.connect(amqp_url, timeout=10)
     async with connection:
-        for name in (broker.queue_name(queue), broker.staged_queue_name(queue)):
+        for name in broker.job_queue_names(queue):
             channel = await connection.channel()
             try:
                 await channel.declare_queue(name, passive=True)
@@ -52,14 +53,6 @@ async def broker_queues_left(amqp_url: str, queue: str) -> list[str]:
                 continue
             left.append(name)
     return left
-
-
-async def delete_broker_queues(amqp_url: str, queue: str) -> None:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        for name in (broker.queue_name(queue), broker.staged_queue_name(queue)):
-            await channel.queue_delete(name)
 
 
 def processes_mentioning(marker: str) -> list[int]:
@@ -137,5 +130,7 @@ async def test_demo_runs_to_completion_with_nothing_lost(
         for pid in processes_mentioning(database):  # never leak, even when failing
             os.kill(pid, signal.SIGKILL)
         if summary_path.exists():
-            await delete_broker_queues(amqp_url, json.loads(summary_path.read_text())["queue"])
+            async with await aio_pika.connect(amqp_url, timeout=10) as connection:
+                queue = json.loads(summary_path.read_text())["queue"]
+                await delete_job_queue(await connection.channel(), queue)
         await drop_database(server_dsn, database)

@@ -60,7 +60,7 @@ async def queue(unique: str, amqp_url: str, pool: asyncpg.Pool) -> AsyncIterator
     yield name
     connection = await aio_pika.connect(amqp_url, timeout=10)
     async with connection:
-        for broker_name in (broker.queue_name(name), broker.staged_queue_name(name)):
+        for broker_name in broker.job_queue_names(name):
             channel = await connection.channel()
             with contextlib.suppress(Exception):
                 await channel.queue_delete(broker_name)

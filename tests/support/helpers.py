@@ -11,7 +11,7 @@ from datetime import datetime
 import asyncpg
 from aio_pika.abc import AbstractChannel
 
-from scheduler.broker import queue_name, staged_queue_name
+from scheduler.broker import job_queue_names
 from scheduler.config import Settings
 from scheduler.publisher import Publisher
 from workers import Registry, Worker
@@ -84,5 +84,5 @@ async def running_worker(
 async def delete_job_queue(channel: AbstractChannel, queue: str) -> None:
     """Delete a job queue's broker queues: ``duetime.<queue>`` and its staged twin
     (DESIGN §14), which a worker declares when it starts. Either may be missing."""
-    for name in (queue_name(queue), staged_queue_name(queue)):
+    for name in job_queue_names(queue):
         await channel.queue_delete(name)

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from scheduler.broker import staged_queue_name
+from scheduler.broker import job_queue_names, staged_queue_name
 from scheduler.clock import ManualClock
 from scheduler.config import load_settings
 from scheduler.errors import ConfigError
@@ -122,3 +122,5 @@ def test_stage_settings_are_bounded_with_a_clear_error() -> None:
 
 def test_a_staged_queue_cannot_be_a_job_queue() -> None:
     assert staged_queue_name("emails") == "duetime.emails:staged"
+    # what deleting the job queue deletes (the demo, the benches, the tests)
+    assert job_queue_names("emails") == ("duetime.emails", "duetime.emails:staged")
