@@ -4,7 +4,8 @@
 ``Pooled`` is a store's pool with the longest wait for one of its connections (a full
 pool raises ``TimeoutError`` instead of queueing forever; callers pass
 ``Settings.db_timeout``), and ``conn()``, which lets a method join the caller's
-transaction when it is given a connection and borrow one otherwise. ``PooledStore`` is
+transaction when it is given a connection and borrow one otherwise. ``local_setting`` scopes a
+planner setting to a few statements of the caller's transaction. ``PooledStore`` is
 the constructor of the stores that borrow from a pool (it builds their ``Pooled`` as
 ``self._db``): the only thing they share, so the only thing they inherit.
 Connections themselves (codecs, timeouts, session settings) are made by ``scheduler.db``.
@@ -32,6 +33,18 @@ def checked_acquire_timeout(seconds: float) -> float:
     if not seconds > 0:
         raise ValueError(f"acquire_timeout must be > 0 (got {seconds!r})")
     return seconds
+
+
+@asynccontextmanager
+async def local_setting(conn: Conn, setting: str, default: str) -> AsyncIterator[None]:
+    """The statements inside run under ``setting`` (a ``SET LOCAL`` of the caller's
+    transaction), the ones after under the session's choice again (``default``, its
+    ``SET LOCAL ... TO DEFAULT``). When a statement inside raises, the setting holds for
+    the rest of the transaction, as SET LOCAL does: an error of the server aborts it
+    anyway, and a caller that goes on after a client-side error sets it again."""
+    await conn.execute(setting)
+    yield
+    await conn.execute(default)
 
 
 class Pooled:

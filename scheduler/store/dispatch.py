@@ -15,10 +15,10 @@ rest.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import TypeVar
 
@@ -27,7 +27,7 @@ import asyncpg
 from scheduler.jobspec import validate_queue
 from scheduler.log import get_logger
 from scheduler.sql import compose, fragment, load
-from scheduler.store.conn import Conn, PooledStore
+from scheduler.store.conn import Conn, PooledStore, local_setting
 from scheduler.store.rows import (
     UNREADABLE,
     ClaimedJob,
@@ -126,14 +126,10 @@ log = get_logger(__name__)
 NOTIFY_CHANNEL = "duetime_jobs"
 
 
-@contextlib.asynccontextmanager
-async def _ordered(conn: Conn) -> AsyncIterator[None]:
+def _ordered(conn: Conn) -> AbstractAsyncContextManager[None]:
     """Within the claim transaction, plan the claim as ordered index scans (why:
-    ``ordered_claim`` in dispatch.sql); the session's choice again after it. After an
-    error the transaction is aborted anyway and the setting ends with it (SET LOCAL)."""
-    await conn.execute(Q["ordered_claim"])
-    yield
-    await conn.execute(Q["default_sort"])
+    ``ordered_claim`` in dispatch.sql); the session's choice again after it."""
+    return local_setting(conn, Q["ordered_claim"], Q["default_sort"])
 
 
 async def _one_by_one(

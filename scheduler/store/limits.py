@@ -12,8 +12,8 @@ leak a slot nor reset a rate's budget.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 from scheduler.errors import InvalidInput
 from scheduler.jobspec import RATE_PERIODS, parse_limit_target, parse_rate
 from scheduler.sql import load
-from scheduler.store.conn import Conn, PooledStore
+from scheduler.store.conn import Conn, PooledStore, local_setting
 from scheduler.store.rows import ClaimedJob
 
 Q = load("limits")
@@ -204,15 +204,11 @@ class LimitStore(PooledStore):
             records = await conn.fetch(Q["all"])
         return [_limit(r) for r in records]
 
-    @contextlib.asynccontextmanager
-    async def generic_plans(self, conn: Conn) -> AsyncIterator[None]:
+    def generic_plans(self, conn: Conn) -> AbstractAsyncContextManager[None]:
         """Within the caller's transaction, run the statements inside on their generic
         plans (why: ``generic_plans`` in limits.sql); the session's plan choice again
-        after them. After an error the transaction is aborted anyway and the setting
-        ends with it (SET LOCAL)."""
-        await conn.execute(Q["generic_plans"])
-        yield
-        await conn.execute(Q["default_plans"])
+        after them."""
+        return local_setting(conn, Q["generic_plans"], Q["default_plans"])
 
     async def counts(self, conn: Conn, limits: Sequence[Limit]) -> list[Running]:
         """Dispatched jobs of the targets of ``limits``, inside the caller's fenced
