@@ -42,6 +42,8 @@ from tests.support.pg import PG_BIN, _run_as_user, run_pg_command, tail
 __all__ = ["PgNode", "PgPair"]
 
 _START_TIMEOUT = 30
+#: first starts tried on a new free port when the one picked was taken meanwhile
+_PORT_ATTEMPTS = 3
 STANDBY_NAME = "pg2"
 HBA = """\
 # private test pair: trust on loopback and the Unix socket, replication included
@@ -63,6 +65,7 @@ class PgNode:
         self.user = user
         self.options: list[str] = []
         self._created = False
+        self._started = False
 
     # -- addresses --------------------------------------------------------------------
 
@@ -115,7 +118,24 @@ class PgNode:
         return tail(self._log_path, lines)
 
     def start(self) -> None:
-        """pg_ctl start; returns once the server accepts connections."""
+        """pg_ctl start; returns once the server accepts connections. The port is picked
+        when the node is made and bound seconds later (after the primary's base
+        backup), and a client connection may be given it as its ephemeral port
+        meanwhile: a first start that finds it taken tries another free port. A restart
+        keeps its port, which the DSNs handed out already name."""
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                self._pg_ctl_start()
+            except RuntimeError:
+                taken = "Address already in use" in self.log(5)
+                if self._started or not taken or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+                self.port = free_port()
+                continue
+            self._started = True
+            return
+
+    def _pg_ctl_start(self) -> None:
         options = [
             f"-p {self.port}",
             f"-k {self.dir}",
