@@ -31,6 +31,8 @@ __all__ = ["PG_BIN", "PrivatePostgres"]
 
 PG_BIN = Path(os.environ.get("DUETIME_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 _START_TIMEOUT = 30
+#: Starts tried, each on a new free port, when the picked one was taken meanwhile.
+PORT_ATTEMPTS = 3
 
 
 def _run_as_user() -> str | None:
@@ -57,6 +59,11 @@ def run_pg_command(
             f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}\n{log()}"
         )
     return proc
+
+
+def port_taken(log: str) -> bool:
+    """Whether a failed start's log says its port was bound by someone else."""
+    return "Address already in use" in log
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -111,7 +118,10 @@ class PrivatePostgres:
         return run_pg_command(argv, user=self.user, timeout=timeout, log=self.log)
 
     def start(self) -> PrivatePostgres:
-        """initdb, install files and pg_hba.conf, start; returns once it accepts."""
+        """initdb, install files and pg_hba.conf, start; returns once it accepts. The
+        port is picked when the cluster is made and bound after initdb, and a client
+        connection may be given it as its ephemeral port meanwhile: a start that finds
+        it taken tries another free port."""
         if self.user is not None:
             shutil.chown(self.base_dir, self.user)
         self._cmd(
@@ -130,6 +140,19 @@ class PrivatePostgres:
             hba.write_text(self._hba)
             if self.user is not None:
                 shutil.chown(hba, self.user)
+        self._started = True  # from here on, stop() must run even if start fails
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                self._pg_ctl_start()
+            except RuntimeError:
+                if not port_taken(self.log(5)) or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                self.port = free_port()
+                continue
+            return self
+        raise AssertionError("unreachable")
+
+    def _pg_ctl_start(self) -> None:
         options = [
             f"-p {self.port}",
             f"-k {self.socket_dir}",
@@ -137,13 +160,11 @@ class PrivatePostgres:
             "-c fsync=off",
             *(f"-c {k}={v.format(dir=self.base_dir)}" for k, v in self._settings.items()),
         ]
-        self._started = True  # from here on, stop() must run even if start fails
         self._cmd(
             [str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self._log_path),
              "-o", " ".join(options), "-w", "-t", str(_START_TIMEOUT), "start"],
             timeout=_START_TIMEOUT + 10,
         )  # fmt: skip
-        return self
 
     @property
     def _log_path(self) -> Path:

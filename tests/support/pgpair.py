@@ -37,13 +37,12 @@ from types import TracebackType
 import asyncpg
 
 from tests.support.etcd import free_port
-from tests.support.pg import PG_BIN, _run_as_user, run_pg_command, tail
+from tests.support.pg import PG_BIN, PORT_ATTEMPTS, _run_as_user, port_taken, run_pg_command, tail
 
 __all__ = ["PgNode", "PgPair"]
 
 _START_TIMEOUT = 30
 #: first starts tried on a new free port when the one picked was taken meanwhile
-_PORT_ATTEMPTS = 3
 STANDBY_NAME = "pg2"
 HBA = """\
 # private test pair: trust on loopback and the Unix socket, replication included
@@ -123,12 +122,12 @@ class PgNode:
         backup), and a client connection may be given it as its ephemeral port
         meanwhile: a first start that finds it taken tries another free port. A restart
         keeps its port, which the DSNs handed out already name."""
-        for attempt in range(_PORT_ATTEMPTS):
+        for attempt in range(PORT_ATTEMPTS):
             try:
                 self._pg_ctl_start()
             except RuntimeError:
-                taken = "Address already in use" in self.log(5)
-                if self._started or not taken or attempt == _PORT_ATTEMPTS - 1:
+                taken = port_taken(self.log(5))
+                if self._started or not taken or attempt == PORT_ATTEMPTS - 1:
                     raise
                 self.port = free_port()
                 continue
