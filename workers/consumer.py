@@ -68,6 +68,7 @@ from scheduler.metrics import (
     STAGED_DUE_WAITING,
     STAGED_RELEASED,
 )
+from workers.acks import AckCoalescer, Settlement
 from workers.errors import AttemptRunningElsewhere, DatabaseUnavailable
 from workers.executor import RUNNING_ELSEWHERE_REQUEUE, Executor
 from workers.outage import Outage
@@ -257,7 +258,7 @@ class Consumer:
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         if self.stopping:  # arrived between our cancel and the broker's CancelOk
-            await _Settlement(message, self._acks)("nack", requeue=True)
+            await Settlement(message, self._acks)("nack", requeue=True)
             return
         self._acks.received(message)
         self._run(message, self._handle(message, None))
@@ -285,7 +286,7 @@ class Consumer:
         try:
             await self._staged_room.acquire()
         except asyncio.CancelledError:
-            await _Settlement(message, self._acks)("nack", requeue=True)
+            await Settlement(message, self._acks)("nack", requeue=True)
             if timed:
                 STAGED_RELEASED.labels("requeued").inc()
             raise
@@ -302,7 +303,7 @@ class Consumer:
         """A staged delivery: held until its run time (``workers.staging``), or run now
         when that time has passed (a redelivery after a worker died, a late consume)."""
         if self.stopping:
-            await _Settlement(message, self._acks)("nack", requeue=True)
+            await Settlement(message, self._acks)("nack", requeue=True)
             return
         self._acks.received(message)
         try:
@@ -325,7 +326,7 @@ class Consumer:
         another worker to start on time."""
         held = await self._staged.close()
         for message, _ in held:
-            await _Settlement(message, self._acks)("nack", requeue=True)
+            await Settlement(message, self._acks)("nack", requeue=True)
         if held:
             STAGED_RELEASED.labels("requeued").inc(len(held))
             log.info("staged_given_back", count=len(held))
@@ -356,7 +357,7 @@ class Consumer:
         HANDLERS_RUNNING.inc(change)
 
     async def _handle(self, message: AbstractIncomingMessage, msg: JobMessage | None) -> None:
-        settle = _Settlement(message, self._acks)
+        settle = Settlement(message, self._acks)
         job: dict[str, Any] = {}  # job_id/attempt/task for log lines, once decoded
         committed = False
         try:
@@ -398,7 +399,7 @@ class Consumer:
             await self._requeue_later(settle, exc, job)
 
     async def _unknown_shard(
-        self, settle: _Settlement, exc: UnknownShard, job: dict[str, Any]
+        self, settle: Settlement, exc: UnknownShard, job: dict[str, Any]
     ) -> None:
         """Requeue at once for another worker, or dead-letter after
         ``UNKNOWN_SHARD_DELIVERIES`` deliveries (module docstring)."""
@@ -435,7 +436,7 @@ class Consumer:
 
     async def _requeue_later(
         self,
-        settle: _Settlement,
+        settle: Settlement,
         exc: BaseException,
         job: dict[str, Any],
         *,
@@ -470,139 +471,6 @@ class Consumer:
         )
 
 
-class AckCoalescer:
-    """Sends the acks that become due in one event-loop turn as few frames as possible.
-
-    ``received`` records each delivery's tag on its channel; ``ack`` queues one and
-    returns once its frame was written. The flush, per channel: the lowest tag still
-    unsettled is the barrier; every queued tag below it is covered by one
-    ``basic.ack(multiple=True)`` on the highest of them, the rest are acked one by one.
-    Nacks and rejects are never coalesced (``done`` removes their tag). Tags belong to a
-    channel: after a reconnect old deliveries' acks fail and are only logged (the broker
-    redelivers them, the executor finds them settled).
-    """
-
-    def __init__(self) -> None:
-        self._unsettled: dict[int, set[int]] = {}  # channel key -> delivery tags
-        self._channel_of: dict[int, int] = {}  # id(message) -> its channel key
-        self._queued: list[tuple[AbstractIncomingMessage, asyncio.Future[None]]] = []
-        self._flushing = False
-        # one flush at a time: a multiple-ack computed by one flush must reach the broker
-        # before the next flush computes (else a later frame could cover a tag first and
-        # the broker would close the channel on the now unknown tag)
-        self._send_lock = asyncio.Lock()
-        self._flushes: set[asyncio.Task[None]] = set()
-        self.frames = 0  # ack frames sent (tests, benchmarks)
-
-    def received(self, message: AbstractIncomingMessage) -> None:
-        # the channel is read now: aio-pika raises on ``message.channel`` once it closed
-        if message.delivery_tag is None:
-            return
-        try:
-            key = id(message.channel)
-        except Exception:
-            return
-        self._channel_of[id(message)] = key
-        self._unsettled.setdefault(key, set()).add(message.delivery_tag)
-
-    def done(self, message: AbstractIncomingMessage) -> None:
-        key = self._channel_of.pop(id(message), None)
-        tags = self._unsettled.get(key) if key is not None else None
-        if tags is not None:
-            tags.discard(message.delivery_tag or 0)
-            if not tags:
-                del self._unsettled[key]  # type: ignore[arg-type]
-
-    async def ack(self, message: AbstractIncomingMessage) -> None:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queued.append((message, future))
-        if not self._flushing:
-            self._flushing = True
-            asyncio.get_running_loop().call_soon(self._start_flush)
-        await future
-
-    def _start_flush(self) -> None:
-        task = asyncio.create_task(self._flush(), name="acks:flush")
-        self._flushes.add(task)
-        task.add_done_callback(self._flush_done)
-
-    def _flush_done(self, task: asyncio.Task[None]) -> None:
-        self._flushes.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a send failure is logged by _send already
-
-    async def _flush(self) -> None:
-        async with self._send_lock:
-            await self._flush_queued()
-
-    async def close(self, timeout: float) -> None:
-        """Send every ack already queued, before the channels close: a delivery task
-        cancelled while its ack waited in the queue (a stop cancels those not running)
-        leaves the frame to a flush, and a channel closed under that flush would drop
-        it, so the broker would redeliver a settled job. Bounded by ``timeout`` (an
-        unreachable broker); what is not sent by then is redelivered, as after a crash."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._flush()  # after the flush in progress (the send lock): the rest
-        except TimeoutError:
-            log.warning("acks_unsent_at_close", queued=len(self._queued), timeout=timeout)
-        finally:  # flushes still scheduled have nothing left to send
-            tasks = list(self._flushes)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _flush_queued(self) -> None:
-        queued, self._queued = self._queued, []
-        self._flushing = False
-        try:
-            by_channel: dict[int | None, list[tuple[AbstractIncomingMessage, Any]]] = {}
-            for message, future in queued:
-                key = self._channel_of.get(id(message))
-                by_channel.setdefault(key, []).append((message, future))
-            for key, items in by_channel.items():
-                items.sort(key=lambda item: item[0].delivery_tag or 0)
-                acking = {m.delivery_tag for m, _ in items}
-                others = self._unsettled.get(key, set()) - acking if key is not None else {0}
-                barrier = min(others) if others else None
-                below = [i for i in items if barrier is None or (i[0].delivery_tag or 0) < barrier]
-                above = items[len(below) :]
-                for message, _ in items:
-                    self.done(message)
-                if len(below) > 1:
-                    await self._send(below[-1][0], below, multiple=True)
-                    below = []
-                for item in below + above:
-                    await self._send(item[0], [item], multiple=False)
-        finally:  # whatever happened, nobody waits forever for an ack
-            for _, future in queued:
-                if not future.done():
-                    future.set_result(None)
-
-    async def _send(
-        self,
-        message: AbstractIncomingMessage,
-        covered: list[tuple[AbstractIncomingMessage, asyncio.Future[None]]],
-        *,
-        multiple: bool,
-    ) -> None:
-        self.frames += 1
-        try:
-            await message.ack(multiple=multiple)
-        except Exception as exc:
-            log.warning(
-                "settle_failed",
-                action="ack",
-                message_id=message.message_id,
-                covered=len(covered),
-                error=repr(exc),
-            )
-        finally:
-            for _, future in covered:
-                if not future.done():
-                    future.set_result(None)
-
-
 def _delivery_count(message: AbstractIncomingMessage) -> int:
     """Earlier deliveries of this message: the quorum queue's ``x-delivery-count``; a
     queue that does not count gives only the ``redelivered`` flag (0 or 1)."""
@@ -619,40 +487,3 @@ def _delivery(message: AbstractIncomingMessage) -> dict[str, Any]:
         "queue": message.routing_key,
         "redelivered": message.redelivered,
     }
-
-
-class _Settlement:
-    """Settles one delivery (ack, nack or reject) exactly once.
-
-    Marked done *before* the frame is sent: a cancellation that lands while aio-pika
-    waits for the write to drain must not make us send a second, conflicting frame for
-    the same delivery tag (RabbitMQ closes the channel on that). A failure to send
-    (channel gone after a broker reconnect) is logged, not raised: the broker redelivers
-    and the ledger recognises the delivery as settled.
-    """
-
-    __slots__ = ("acks", "done", "message")
-
-    def __init__(self, message: AbstractIncomingMessage, acks: AckCoalescer) -> None:
-        self.message = message
-        self.acks = acks
-        self.done = False
-
-    async def __call__(self, action: str, **kwargs: Any) -> None:
-        if self.done or self.message.processed:
-            return
-        self.done = True
-        if action == "ack":
-            await self.acks.ack(self.message)
-            return
-        try:
-            await getattr(self.message, action)(**kwargs)
-        except Exception as exc:
-            log.warning(
-                "settle_failed",
-                action=action,
-                message_id=self.message.message_id,
-                error=repr(exc),
-            )
-        finally:  # only now: until the frame is out, no multiple-ack may cover this tag
-            self.acks.done(self.message)

@@ -13,7 +13,7 @@ import asyncio
 import aio_pika
 import pytest
 
-from workers.consumer import AckCoalescer
+from workers.acks import AckCoalescer
 
 pytestmark = pytest.mark.timeout(60)
 
