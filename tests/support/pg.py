@@ -61,9 +61,20 @@ def run_pg_command(
     return proc
 
 
-def port_taken(log: str) -> bool:
-    """Whether a failed start's log says its port was bound by someone else."""
-    return "Address already in use" in log
+def start_on_a_free_port(
+    start: Callable[[], None], log: Callable[[int], str], repick: Callable[[], None]
+) -> None:
+    """``start`` a cluster on the port it was given, or, when that port was bound by
+    someone else meanwhile (its log says so), ``repick`` a free one and start again, up
+    to ``PORT_ATTEMPTS`` times. Any other failure raises at once."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            start()
+            return
+        except RuntimeError:
+            if "Address already in use" not in log(5) or attempt == PORT_ATTEMPTS - 1:
+                raise
+            repick()
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -141,16 +152,11 @@ class PrivatePostgres:
             if self.user is not None:
                 shutil.chown(hba, self.user)
         self._started = True  # from here on, stop() must run even if start fails
-        for attempt in range(PORT_ATTEMPTS):
-            try:
-                self._pg_ctl_start()
-            except RuntimeError:
-                if not port_taken(self.log(5)) or attempt == PORT_ATTEMPTS - 1:
-                    raise
-                self.port = free_port()
-                continue
-            return self
-        raise AssertionError("unreachable")
+        start_on_a_free_port(self._pg_ctl_start, self.log, self._repick_port)
+        return self
+
+    def _repick_port(self) -> None:
+        self.port = free_port()
 
     def _pg_ctl_start(self) -> None:
         options = [

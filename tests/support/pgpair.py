@@ -37,7 +37,7 @@ from types import TracebackType
 import asyncpg
 
 from tests.support.etcd import free_port
-from tests.support.pg import PG_BIN, PORT_ATTEMPTS, _run_as_user, port_taken, run_pg_command, tail
+from tests.support.pg import PG_BIN, _run_as_user, run_pg_command, start_on_a_free_port, tail
 
 __all__ = ["PgNode", "PgPair"]
 
@@ -122,17 +122,14 @@ class PgNode:
         backup), and a client connection may be given it as its ephemeral port
         meanwhile: a first start that finds it taken tries another free port. A restart
         keeps its port, which the DSNs handed out already name."""
-        for attempt in range(PORT_ATTEMPTS):
-            try:
-                self._pg_ctl_start()
-            except RuntimeError:
-                taken = port_taken(self.log(5))
-                if self._started or not taken or attempt == PORT_ATTEMPTS - 1:
-                    raise
-                self.port = free_port()
-                continue
-            self._started = True
-            return
+        if self._started:
+            self._pg_ctl_start()
+        else:
+            start_on_a_free_port(self._pg_ctl_start, self.log, self._repick_port)
+        self._started = True
+
+    def _repick_port(self) -> None:
+        self.port = free_port()
 
     def _pg_ctl_start(self) -> None:
         options = [
