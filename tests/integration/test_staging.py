@@ -29,6 +29,7 @@ from scheduler.duties.base import LeaderTerm
 from scheduler.duties.context import DutyContext
 from scheduler.duties.dispatcher import Dispatcher, DispatcherConfig
 from scheduler.store.dispatch import DispatchStore
+from scheduler.store.execution_guard import AttemptGuard
 from scheduler.store.fence import FenceStore
 from scheduler.store.jobs import JobStore
 from scheduler.store.limits import LimitStore
@@ -415,11 +416,12 @@ async def test_staged_jobs_due_at_once_are_begun_no_more_than_prefetch_at_a_time
         starts.at.setdefault(ctx.job_id, []).append(time.time())
         await asyncio.sleep(0.01)
 
-    peak_locks = peak_waiting = 0
+    peak_locks = peak_waiting = peak_held = 0
 
-    async def watch() -> None:
-        nonlocal peak_locks, peak_waiting
+    async def watch(guard: AttemptGuard) -> None:
+        nonlocal peak_locks, peak_waiting, peak_held
         while True:
+            peak_held = max(peak_held, guard.held)
             locks = await pool.fetchval(
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
                 "(SELECT oid FROM pg_database WHERE datname = current_database())"
@@ -433,7 +435,9 @@ async def test_staged_jobs_due_at_once_are_begun_no_more_than_prefetch_at_a_time
         dispatching(settings, pool),
         working(settings, queue, starts, name="room", concurrency=2) as worker,
     ):
-        watcher = asyncio.create_task(watch())
+        executor = worker.executor
+        assert executor is not None
+        watcher = asyncio.create_task(watch(executor._store.guard))
         try:
             due = await pool.fetchval("SELECT now() + make_interval(secs => $1::float8)", AHEAD)
             await pool.execute(
@@ -452,8 +456,11 @@ async def test_staged_jobs_due_at_once_are_begun_no_more_than_prefetch_at_a_time
                 await watcher
     assert sorted(len(v) for v in starts.at.values()) == [1] * 240
     assert min(t for v in starts.at.values() for t in v) >= due.timestamp() - 0.002
-    # at most the room (20) begun, plus the guards of settled attempts whose release
-    # rides on the next begin read or waits its 50 ms (2 handlers: a few)
-    assert peak_locks <= 30, peak_locks
+    # the guards held by the worker: at most the room (20), begun, running or settling
+    assert 2 <= peak_held <= 20, peak_held
+    # in PostgreSQL, also the settled attempts' guards whose batched release rides on the
+    # next begin read or goes after RELEASE_DELAY: what 2 handlers of 10 ms settle in
+    # that window (a few; more when a busy machine delays the event loop), far from 240
+    assert peak_locks <= 2 * 20, peak_locks
     assert peak_waiting >= 100, peak_waiting  # the rest waited, holding nothing
     assert (REGISTRY.get_sample_value("duetime_staged_due_waiting") or 0.0) == 0
