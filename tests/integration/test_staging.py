@@ -240,8 +240,8 @@ async def test_a_staged_job_moved_later_starts_at_its_new_run_time(
     job is staged again and starts at the new time, once."""
     starts = Starts()
     async with dispatching(staged_settings, pool), working(staged_settings, queue, starts):
-        due = await insert_due(pool, queue, 1, 1.5)
-        await until(lambda: staged_count(pool), 1, 1.4, "the row staged")
+        due = await insert_due(pool, queue, 1, AHEAD)
+        await until(lambda: staged_count(pool), 1, AHEAD - 0.2, "the row staged")
         moved = await pool.fetchval(
             "UPDATE duetime.jobs SET run_at = due_at + interval '2 seconds' RETURNING run_at"
         )
@@ -324,10 +324,12 @@ async def test_a_stopping_worker_gives_staged_jobs_back_and_another_starts_them_
     first, second = Starts(), Starts()
     async with dispatching(staged_settings, pool):
         async with working(staged_settings, queue, first, name="a") as w:
-            due = await insert_due(pool, queue, 30, AHEAD)
+            # a run time twice as far: worker a stops, a second term starts and worker b
+            # starts (connects, declares, consumes) before it, on a busy machine too
+            due = await insert_due(pool, queue, 30, 2 * AHEAD)
             consumer = w.consumer
             assert consumer is not None
-            await until(lambda: consumer.staged, 30, AHEAD - 0.5, "30 held by worker a")
+            await until(lambda: consumer.staged, 30, AHEAD, "30 held by worker a")
     assert await FenceStore(pool).advance(2, "test-node-2")
     leader = Dispatcher(
         DutyContext.standalone(staged_settings, pool),
@@ -338,8 +340,9 @@ async def test_a_stopping_worker_gives_staged_jobs_back_and_another_starts_them_
         async with working(staged_settings, queue, second, name="b") as w:
             consumer = w.consumer
             assert consumer is not None
-            await until(lambda: consumer.staged, 30, AHEAD - 0.5, "30 held by worker b")
-            await until(lambda: status_counts(pool), {"succeeded": 30}, AHEAD + 20)
+            before_due = max(0.0, due.timestamp() - time.time() - 0.2)
+            await until(lambda: consumer.staged, 30, before_due, "30 held by worker b")
+            await until(lambda: status_counts(pool), {"succeeded": 30}, 2 * AHEAD + 20)
     finally:
         await leader.loop.stop()
     assert not first.at
