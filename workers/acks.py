@@ -4,10 +4,9 @@ RabbitMQ's ``basic.ack(multiple=True)`` settles every delivery of a channel up t
 so one frame can ack a whole batch, but only when no unsettled delivery lies below that
 tag: a staged delivery held until its run time, a handler still running, a nack on its
 way. ``DeliveryTags`` keeps each channel's unsettled tags so that the lowest one is found
-in O(log n), whatever is held: a worker holding 20,000 staged deliveries (the default
-``worker_stage_limit``) computed the barrier of every flush by copying and scanning the
-whole set, 0.56 ms per flush (docs/benchmarks.md, "Acks with thousands of deliveries
-held").
+in O(log n), whatever is held: a worker may hold 20,000 staged deliveries (the default
+``worker_stage_limit``), and a flush that scanned them all took 0.74 ms instead of 0.15
+(docs/benchmarks.md, "Acks with thousands of deliveries held").
 """
 
 from __future__ import annotations

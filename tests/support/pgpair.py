@@ -42,7 +42,6 @@ from tests.support.pg import PG_BIN, _run_as_user, run_pg_command, start_on_a_fr
 __all__ = ["PgNode", "PgPair"]
 
 _START_TIMEOUT = 30
-#: first starts tried on a new free port when the one picked was taken meanwhile
 STANDBY_NAME = "pg2"
 HBA = """\
 # private test pair: trust on loopback and the Unix socket, replication included
